@@ -1,0 +1,3 @@
+from mlora.cli.app import main
+
+main()

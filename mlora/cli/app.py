@@ -1,0 +1,145 @@
+"""Typer application behind the ``mlora`` console script.
+
+Conventions (README "CLI"): human output on stdout by default; ``--json``
+makes stdout carry only the result (one JSON object per line); notes and
+progress go to stderr and are off with ``--quiet`` or when stderr is not a
+terminal. Errors print ``Error: ...`` and exit non-zero; tracebacks only with
+``MLORA_DEBUG=1``.
+
+Exit codes: 0 success, 1 invalid input or validation failure, 2 usage error,
+3 runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .. import __version__
+from ..lora_tools import BaseLoadError, inspect_paths
+from . import render
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
+
+app = typer.Typer(
+    name="mlora",
+    help="Run many LoRA adapters over one shared base model.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(soft_wrap=True)
+err = Console(stderr=True)
+
+PathsArg = typer.Argument(..., exists=True, help="Adapter directories, or directories of adapter directories.")
+BaseOpt = typer.Option(None, "--base", exists=True, file_okay=False, help="Base checkpoint directory to check against and bind identities to.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON manifest per adapter on stdout, nothing else.")
+PickleOpt = typer.Option(False, "--allow-pickle", help="Read adapter_model.bin with torch.load(weights_only=True).")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No notes or progress on stderr.")
+WorkersOpt = typer.Option(None, "--workers", min=1, help="Hashing threads (default: all cores).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"mlora {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """mlora: validate, hash, compress, merge and batch-run LoRA adapters."""
+
+
+def _progress(quiet: bool, what: str):
+    return err.status(what) if not quiet and err.is_terminal else nullcontext()
+
+
+def _inspect(paths, base, allow_pickle, workers, quiet):
+    with _progress(quiet, "Reading and hashing adapters..."):
+        try:
+            return inspect_paths([str(p) for p in paths], str(base) if base else None, allow_pickle, workers)
+        except BaseLoadError as exc:
+            err.print(f"Error: {exc.finding.code}: {exc.finding.message}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_INVALID) from None
+
+
+@app.command()
+def validate(
+    paths: List[Path] = PathsArg,
+    base: Optional[Path] = BaseOpt,
+    json_out: bool = JsonOpt,
+    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
+    allow_pickle: bool = PickleOpt,
+    workers: Optional[int] = WorkersOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Check PEFT LoRA adapters: structure, config, values, fit to a base, servability.
+
+    Exit 0 when every adapter is valid and servable (with --strict: and has no
+    warning), 1 otherwise.
+    """
+    reports, base_id = _inspect(paths, base, allow_pickle, workers, quiet)
+    if json_out:
+        for r in reports:
+            sys.stdout.write(json.dumps(r.manifest, sort_keys=True) + "\n")
+    else:
+        render.validation(out, reports, base_id)
+    raise typer.Exit(EXIT_OK if all(r.passes(strict) for r in reports) else EXIT_INVALID)
+
+
+@app.command("hash")
+def hash_(
+    paths: List[Path] = PathsArg,
+    base: Optional[Path] = BaseOpt,
+    json_out: bool = JsonOpt,
+    allow_pickle: bool = PickleOpt,
+    workers: Optional[int] = WorkersOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Print content identities: `artifact_sha256  semantic_sha256  path` per adapter.
+
+    semantic_sha256 binds the base given with --base, or else the base the
+    adapter declares (see docs/identity.md). Exit 1 if any adapter is invalid.
+    """
+    reports, _ = _inspect(paths, base, allow_pickle, workers, quiet)
+    failed = False
+    for r in reports:
+        m = r.manifest
+        if not m["valid"]:
+            failed = True
+            first = next((f for f in r.findings if f.severity == "error"), None)
+            why = f"{first.code}: {first.message}" if first else "invalid"
+            err.print(f"Error: {r.artifact.path}: {why}", markup=False, highlight=False)
+            continue
+        if json_out:
+            sys.stdout.write(json.dumps(m, sort_keys=True) + "\n")
+        else:
+            sys.stdout.write(f"{m['artifact_sha256']}  {m['semantic_sha256']}  {r.artifact.path}\n")
+    if not base and not quiet and err.is_terminal and not json_out and any(r.valid for r in reports):
+        err.print("note: semantic_sha256 is bound to each adapter's declared base; pass --base to bind the real one.")
+    raise typer.Exit(EXIT_INVALID if failed else EXIT_OK)
+
+
+def main() -> None:
+    """Console-script entry: Typer handles usage errors (exit 2) and exits;
+    anything uncaught becomes ``Error: ...`` and exit 3 unless MLORA_DEBUG=1."""
+    try:
+        app()
+    except Exception as exc:
+        if os.environ.get("MLORA_DEBUG") == "1":
+            raise
+        err.print(f"Error: {type(exc).__name__}: {exc} (set MLORA_DEBUG=1 for a traceback)", markup=False)
+        sys.exit(EXIT_RUNTIME)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Bounded, lazy reading of safetensors files and parallel tensor hashing.
+
+Owns the safetensors byte layout: the 8-byte little-endian header length, the
+JSON header, and tensor byte ranges. Reads only the header up front (bounded:
+an oversized or lying header never causes a large allocation) and streams
+tensor bytes in fixed-size chunks, so memory stays flat whatever the file size.
+Must not interpret tensor names: that is the adapter and base readers' job.
+
+Tensor digest (docs/identity.md)::
+
+    tensor_sha256 = SHA256( canonical_json({"dtype": DTYPE, "shape": SHAPE}) + b"\\n" + raw_bytes )
+
+where ``raw_bytes`` are the little-endian element bytes in the stored
+(row-major, logical) order, exactly as safetensors stores them. Dtype and
+shape are bound into the digest, so a reshape or a dtype relabel changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .canonical import canonical_json
+
+# Same bound as the safetensors library: a header larger than this is refused
+# before anything is allocated.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+CHUNK_BYTES = 8 * 1024 * 1024  # multiple of every element size
+
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}
+
+# Exponent masks: an element is non-finite iff all its exponent bits are set.
+_EXPONENT_MASK = {
+    "F32": (np.uint32, 0x7F800000),
+    "F16": (np.uint16, 0x7C00),
+    "BF16": (np.uint16, 0x7F80),
+    "F64": (np.uint64, 0x7FF0000000000000),
+}
+
+
+class SafetensorsError(ValueError):
+    """A malformed safetensors file. ``code`` is a finding code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live: ``path`` and absolute byte ``offset``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class SafetensorsHeader:
+    path: str
+    file_size: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Parse and check a safetensors header without reading tensor data.
+
+    Raises SafetensorsError with ``E_SAFETENSORS_TRUNCATED`` when the file is
+    shorter than the header or the data it declares, and ``E_SAFETENSORS_HEADER``
+    when the header is oversized, unparsable or inconsistent (unknown dtype,
+    byte range not matching shape x dtype, overlapping or out-of-order ranges)."""
+    file_size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise SafetensorsError("E_SAFETENSORS_TRUNCATED", f"{file_size}-byte file has no 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise SafetensorsError(
+                "E_SAFETENSORS_HEADER", f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte bound"
+            )
+        if 8 + header_len > file_size:
+            raise SafetensorsError(
+                "E_SAFETENSORS_TRUNCATED", f"header declares {header_len} bytes but the file has {file_size - 8}"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", "header is not a JSON object")
+
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", "__metadata__ is not an object")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        tensors[name] = _tensor_info(path, name, entry, data_start)
+
+    # Byte ranges must not overlap and must lie inside the file.
+    end_of_data = data_start
+    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if info.offset < end_of_data:
+            raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {info.name!r} overlaps another tensor")
+        end_of_data = info.offset + info.nbytes
+    if end_of_data > file_size:
+        raise SafetensorsError(
+            "E_SAFETENSORS_TRUNCATED", f"data ends at byte {end_of_data} but the file has {file_size} bytes"
+        )
+    return SafetensorsHeader(path=path, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
+def _tensor_info(path: str, name: str, entry: object, data_start: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has invalid data_offsets {offsets!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = offsets[1] - offsets[0]
+    if numel * DTYPE_BYTES[dtype] != nbytes:
+        raise SafetensorsError(
+            "E_SAFETENSORS_HEADER",
+            f"tensor {name!r}: shape {shape} x {dtype} needs {numel * DTYPE_BYTES[dtype]} bytes, header gives {nbytes}",
+        )
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
+
+
+def tensor_digest_prefix(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:
+    """The bytes hashed before a tensor's data (see the module docstring)."""
+    return canonical_json({"dtype": dtype, "shape": list(shape)}) + b"\n"
+
+
+@dataclass(frozen=True)
+class TensorScan:
+    """Result of streaming one tensor: its digest and, when asked, value facts."""
+
+    sha256: str
+    non_finite: int | None = None  # count of NaN/Inf elements (None: not checked)
+    all_zero: bool | None = None
+
+
+def scan_tensor(info: TensorInfo, check_values: bool = False) -> TensorScan:
+    """Stream one tensor's bytes from disk in CHUNK_BYTES pieces: digest, and
+    with ``check_values`` a NaN/Inf count and an all-zero flag (float dtypes)."""
+    h = hashlib.sha256(tensor_digest_prefix(info.dtype, info.shape))
+    check = check_values and info.dtype in _EXPONENT_MASK
+    non_finite, all_zero = 0, True
+    buf = bytearray(min(CHUNK_BYTES, max(info.nbytes, 1)))
+    view = memoryview(buf)
+    fd = os.open(info.path, os.O_RDONLY)
+    try:
+        pos, end = info.offset, info.offset + info.nbytes
+        while pos < end:
+            want = min(len(buf), end - pos)
+            got = os.preadv(fd, [view[:want]], pos)
+            if got <= 0:
+                raise SafetensorsError("E_SAFETENSORS_TRUNCATED", f"tensor {info.name!r} ends early (file changed?)")
+            chunk = view[:got]
+            h.update(chunk)
+            if check:
+                non_finite, all_zero = _check_chunk(chunk, info.dtype, non_finite, all_zero)
+            pos += got
+    finally:
+        os.close(fd)
+    if not check:
+        return TensorScan(h.hexdigest())
+    return TensorScan(h.hexdigest(), non_finite=non_finite, all_zero=all_zero)
+
+
+def scan_bytes(data: bytes, dtype: str, shape: tuple[int, ...], check_values: bool = False) -> TensorScan:
+    """Same as :func:`scan_tensor` for bytes already in memory (pickle path)."""
+    h = hashlib.sha256(tensor_digest_prefix(dtype, shape))
+    h.update(data)
+    if not (check_values and dtype in _EXPONENT_MASK):
+        return TensorScan(h.hexdigest())
+    non_finite, all_zero = _check_chunk(memoryview(data), dtype, 0, True)
+    return TensorScan(h.hexdigest(), non_finite=non_finite, all_zero=all_zero)
+
+
+def _check_chunk(chunk: memoryview, dtype: str, non_finite: int, all_zero: bool) -> tuple[int, bool]:
+    int_type, mask = _EXPONENT_MASK[dtype]
+    bits = np.frombuffer(chunk, dtype=np.dtype(int_type).newbyteorder("<"))
+    non_finite += int(np.count_nonzero((bits & int_type(mask)) == int_type(mask)))
+    if all_zero:
+        # +0.0 and -0.0 are both zero: ignore the sign bit.
+        sign = int_type(1 << (8 * np.dtype(int_type).itemsize - 1))
+        all_zero = not np.any(bits & ~sign)
+    return non_finite, all_zero
+
+
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def scan_many(
+    tasks: list[tuple[TensorInfo, bool]], workers: int | None = None
+) -> list[TensorScan | SafetensorsError]:
+    """Scan many tensors on a thread pool (hashlib and pread release the GIL),
+    largest first so that one big tensor does not finish last. Returns results
+    in task order; a tensor that fails to read yields its SafetensorsError."""
+    workers = workers or default_workers()
+    order = sorted(range(len(tasks)), key=lambda i: -tasks[i][0].nbytes)
+    results: list[TensorScan | SafetensorsError | None] = [None] * len(tasks)
+
+    def run(i: int) -> None:
+        info, check = tasks[i]
+        try:
+            results[i] = scan_tensor(info, check)
+        except SafetensorsError as exc:
+            results[i] = exc
+
+    if workers == 1 or len(tasks) <= 1:
+        for i in order:
+            run(i)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(run, order))
+    return results  # type: ignore[return-value]
