@@ -1,0 +1,70 @@
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import factory  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "examples", "demo")
+
+
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory):
+    """A tiny Llama base checkpoint (single safetensors file)."""
+    path = str(tmp_path_factory.mktemp("base") / "tiny-llama")
+    factory.save_base(factory.tiny_model("llama"), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def good_adapter(tmp_path_factory, base_dir):
+    """A valid, servable PEFT adapter on q_proj and v_proj, r=4, over ``base_dir``'s model."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("adapters") / "good")
+    factory.make_adapter(path, base_model=AutoModelForCausalLM.from_pretrained(base_dir), r=4, lora_alpha=8)
+    cfg = factory.read_config(path)
+    cfg["base_model_name_or_path"] = "org/tiny-llama"
+    factory.write_config(path, cfg)
+    return path
+
+
+@pytest.fixture
+def adapter_copy(tmp_path, good_adapter):
+    """A private, writable copy of ``good_adapter`` to mutate."""
+    return factory.copy_adapter(good_adapter, str(tmp_path / "mutant"))
+
+
+@pytest.fixture
+def run_cli():
+    """Invoke the CLI in-process; returns (exit_code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    from mlora.cli.app import app
+
+    def run(*args):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+        if result.exception and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return result.exit_code, result.stdout, result.stderr
+
+    return run
+
+
+@pytest.fixture
+def manifests(run_cli):
+    """Run ``mlora validate --json`` and return (exit_code, [manifest, ...])."""
+
+    def run(*args):
+        code, out, _ = run_cli("validate", "--json", *args)
+        return code, [json.loads(line) for line in out.splitlines()]
+
+    return run
+
+
+def codes(manifest: dict) -> set[str]:
+    return {f["code"] for f in manifest["findings"]}
