@@ -165,8 +165,7 @@ def open_adapter(path: str, allow_pickle: bool = False) -> AdapterArtifact:
     records and every finding that needs no tensor values."""
     art = AdapterArtifact(path=path, name=os.path.basename(os.path.normpath(path)))
     _read_config(art)
-    _read_tensor_table(art, allow_pickle)
-    if art.spec is not None and art.tensors:
+    if _read_tensor_table(art, allow_pickle) and art.spec is not None:
         _build_modules(art)
     return art
 
@@ -188,7 +187,8 @@ def _read_config(art: AdapterArtifact) -> None:
         art.findings.extend(art.spec.unservable_findings())
 
 
-def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> None:
+def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
+    """Fill ``art.tensors`` from the weights file; False when it could not be read."""
     st = os.path.join(art.path, SAFETENSORS_FILE)
     pk = os.path.join(art.path, PICKLE_FILE)
     if os.path.isfile(st):
@@ -197,17 +197,21 @@ def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> None:
             art.tensors = dict(read_header(st).tensors)
         except SafetensorsError as exc:
             art.add(finding(exc.code, f"{SAFETENSORS_FILE}: {exc}"))
+            return False
     elif os.path.isfile(pk):
         art.format = "pickle"
         if not allow_pickle:
             art.add(finding("E_PICKLE_REFUSED", f"{PICKLE_FILE} is a pickle, which can run code when loaded"))
-            return
+            return False
         try:
             art.tensors = _load_pickle(pk)
         except Exception as exc:  # torch.load raises many types; all mean "unreadable"
             art.add(finding("E_PICKLE_LOAD", f"{PICKLE_FILE}: {type(exc).__name__}: {exc}"))
+            return False
     else:
         art.add(finding("E_WEIGHTS_MISSING", f"no {SAFETENSORS_FILE} in {art.path}"))
+        return False
+    return True
 
 
 def _load_pickle(path: str) -> dict[str, Tensor]:
