@@ -23,8 +23,10 @@ import typer
 from rich.console import Console
 
 from .. import __version__
-from ..lora_tools import BaseLoadError, inspect_paths
+from ..lora_tools import BaseCheckpointError, BaseLoadError, inspect_paths
+from ..lora_tools.manifest import load_base
 from . import render
+from .bench import bench_app
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
 
@@ -35,6 +37,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(bench_app, name="bench")
 out = Console(soft_wrap=True)
 err = Console(stderr=True)
 
@@ -98,7 +101,9 @@ def validate(
 
 @app.command("hash")
 def hash_(
-    paths: List[Path] = PathsArg,
+    paths: Optional[List[Path]] = typer.Argument(
+        None, exists=True, help="Adapter directories, or directories of adapter directories."
+    ),
     base: Optional[Path] = BaseOpt,
     json_out: bool = JsonOpt,
     allow_pickle: bool = PickleOpt,
@@ -108,8 +113,15 @@ def hash_(
     """Print content identities: `artifact_sha256  semantic_sha256  path` per adapter.
 
     semantic_sha256 binds the base given with --base, or else the base the
-    adapter declares (see docs/identity.md). Exit 1 if any adapter is invalid.
+    adapter declares (see docs/identity.md). With --base and no PATH, print the
+    base identity: `base_sha256  path`. Exit 1 if any adapter is invalid.
     """
+    if not paths:
+        if base is None:
+            err.print("Error: give at least one adapter PATH, or --base DIR to hash a base checkpoint.")
+            raise typer.Exit(EXIT_USAGE)
+        _hash_base(base, json_out, workers, quiet)
+        return
     reports, _ = _inspect(paths, base, allow_pickle, workers, quiet)
     failed = False
     for r in reports:
@@ -127,6 +139,23 @@ def hash_(
     if not base and not quiet and err.is_terminal and not json_out and any(r.valid for r in reports):
         err.print("note: semantic_sha256 is bound to each adapter's declared base; pass --base to bind the real one.")
     raise typer.Exit(EXIT_INVALID if failed else EXIT_OK)
+
+
+def _hash_base(base: Path, json_out: bool, workers: Optional[int], quiet: bool) -> None:
+    with _progress(quiet, "Hashing base checkpoint..."):
+        try:
+            identity = load_base(str(base)).identity(workers)
+        except BaseLoadError as exc:
+            err.print(f"Error: {exc.finding.code}: {exc.finding.message}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_INVALID) from None
+        except BaseCheckpointError as exc:
+            err.print(f"Error: E_BASE_INVALID: {exc}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_INVALID) from None
+    if json_out:
+        sys.stdout.write(json.dumps({"schema_version": 1, "kind": "mlora.base_identity", "path": os.path.abspath(base),
+                                     **identity.to_json()}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(f"{identity.base_sha256}  {base}\n")
 
 
 def main() -> None:

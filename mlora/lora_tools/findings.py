@@ -90,3 +90,25 @@ def finding(code: str, detail: str, module: str | None = None) -> Finding:
     """Build a finding for a registered code; ``detail`` says what was seen."""
     severity, advice = CODES[code]
     return Finding(code=code, severity=severity, module=module, message=f"{detail}: {advice}")
+
+
+def findings_doc() -> str:
+    """docs/findings.md, generated from CODES (``python -m mlora.lora_tools.findings``)."""
+    lines = [
+        "# Finding codes",
+        "",
+        "Generated from `mlora/lora_tools/findings.py` by `python -m mlora.lora_tools.findings > docs/findings.md`;",
+        "a test keeps the two equal. Codes are stable: never renamed, never reused.",
+        "",
+        "Severity decides the exit code of `mlora validate`: `error` and `unservable` fail (exit 1),",
+        "`warning` fails only with `--strict`.",
+        "",
+        "| code | severity | what to do |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{code}` | {sev} | {advice.replace('|', '/')} |" for code, (sev, advice) in CODES.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(findings_doc(), end="")
