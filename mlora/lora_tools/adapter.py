@@ -35,6 +35,7 @@ from .safetensors_io import (
     SafetensorsError,
     TensorInfo,
     TensorScan,
+    numel,
     read_header,
     scan_bytes,
     scan_many,
@@ -65,10 +66,7 @@ class MemTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
 
 Tensor = TensorInfo | MemTensor

@@ -56,6 +56,14 @@ class SafetensorsError(ValueError):
         self.code = code
 
 
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    """Element count of a shape (1 for a scalar)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes live: ``path`` and absolute byte ``offset``."""
@@ -69,10 +77,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
 
 @dataclass
@@ -148,14 +153,11 @@ def _tensor_info(path: str, name: str, entry: object, data_start: int) -> Tensor
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has invalid data_offsets {offsets!r}")
-    numel = 1
-    for d in shape:
-        numel *= d
+    need = numel(shape) * DTYPE_BYTES[dtype]
     nbytes = offsets[1] - offsets[0]
-    if numel * DTYPE_BYTES[dtype] != nbytes:
+    if need != nbytes:
         raise SafetensorsError(
-            "E_SAFETENSORS_HEADER",
-            f"tensor {name!r}: shape {shape} x {dtype} needs {numel * DTYPE_BYTES[dtype]} bytes, header gives {nbytes}",
+            "E_SAFETENSORS_HEADER", f"tensor {name!r}: shape {shape} x {dtype} needs {need} bytes, header gives {nbytes}"
         )
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
 
