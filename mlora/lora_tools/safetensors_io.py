@@ -39,12 +39,15 @@ DTYPE_BYTES = {
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
 }
 
-# Exponent masks: an element is non-finite iff all its exponent bits are set.
-_EXPONENT_MASK = {
-    "F32": (np.uint32, 0x7F800000),
-    "F16": (np.uint16, 0x7C00),
-    "BF16": (np.uint16, 0x7F80),
-    "F64": (np.uint64, 0x7FF0000000000000),
+# Per float dtype: (unsigned type of the same width, magnitude mask, exponent
+# mask). With the sign bit cleared, an element is NaN/Inf iff its magnitude
+# bits are >= the all-ones exponent, and zero iff they are 0; so one masked
+# max() answers both questions for a chunk.
+_FLOAT_BITS = {
+    "F64": (np.dtype("<u8"), 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+    "F32": (np.dtype("<u4"), 0x7FFFFFFF, 0x7F800000),
+    "F16": (np.dtype("<u2"), 0x7FFF, 0x7C00),
+    "BF16": (np.dtype("<u2"), 0x7FFF, 0x7F80),
 }
 
 
@@ -180,8 +183,7 @@ def scan_tensor(info: TensorInfo, check_values: bool = False) -> TensorScan:
     """Stream one tensor's bytes from disk in CHUNK_BYTES pieces: digest, and
     with ``check_values`` a NaN/Inf count and an all-zero flag (float dtypes)."""
     h = hashlib.sha256(tensor_digest_prefix(info.dtype, info.shape))
-    check = check_values and info.dtype in _EXPONENT_MASK
-    non_finite, all_zero = 0, True
+    checker = _ValueCheck(info.dtype, CHUNK_BYTES) if check_values and info.dtype in _FLOAT_BITS else None
     buf = bytearray(min(CHUNK_BYTES, max(info.nbytes, 1)))
     view = memoryview(buf)
     fd = os.open(info.path, os.O_RDONLY)
@@ -194,35 +196,49 @@ def scan_tensor(info: TensorInfo, check_values: bool = False) -> TensorScan:
                 raise SafetensorsError("E_SAFETENSORS_TRUNCATED", f"tensor {info.name!r} ends early (file changed?)")
             chunk = view[:got]
             h.update(chunk)
-            if check:
-                non_finite, all_zero = _check_chunk(chunk, info.dtype, non_finite, all_zero)
+            if checker:
+                checker.update(chunk)
             pos += got
     finally:
         os.close(fd)
-    if not check:
+    if checker is None:
         return TensorScan(h.hexdigest())
-    return TensorScan(h.hexdigest(), non_finite=non_finite, all_zero=all_zero)
+    return TensorScan(h.hexdigest(), non_finite=checker.non_finite, all_zero=checker.all_zero)
 
 
 def scan_bytes(data: bytes, dtype: str, shape: tuple[int, ...], check_values: bool = False) -> TensorScan:
     """Same as :func:`scan_tensor` for bytes already in memory (pickle path)."""
     h = hashlib.sha256(tensor_digest_prefix(dtype, shape))
     h.update(data)
-    if not (check_values and dtype in _EXPONENT_MASK):
+    if not (check_values and dtype in _FLOAT_BITS):
         return TensorScan(h.hexdigest())
-    non_finite, all_zero = _check_chunk(memoryview(data), dtype, 0, True)
-    return TensorScan(h.hexdigest(), non_finite=non_finite, all_zero=all_zero)
+    checker = _ValueCheck(dtype, len(data))
+    checker.update(memoryview(data))
+    return TensorScan(h.hexdigest(), non_finite=checker.non_finite, all_zero=checker.all_zero)
 
 
-def _check_chunk(chunk: memoryview, dtype: str, non_finite: int, all_zero: bool) -> tuple[int, bool]:
-    int_type, mask = _EXPONENT_MASK[dtype]
-    bits = np.frombuffer(chunk, dtype=np.dtype(int_type).newbyteorder("<"))
-    non_finite += int(np.count_nonzero((bits & int_type(mask)) == int_type(mask)))
-    if all_zero:
-        # +0.0 and -0.0 are both zero: ignore the sign bit.
-        sign = int_type(1 << (8 * np.dtype(int_type).itemsize - 1))
-        all_zero = not np.any(bits & ~sign)
-    return non_finite, all_zero
+class _ValueCheck:
+    """Running NaN/Inf count and all-zero flag over raw float chunks, using one
+    preallocated scratch buffer (two passes per chunk: mask, max)."""
+
+    def __init__(self, dtype: str, max_chunk_bytes: int):
+        self.bits_type, mag, exp = _FLOAT_BITS[dtype]
+        self.mag_mask = self.bits_type.type(mag)
+        self.exp_mask = exp
+        self.scratch = np.empty(max(1, max_chunk_bytes // self.bits_type.itemsize), dtype=self.bits_type)
+        self.non_finite = 0
+        self.all_zero = True
+
+    def update(self, chunk: memoryview) -> None:
+        bits = np.frombuffer(chunk, dtype=self.bits_type)
+        if bits.size == 0:
+            return
+        mag = np.bitwise_and(bits, self.mag_mask, out=self.scratch[: bits.size])
+        top = int(mag.max())
+        if top >= self.exp_mask:
+            self.non_finite += int(np.count_nonzero(mag >= self.exp_mask))
+        if top:
+            self.all_zero = False
 
 
 def default_workers() -> int:
