@@ -367,3 +367,28 @@ def test_directory_of_adapters(good_adapter, tmp_path, run_cli):
     lines = out.splitlines()
     assert rc == 0 and [line.split("  ")[2] for line in lines] == [str(coll / "a"), str(coll / "b")]
     assert lines[0].split("  ")[:2] == lines[1].split("  ")[:2]
+
+
+def test_hash_base_alone(base_dir, run_cli, tmp_path):
+    rc, out, _ = run_cli("hash", "--base", base_dir)
+    assert rc == 0 and out == f"{BaseCheckpoint(base_dir).identity().base_sha256}  {base_dir}\n"
+    rc, out, _ = run_cli("hash", "--json", "--base", base_dir)
+    doc = json.loads(out)
+    assert doc["kind"] == "mlora.base_identity" and doc["base_sha256"] == BaseCheckpoint(base_dir).identity().base_sha256
+    rc, out, err = run_cli("hash")
+    assert rc == 2 and out == "" and "PATH" in err
+    (tmp_path / "cfg-only").mkdir()
+    (tmp_path / "cfg-only" / "config.json").write_text("{}")
+    rc, out, err = run_cli("hash", "--base", tmp_path / "cfg-only")
+    assert rc == 1 and "E_BASE_INVALID" in err
+
+
+def test_base_shard_index_lies(tmp_path, run_cli):
+    d = save_base(tiny_model("llama"), str(tmp_path / "b"), max_shard_size="20KB")
+    idx_file = os.path.join(d, "model.safetensors.index.json")
+    idx = json.load(open(idx_file))
+    first = sorted(idx["weight_map"])[0]
+    idx["weight_map"]["model.not_there.weight"] = idx["weight_map"][first]
+    json.dump(idx, open(idx_file, "w"))
+    rc, _, err = run_cli("hash", "--base", d)
+    assert rc == 1 and "E_BASE_INVALID" in err and "not_there" in err
