@@ -1,0 +1,79 @@
+"""Reference paths for the segmented LoRA update (spec 0x02E-0x02G, 0x06A).
+
+Owns the three slow, obviously-right implementations every fast path is tested
+against. All share the semantics of :func:`mlora.kernels.add_lora`::
+
+    for every row t with s = row_slots[t] >= 0:
+        y[t] += scales[s] * (x[t] @ lora_a[s, :ranks[s]].T) @ lora_b[s, :, :ranks[s]].T
+    rows with s = -1 are left exactly as they were;
+    columns / rows at or beyond ranks[s] are never read (they may hold NaN).
+
+* :func:`lora_oracle_f64` - per row, float64, exact-rank slices: the oracle.
+* :func:`lora_loop` - per active slot over a SegmentPlan, in the input dtype
+  with float32 accumulation (PEFT's way: one pair of GEMMs per adapter).
+* :func:`lora_gather_bmm` - gather each row's factors (tails masked to zero
+  with ``where``, so NaN tails cannot leak) and run two batched matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import SegmentPlan, build_plan
+
+
+def _defaults(lora_a: torch.Tensor, ranks, scales):
+    S, R = lora_a.shape[0], lora_a.shape[1]
+    if ranks is None:
+        ranks = torch.full((S,), R, dtype=torch.int32, device=lora_a.device)
+    if scales is None:
+        scales = torch.ones(S, dtype=torch.float32, device=lora_a.device)
+    return ranks, scales
+
+
+def lora_oracle_f64(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> torch.Tensor:
+    """Exact per-row float64 result ``y + delta`` (a new float64 tensor)."""
+    ranks, scales = _defaults(lora_a, ranks, scales)
+    out = y.detach().to(torch.float64).clone()
+    for t, s in enumerate(row_slots.tolist()):
+        if s < 0:
+            continue
+        r = int(ranks[s])
+        a = lora_a[s, :r].to(torch.float64)
+        b = lora_b[s, :, :r].to(torch.float64)
+        out[t] += float(scales[s]) * ((x[t].to(torch.float64) @ a.T) @ b.T)
+    return out
+
+
+def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: SegmentPlan | None = None):
+    """One shrink and one expand GEMM per active slot (float32 accumulation); y updated in place."""
+    ranks, scales = _defaults(lora_a, ranks, scales)
+    plan = plan or build_plan(row_slots)
+    rows_all = plan.sorted_rows.long()
+    starts = plan.starts.tolist()
+    for t, s in enumerate(plan.slot_ids.tolist()):
+        r = int(ranks[s])
+        rows = rows_all[starts[t] : starts[t + 1]]
+        if r == 0:
+            continue
+        z = x[rows].float() @ lora_a[s, :r].float().T
+        delta = (z @ lora_b[s, :, :r].float().T) * scales[s].float()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+    return y
+
+
+def lora_gather_bmm(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None):
+    """Gather per-row factors, mask rank tails, two BMMs (float32); y updated in place."""
+    ranks, scales = _defaults(lora_a, ranks, scales)
+    rows = torch.nonzero(row_slots >= 0, as_tuple=True)[0]
+    if rows.numel() == 0:
+        return y
+    slots = row_slots[rows].long()
+    R = lora_a.shape[1]
+    keep = torch.arange(R, device=x.device)[None, :] < ranks[slots].long()[:, None]  # [N, R]
+    a = torch.where(keep[:, :, None], lora_a[slots].float(), 0.0)  # [N, R, d_in]
+    b = torch.where(keep[:, None, :], lora_b[slots].float(), 0.0)  # [N, d_out, R]
+    z = torch.bmm(a, x[rows].float()[:, :, None])  # [N, R, 1]
+    delta = torch.bmm(b, z)[:, :, 0] * scales[slots].float()[:, None]
+    y[rows] = (y[rows].float() + delta).to(y.dtype)
+    return y
