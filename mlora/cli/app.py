@@ -39,6 +39,8 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 out = Console(soft_wrap=True)
+if not out.is_terminal and "COLUMNS" not in os.environ:
+    out.width = 140  # logs and pipes: no terminal to fit, keep tables on one line each
 err = Console(stderr=True)
 
 PathsArg = typer.Argument(..., exists=True, help="Adapter directories, or directories of adapter directories.")

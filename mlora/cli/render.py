@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -35,9 +36,11 @@ def _collapse(findings, keep: int = 3):
 def validation(console: Console, reports: list[AdapterReport], base: BaseIdentity | None) -> None:
     """One summary row per adapter, then every finding grouped by adapter."""
     title = "Adapters" + (f" against base {base.base_sha256[:12]}" if base else "")
-    table = Table(title=title, title_justify="left")
-    for col in ("adapter", "modules", "ranks (rank x count)", "parameters", "bytes", "artifact", "valid", "servable"):
-        table.add_column(col, justify="right" if col in ("modules", "parameters", "bytes") else "left")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    # "ranks" reads rank x module count: "16x28" = 28 modules at rank 16
+    for col in ("adapter", "modules", "ranks", "params", "bytes", "artifact", "valid", "servable"):
+        table.add_column(col, justify="right" if col in ("modules", "params", "bytes") else "left",
+                         no_wrap=col != "ranks")
     for r in reports:
         m = r.manifest
         ranks = " ".join(f"{k}x{v}" for k, v in m["stats"]["rank_histogram"].items()) or "-"
