@@ -23,8 +23,8 @@ import typer
 from rich.console import Console
 
 from .. import __version__
-from ..lora_tools import BaseCheckpointError, BaseLoadError, inspect_paths
-from ..lora_tools.manifest import load_base
+from ..lora_tools import BaseLoadError, inspect_paths
+from ..lora_tools.manifest import base_identity, load_base
 from . import render
 from .bench import bench_app
 
@@ -73,8 +73,12 @@ def _inspect(paths, base, allow_pickle, workers, quiet):
         try:
             return inspect_paths([str(p) for p in paths], str(base) if base else None, allow_pickle, workers)
         except BaseLoadError as exc:
-            err.print(f"Error: {exc.finding.code}: {exc.finding.message}", markup=False, highlight=False)
-            raise typer.Exit(EXIT_INVALID) from None
+            _base_error(exc)
+
+
+def _base_error(exc: BaseLoadError):
+    err.print(f"Error: {exc.finding.code}: {exc.finding.message}", markup=False, highlight=False)
+    raise typer.Exit(EXIT_INVALID) from None
 
 
 @app.command()
@@ -146,13 +150,9 @@ def hash_(
 def _hash_base(base: Path, json_out: bool, workers: Optional[int], quiet: bool) -> None:
     with _progress(quiet, "Hashing base checkpoint..."):
         try:
-            identity = load_base(str(base)).identity(workers)
+            identity = base_identity(load_base(str(base)), workers)
         except BaseLoadError as exc:
-            err.print(f"Error: {exc.finding.code}: {exc.finding.message}", markup=False, highlight=False)
-            raise typer.Exit(EXIT_INVALID) from None
-        except BaseCheckpointError as exc:
-            err.print(f"Error: E_BASE_INVALID: {exc}", markup=False, highlight=False)
-            raise typer.Exit(EXIT_INVALID) from None
+            _base_error(exc)
     if json_out:
         sys.stdout.write(json.dumps({"schema_version": 1, "kind": "mlora.base_identity", "path": os.path.abspath(base),
                                      **identity.to_json()}, sort_keys=True) + "\n")

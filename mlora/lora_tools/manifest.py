@@ -150,6 +150,14 @@ def load_base(path: str) -> BaseCheckpoint:
         raise BaseLoadError(finding("E_BASE_INVALID", str(exc))) from None
 
 
+def base_identity(base: BaseCheckpoint, workers: int | None = None) -> BaseIdentity:
+    """``base.identity()`` with unreadable tensors reported as BaseLoadError."""
+    try:
+        return base.identity(workers)
+    except BaseCheckpointError as exc:
+        raise BaseLoadError(finding("E_BASE_INVALID", str(exc))) from None
+
+
 def inspect_paths(
     paths: list[str],
     base_path: str | None = None,
@@ -174,8 +182,5 @@ def inspect_paths(
     if base is not None:
         for art in arts:
             check_against_base(art, base)
-        try:
-            base_id = base.identity(workers)
-        except BaseCheckpointError as exc:
-            raise BaseLoadError(finding("E_BASE_INVALID", str(exc))) from None
+        base_id = base_identity(base, workers)
     return [AdapterReport(a, build_manifest(a, base_id)) for a in arts], base_id
