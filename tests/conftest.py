@@ -3,6 +3,12 @@ import os
 import sys
 
 import pytest
+import torch
+
+# Triton kernels run on the CPU through the interpreter when there is no GPU;
+# it must be set before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
 

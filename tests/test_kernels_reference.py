@@ -138,10 +138,10 @@ def test_rank_zero_slot_adds_nothing():
     assert torch.equal(out[rs == 1], y0[rs == 1])
 
 
-def test_triton_backend_is_not_silently_replaced():
+def test_unknown_backend_is_refused():
     y, x, a, b, rs, ranks, scales = random_case(1)
-    with pytest.raises(NotImplementedError):
-        add_lora(y, x, a, b, rs, ranks=ranks, scales=scales, backend="triton")
+    with pytest.raises(ValueError):
+        add_lora(y, x, a, b, rs, ranks=ranks, scales=scales, backend="cutlass")
 
 
 # ---- malformed plans and banks: one field each -------------------------------------

@@ -14,10 +14,11 @@ Public entry point::
          y[t] += scales[s] * (x[t] @ lora_a[s, :ranks[s]].T) @ lora_b[s, :, :ranks[s]].T
       rows with s = -1 are left exactly as they were.
 
-Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) is
-built. ``"triton"`` (segmented shrink/expand kernels) is NOT BUILT YET (step 2,
-in progress): asking for it raises NotImplementedError rather than silently
-running something else. ``"auto"`` picks ``"torch"`` until the Triton kernels land.
+Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
+``"triton"`` (segmented shrink and expand kernels, ``triton_sgmv.py``; runs on
+CPU under ``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and
+torch otherwise. The Triton path is a first version: correct against the
+oracle, not yet tuned, split-K, multi-slice or graph-capturable (step 2).
 
 This package imports nothing else from mlora.
 """
@@ -69,8 +70,18 @@ def check_bank(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> None
 def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backend="auto", plan=None):
     """Add the segmented LoRA delta to ``y`` in place and return it (semantics above)."""
     check_bank(y, x, lora_a, lora_b, row_slots, ranks, scales)
-    if backend in ("auto", "torch"):
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
         return lora_loop(y, x, lora_a, lora_b, row_slots, ranks, scales, plan)
     if backend == "triton":
-        raise NotImplementedError("the Triton backend of add_lora is not built yet (step 2); use backend='torch'")
+        from .triton_sgmv import add_lora_triton  # deferred: importing triton is slow
+
+        S, R = lora_a.shape[0], lora_a.shape[1]
+        if ranks is None:
+            ranks = torch.full((S,), R, dtype=torch.int32, device=x.device)
+        if scales is None:
+            scales = torch.ones(S, dtype=torch.float32, device=x.device)
+        plan = plan or build_plan(row_slots)
+        return add_lora_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32))
     raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
