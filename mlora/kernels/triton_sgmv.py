@@ -9,7 +9,9 @@ Owns the Triton fast path of :func:`mlora.kernels.add_lora` (same semantics)::
 Local kernel ABI (spec 0x01G): factors in the logical orientation of the slot
 bank (A [S, R, d_in], B [S, d_out, R], row-major), scale applied in the expand
 epilogue, fp32 intermediate ``z`` in grouped order, indexed rows (x and y stay
-in scheduler order; ``sorted_rows`` is the row-address vector).
+in scheduler order; ``sorted_rows`` is the row-address vector). Shrink uses a
+tensor-core dot when x and A share a 16-bit dtype, else IEEE fp32 (never TF32);
+expand runs in IEEE fp32 from the fp32 ``z`` (correct first; tuning is step 2 work).
 
 Variable rank inside one launch: a rank tile at or beyond ``ranks[s]`` exits
 at once and loads past the true rank are masked (never read), so padded tails
@@ -22,11 +24,17 @@ graph capture (the grid depends on ``max_count``), tuning.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .plan import SegmentPlan
+
+# The CPU interpreter mis-computes 16-bit tl.dot; there the fp32 path runs
+# (GPU runs of the same tests cover the native path).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -34,7 +42,7 @@ def _shrink_kernel(
     x_ptr, a_ptr, z_ptr, rows_ptr, starts_ptr, slots_ptr, ranks_ptr,
     d_in, R,
     stride_xt, stride_as, stride_ar, stride_zu,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -59,7 +67,10 @@ def _shrink_kernel(
             a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
             mask=r_ok[:, None] & k_ok[None, :], other=0.0,
         )
-        acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
+        if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
+            acc += tl.dot(xt, tl.trans(at))
+        else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
+            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
     u = (start + offs_m).to(tl.int64)
     tl.store(z_ptr + u[:, None] * stride_zu + offs_r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
 
@@ -94,7 +105,7 @@ def _expand_kernel(
             b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
             mask=n_ok[:, None] & r_ok[None, :], other=0.0,
         )
-        acc += tl.dot(zt, tl.trans(bt.to(tl.float32)))
+        acc += tl.dot(zt, tl.trans(bt.to(tl.float32)), input_precision="ieee")
     acc = acc * tl.load(scales_ptr + slot)
     rows = tl.load(rows_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
     yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
@@ -124,6 +135,7 @@ def add_lora_triton(y, x, lora_a, lora_b, plan: SegmentPlan, ranks, scales):
         x, lora_a, z, plan.sorted_rows, plan.starts, plan.slot_ids, ranks,
         d_in, R, x.stride(0), lora_a.stride(0), lora_a.stride(1), z.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_block(d_in, 16, 128),
+        NATIVE_DOT=x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET,
     )
     block_n = _block(d_out, 16, 128)
     grid = (plan.num_segments, triton.cdiv(plan.max_count, block_m), triton.cdiv(d_out, block_n))
