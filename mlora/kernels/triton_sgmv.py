@@ -38,19 +38,25 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _segment(starts_ptr, slots_ptr, ranks_ptr):
+    """(first grouped row, row count, slot, true rank) of this program's segment."""
+    seg = tl.program_id(0)
+    start = tl.load(starts_ptr + seg)
+    count = tl.load(starts_ptr + seg + 1) - start
+    slot = tl.load(slots_ptr + seg)
+    return start, count, slot, tl.load(ranks_ptr + slot)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, z_ptr, rows_ptr, starts_ptr, slots_ptr, ranks_ptr,
     d_in, R,
     stride_xt, stride_as, stride_ar, stride_zu,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    seg = tl.program_id(0)
+    start, count, slot, rank = _segment(starts_ptr, slots_ptr, ranks_ptr)
     pid_m = tl.program_id(1)
     pid_r = tl.program_id(2)
-    start = tl.load(starts_ptr + seg)
-    count = tl.load(starts_ptr + seg + 1) - start
-    slot = tl.load(slots_ptr + seg)
-    rank = tl.load(ranks_ptr + slot)
     if pid_m * BLOCK_M >= count or pid_r * BLOCK_R >= rank:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -82,13 +88,9 @@ def _expand_kernel(
     stride_zu, stride_bs, stride_bn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    seg = tl.program_id(0)
+    start, count, slot, rank = _segment(starts_ptr, slots_ptr, ranks_ptr)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(2)
-    start = tl.load(starts_ptr + seg)
-    count = tl.load(starts_ptr + seg + 1) - start
-    slot = tl.load(slots_ptr + seg)
-    rank = tl.load(ranks_ptr + slot)
     if pid_m * BLOCK_M >= count or rank == 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +99,7 @@ def _expand_kernel(
     n_ok = offs_n < d_out
     u = (start + offs_m).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, rank, BLOCK_R):  # no iterations past the true rank
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
         zt = tl.load(z_ptr + u[:, None] * stride_zu + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
