@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .plan import PlanError, SegmentPlan, build_plan, validate_plan
-from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
+from .reference import default_ranks_scales, lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
     "PlanError", "SegmentPlan", "add_lora", "build_plan", "check_bank", "lora_gather_bmm", "lora_loop",
@@ -77,11 +77,7 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
     if backend == "triton":
         from .triton_sgmv import add_lora_triton  # deferred: importing triton is slow
 
-        S, R = lora_a.shape[0], lora_a.shape[1]
-        if ranks is None:
-            ranks = torch.full((S,), R, dtype=torch.int32, device=x.device)
-        if scales is None:
-            scales = torch.ones(S, dtype=torch.float32, device=x.device)
+        ranks, scales = default_ranks_scales(lora_a, ranks, scales)
         plan = plan or build_plan(row_slots)
         return add_lora_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32))
     raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")

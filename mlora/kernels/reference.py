@@ -22,7 +22,8 @@ import torch
 from .plan import SegmentPlan, build_plan
 
 
-def _defaults(lora_a: torch.Tensor, ranks, scales):
+def default_ranks_scales(lora_a: torch.Tensor, ranks, scales):
+    """``ranks`` and ``scales`` with None replaced by full rank R and scale 1."""
     S, R = lora_a.shape[0], lora_a.shape[1]
     if ranks is None:
         ranks = torch.full((S,), R, dtype=torch.int32, device=lora_a.device)
@@ -33,7 +34,7 @@ def _defaults(lora_a: torch.Tensor, ranks, scales):
 
 def lora_oracle_f64(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> torch.Tensor:
     """Exact per-row float64 result ``y + delta`` (a new float64 tensor)."""
-    ranks, scales = _defaults(lora_a, ranks, scales)
+    ranks, scales = default_ranks_scales(lora_a, ranks, scales)
     out = y.detach().to(torch.float64).clone()
     for t, s in enumerate(row_slots.tolist()):
         if s < 0:
@@ -47,7 +48,7 @@ def lora_oracle_f64(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) ->
 
 def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: SegmentPlan | None = None):
     """One shrink and one expand GEMM per active slot (float32 accumulation); y updated in place."""
-    ranks, scales = _defaults(lora_a, ranks, scales)
+    ranks, scales = default_ranks_scales(lora_a, ranks, scales)
     plan = plan or build_plan(row_slots)
     rows_all = plan.sorted_rows.long()
     starts = plan.starts.tolist()
@@ -64,7 +65,7 @@ def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: Se
 
 def lora_gather_bmm(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None):
     """Gather per-row factors, mask rank tails, two BMMs (float32); y updated in place."""
-    ranks, scales = _defaults(lora_a, ranks, scales)
+    ranks, scales = default_ranks_scales(lora_a, ranks, scales)
     rows = torch.nonzero(row_slots >= 0, as_tuple=True)[0]
     if rows.numel() == 0:
         return y
