@@ -1,6 +1,6 @@
 """Segmented LoRA execution (spec 0x02-0x03, 0x06A-0x06E).
 
-Public entry point::
+Public entry points::
 
     add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backend="auto", plan=None) -> y
       x:         [T, d_in]           bf16 / fp16 / fp32
@@ -14,11 +14,23 @@ Public entry point::
          y[t] += scales[s] * (x[t] @ lora_a[s, :ranks[s]].T) @ lora_b[s, :, :ranks[s]].T
       rows with s = -1 are left exactly as they were.
 
+    add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
+                    plan=None, check_values=True) -> y
+      the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch:
+      lora_a [S, n, R, d_in], lora_b [S, sum(widths), R], ranks and scales [n, S];
+      slice j owns the output columns [off_j, off_j + widths[j]) with off_j = sum(widths[:j]):
+         y[t, off_j:off_j+w_j] += scales[j, s] * (x[t] @ lora_a[s, j, :ranks[j, s]].T)
+                                                 @ lora_b[s, off_j:off_j+w_j, :ranks[j, s]].T
+      a slot with ranks[j, s] == 0 leaves slice j of its rows untouched.
+
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
-``"triton"`` (segmented shrink and expand kernels, ``triton_sgmv.py``; runs on
-CPU under ``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and
-torch otherwise. The Triton path is a first version: correct against the
-oracle, not yet tuned, split-K, multi-slice or graph-capturable (step 2).
+``"triton"`` (segmented split-K shrink and multi-slice expand over a
+LaunchPlan tile list, ``triton_sgmv.py``; runs on CPU under
+``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and torch
+otherwise. ``plan`` may be a SegmentPlan (either backend) or, for Triton, a
+LaunchPlan; with a LaunchPlan and ``check_values=False`` a Triton call does
+no host synchronisation and can be captured in a CUDA graph (the engine
+checks ranks when it writes the bank and row slots when it builds the plan).
 
 This package imports nothing else from mlora.
 """
@@ -27,26 +39,31 @@ from __future__ import annotations
 
 import torch
 
+from .launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
 from .plan import PlanError, SegmentPlan, build_plan, validate_plan
-from .reference import default_ranks_scales, lora_gather_bmm, lora_loop, lora_oracle_f64
+from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
-    "PlanError", "SegmentPlan", "add_lora", "build_plan", "check_bank", "lora_gather_bmm", "lora_loop",
-    "lora_oracle_f64", "validate_plan",
+    "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "build_plan", "check_bank",
+    "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "make_launch_plan",
+    "tile_capacity", "validate_plan",
 ]
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_bank(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> None:
-    """Shape, dtype and device checks of an add_lora call; PlanError names the mismatch."""
+def _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales) -> None:
+    """Shape, dtype and device checks (no device synchronisation) of a sliced bank call."""
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
         raise PlanError("E_BANK_SHAPE", f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [T, d_in] and [T, d_out]")
-    if lora_a.dim() != 3 or lora_b.dim() != 3:
-        raise PlanError("E_BANK_SHAPE", "lora_a must be [S, R, d_in] and lora_b [S, d_out, R]")
-    S, R, d_in = lora_a.shape
-    if lora_b.shape[0] != S or lora_b.shape[2] != R:
-        raise PlanError("E_BANK_SHAPE", f"lora_b {tuple(lora_b.shape)} does not match lora_a {tuple(lora_a.shape)}")
+    if lora_a.dim() != 4 or lora_b.dim() != 3:
+        raise PlanError("E_BANK_SHAPE", "lora_a must be [S, n, R, d_in] and lora_b [S, sum(widths), R]")
+    S, n, R, d_in = lora_a.shape
+    if len(widths) != n or any(int(w) <= 0 for w in widths):
+        raise PlanError("E_BANK_SHAPE", f"widths {list(widths)} must give one positive width per slice ({n})")
+    if lora_b.shape[0] != S or lora_b.shape[2] != R or lora_b.shape[1] != sum(widths):
+        raise PlanError("E_BANK_SHAPE", f"lora_b {tuple(lora_b.shape)} does not match lora_a {tuple(lora_a.shape)} "
+                        f"and widths {list(widths)}")
     if x.shape[1] != d_in or y.shape[1] != lora_b.shape[1]:
         raise PlanError("E_BANK_SHAPE", f"x/y widths {x.shape[1]}/{y.shape[1]} do not match the bank {d_in}/{lora_b.shape[1]}")
     if row_slots.shape != (x.shape[0],) or row_slots.dtype not in (torch.int32, torch.int64):
@@ -56,28 +73,91 @@ def check_bank(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> None
             raise PlanError("E_BANK_DTYPE", f"{name} is {t.dtype}; use bfloat16, float16 or float32")
     if lora_a.dtype != lora_b.dtype:
         raise PlanError("E_BANK_DTYPE", f"lora_a is {lora_a.dtype} but lora_b is {lora_b.dtype}")
-    if ranks is not None and (ranks.shape != (S,) or ((ranks < 0) | (ranks > R)).any()):
-        raise PlanError("E_BANK_RANK_EXCEEDS_R", f"ranks must be [S] with values in [0, R={R}]")
-    if scales is not None and scales.shape != (S,):
-        raise PlanError("E_BANK_SHAPE", f"scales must be [S={S}]")
-    if row_slots.numel() and (row_slots.max() >= S or row_slots.min() < -1):
-        raise PlanError("E_PLAN_SLOT_RANGE", f"row_slots must lie in [-1, {S})")
-    devices = {t.device for t in (y, x, lora_a, lora_b, row_slots)}
+    if ranks is not None and ranks.shape != (n, S):
+        raise PlanError("E_BANK_SHAPE", f"ranks must be [n={n}, S={S}], got {tuple(ranks.shape)}")
+    if scales is not None and scales.shape != (n, S):
+        raise PlanError("E_BANK_SHAPE", f"scales must be [n={n}, S={S}], got {tuple(scales.shape)}")
+    tensors = [y, x, lora_a, lora_b, row_slots] + [t for t in (ranks, scales) if t is not None]
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise PlanError("E_BANK_DEVICE", f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_values(row_slots, S, R, ranks) -> None:
+    """Value checks (these synchronise with the device)."""
+    if ranks is not None and ((ranks < 0) | (ranks > R)).any():
+        raise PlanError("E_BANK_RANK_EXCEEDS_R", f"ranks must lie in [0, R={R}]")
+    if row_slots.numel() and (row_slots.max() >= S or row_slots.min() < -1):
+        raise PlanError("E_PLAN_SLOT_RANGE", f"row_slots must lie in [-1, {S})")
+
+
+def check_bank(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) -> None:
+    """Checks of a one-slice add_lora call; PlanError names the mismatch."""
+    if lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise PlanError("E_BANK_SHAPE", "lora_a must be [S, R, d_in] and lora_b [S, d_out, R]")
+    if ranks is not None and ranks.shape != (lora_a.shape[0],):
+        raise PlanError("E_BANK_RANK_EXCEEDS_R" if ranks.dim() == 1 else "E_BANK_SHAPE",
+                        f"ranks must be [S={lora_a.shape[0]}] with values in [0, R={lora_a.shape[1]}]")
+    if scales is not None and scales.shape != (lora_a.shape[0],):
+        raise PlanError("E_BANK_SHAPE", f"scales must be [S={lora_a.shape[0]}]")
+    if lora_b.shape[0] != lora_a.shape[0] or lora_b.shape[2] != lora_a.shape[1]:
+        raise PlanError("E_BANK_SHAPE", f"lora_b {tuple(lora_b.shape)} does not match lora_a {tuple(lora_a.shape)}")
+    _check_shapes(y, x, lora_a[:, None], lora_b, row_slots, [lora_b.shape[1]],
+                  None if ranks is None else ranks[None], None if scales is None else scales[None])
+    _check_values(row_slots, lora_a.shape[0], lora_a.shape[1], ranks)
 
 
 def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backend="auto", plan=None):
     """Add the segmented LoRA delta to ``y`` in place and return it (semantics above)."""
     check_bank(y, x, lora_a, lora_b, row_slots, ranks, scales)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
+    backend = _resolve(backend, x)
     if backend == "torch":
+        if isinstance(plan, LaunchPlan):
+            raise ValueError("the torch backend takes a SegmentPlan, not a LaunchPlan")
         return lora_loop(y, x, lora_a, lora_b, row_slots, ranks, scales, plan)
-    if backend == "triton":
-        from .triton_sgmv import add_lora_triton  # deferred: importing triton is slow
+    return add_lora_slices(
+        y, x, lora_a[:, None], lora_b, row_slots, widths=[lora_b.shape[1]],
+        ranks=None if ranks is None else ranks[None], scales=None if scales is None else scales[None],
+        backend=backend, plan=plan, check_values=False,
+    )
 
-        ranks, scales = default_ranks_scales(lora_a, ranks, scales)
+
+def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
+                    plan=None, check_values=True):
+    """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above)."""
+    widths = [int(w) for w in widths]
+    _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales)
+    S, n, R, _ = lora_a.shape
+    if check_values:
+        _check_values(row_slots, S, R, ranks)
+    if ranks is None:
+        ranks = torch.full((n, S), R, dtype=torch.int32, device=lora_a.device)
+    if scales is None:
+        scales = torch.ones((n, S), dtype=torch.float32, device=lora_a.device)
+    backend = _resolve(backend, x)
+    if backend == "torch":
+        if isinstance(plan, LaunchPlan):
+            raise ValueError("the torch backend takes a SegmentPlan, not a LaunchPlan")
         plan = plan or build_plan(row_slots)
-        return add_lora_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32))
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+        off = 0
+        for j, w in enumerate(widths):
+            lora_loop(y[:, off : off + w], x, lora_a[:, j], lora_b[:, off : off + w], row_slots, ranks[j], scales[j], plan)
+            off += w
+        return y
+    from .triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
+
+    if not isinstance(plan, LaunchPlan):
+        plan = make_launch_plan(plan or build_plan(row_slots))
+    if plan.device != x.device:
+        raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
+    if plan.row_capacity < 1 or plan.tile_capacity < 1:
+        return y
+    return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths)
+
+
+def _resolve(backend: str, x) -> str:
+    if backend == "auto":
+        return "triton" if x.is_cuda else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    return backend

@@ -1,25 +1,38 @@
-"""Triton segmented shrink and expand kernels over a SegmentPlan (first version).
+"""Triton segmented shrink and expand kernels over a LaunchPlan tile list.
 
-Owns the Triton fast path of :func:`mlora.kernels.add_lora` (same semantics)::
+Owns the Triton fast path of :func:`mlora.kernels.add_lora_slices` (and so of
+``add_lora``, its one-slice case). For slice ``j`` of ``n`` (q/k/v or
+gate/up share one launch), tile ``i`` with slot ``s`` and grouped rows ``u``::
 
-    shrink:  z[u, :ranks[s]]  = x[g[u]] @ lora_a[s, :ranks[s]].T        (fp32, grouped row order u)
-    expand:  y[g[u]]         += scales[s] * z[u, :ranks[s]] @ lora_b[s, :, :ranks[s]].T
-    where s = slot_ids[t] for u in [starts[t], starts[t+1]); rows outside the plan are untouched.
+    shrink:  zp[k, u, j*R : j*R + ranks[j,s]] = x[g[u], K_k] @ lora_a[s, j, :ranks[j,s], K_k].T   (fp32)
+    expand:  y[g[u], off_j : off_j + w_j]   += scales[j,s] * (sum_k zp[k, u, j*R :][:ranks[j,s]])
+                                                 @ lora_b[s, off_j : off_j + w_j, :ranks[j,s]].T
+    rows outside the plan (base-only rows) are never touched.
 
-Local kernel ABI (spec 0x01G): factors in the logical orientation of the slot
-bank (A [S, R, d_in], B [S, d_out, R], row-major), scale applied in the expand
-epilogue, fp32 intermediate ``z`` in grouped order, indexed rows (x and y stay
-in scheduler order; ``sorted_rows`` is the row-address vector). Shrink uses a
-tensor-core dot when x and A share a 16-bit dtype, else IEEE fp32 (never TF32);
-expand runs in IEEE fp32 from the fp32 ``z`` (correct first; tuning is step 2 work).
+Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
+  * A bank ``[S, n, R, d_in]`` and B bank ``[S, sum(w_j), R]``, row-major, the
+    logical orientation of PEFT checkpoints; slice ``j`` of B is the row block
+    ``[off_j, off_j + w_j)``; ranks and scales are ``[n, S]`` tables; the
+    scale is applied in fp32 in the expand epilogue (never folded into B).
+  * Indexed rows: x and y stay in scheduler order; the LaunchPlan's
+    ``sorted_rows`` is the row-address vector.
+  * Split-K shrink: ``SPLIT`` programs each reduce one contiguous chunk of
+    d_in into their own fp32 partial ``zp[k]``; expand sums the partials in a
+    fixed order (deterministic: no atomics). Decode-like batches (few rows
+    per slot) get enough programs to stream the factors at full bandwidth.
+  * Tensor cores where the inputs allow it: the shrink dot runs on 16-bit
+    tensor cores when x and A share a 16-bit dtype, the expand dot when B is
+    16-bit (z is rounded to B's dtype, as PEFT's own bf16 forward rounds it);
+    fp32 operands use IEEE fp32 dots (never TF32). Accumulation is fp32.
 
-Variable rank inside one launch: a rank tile at or beyond ``ranks[s]`` exits
-at once and loads past the true rank are masked (never read), so padded tails
-cost nothing and may hold anything, NaN included.
+Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
+exits at once, expand loops only up to the true rank, and every load past it
+is masked (never issued), so padded tails cost no bytes and may hold NaN.
 
-Grid: (segment, row tile, rank or column tile). NOT YET: split-K for decode,
-multi-slice outputs, a tile list sized to the active (slot, tile) pairs, CUDA
-graph capture (the grid depends on ``max_count``), tuning.
+Launch grids depend only on the LaunchPlan's capacity and the bank shape:
+shrink ``(tile_capacity, n * rank tiles, SPLIT)``, expand ``(tile_capacity,
+column tiles of all slices)``; programs past ``num_tiles`` exit. Together with
+no host synchronisation this makes a call capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,120 +43,191 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import SegmentPlan
+from .launch import LaunchPlan
 
 # The CPU interpreter mis-computes 16-bit tl.dot; there the fp32 path runs
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+KERNEL_ABI = "mlora-sgmv-v1: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials; scale in expand epilogue"
+
+_NUM_SMS: dict[int, int] = {}
+
 
 @triton.jit
-def _segment(starts_ptr, slots_ptr, ranks_ptr):
-    """(first grouped row, row count, slot, true rank) of this program's segment."""
-    seg = tl.program_id(0)
-    start = tl.load(starts_ptr + seg)
-    count = tl.load(starts_ptr + seg + 1) - start
-    slot = tl.load(slots_ptr + seg)
-    return start, count, slot, tl.load(ranks_ptr + slot)
+def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
+    """(slot, grouped rows u, row mask, scheduler rows) of tile ``pid_t``."""
+    slot = tl.load(tile_slot_ptr + pid_t)
+    u0 = tl.load(tile_start_ptr + pid_t)
+    u1 = tl.load(tile_end_ptr + pid_t)
+    u = u0 + tl.arange(0, BLOCK_M)
+    m_ok = u < u1
+    rows = tl.load(rows_ptr + u, mask=m_ok, other=0).to(tl.int64)
+    return slot, u.to(tl.int64), m_ok, rows
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, z_ptr, rows_ptr, starts_ptr, slots_ptr, ranks_ptr,
-    d_in, R,
-    stride_xt, stride_as, stride_ar, stride_zu,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    x_ptr, a_ptr, zp_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
+    d_in, R, S, k_per_split,
+    stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+    RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):
-    start, count, slot, rank = _segment(starts_ptr, slots_ptr, ranks_ptr)
-    pid_m = tl.program_id(1)
-    pid_r = tl.program_id(2)
-    if pid_m * BLOCK_M >= count or pid_r * BLOCK_R >= rank:
+    pid_t = tl.program_id(0)
+    if pid_t >= tl.load(num_tiles_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_ok = offs_m < count
+    pid_r = tl.program_id(1)
+    j = pid_r // RANK_TILES
+    r0 = (pid_r % RANK_TILES) * BLOCK_R
+    slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    rank = tl.load(ranks_ptr + j * S + slot)
+    if r0 >= rank:
+        return
+    offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    rows = tl.load(rows_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    k_lo = tl.program_id(2) * k_per_split
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + j * stride_aj
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, d_in, BLOCK_K):
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < d_in
         xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(
-            a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
-            mask=r_ok[:, None] & k_ok[None, :], other=0.0,
-        )
+        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
             acc += tl.dot(xt, tl.trans(at))
         else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
-    u = (start + offs_m).to(tl.int64)
-    tl.store(z_ptr + u[:, None] * stride_zu + offs_r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
+    zp = zp_ptr + tl.program_id(2) * stride_zk + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
+    tl.store(zp, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    z_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, slots_ptr, ranks_ptr, scales_ptr,
-    d_out, R,
-    stride_zu, stride_bs, stride_bn, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    ranks_ptr, scales_ptr, col_meta_ptr,
+    R, S,
+    stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
+    N_SLICES: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    start, count, slot, rank = _segment(starts_ptr, slots_ptr, ranks_ptr)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    if pid_m * BLOCK_M >= count or rank == 0:
+    pid_t = tl.program_id(0)
+    if pid_t >= tl.load(num_tiles_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < count
-    n_ok = offs_n < d_out
-    u = (start + offs_m).to(tl.int64)
+    pid_n = tl.program_id(1)
+    # col_meta = [first column tile of slice 0..n, first column of slice 0..n]
+    j = 0
+    for jj in tl.static_range(1, N_SLICES):
+        if pid_n >= tl.load(col_meta_ptr + jj):
+            j = jj
+    slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    rank = tl.load(ranks_ptr + j * S + slot)
+    if rank == 0:
+        return
+    n_lo = tl.load(col_meta_ptr + N_SLICES + 1 + j)
+    n_hi = tl.load(col_meta_ptr + N_SLICES + 2 + j)
+    offs_n = n_lo + (pid_n - tl.load(col_meta_ptr + j)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_hi
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # no iterations past the true rank
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
-        zt = tl.load(z_ptr + u[:, None] * stride_zu + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        bt = tl.load(
-            b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
-            mask=n_ok[:, None] & r_ok[None, :], other=0.0,
-        )
-        acc += tl.dot(zt, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-    acc = acc * tl.load(scales_ptr + slot)
-    rows = tl.load(rows_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+        zmask = m_ok[:, None] & r_ok[None, :]
+        zaddr = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
+        z = tl.load(zaddr, mask=zmask, other=0.0)
+        for k in tl.static_range(1, SPLIT):  # fixed order: deterministic
+            z += tl.load(zaddr + k * stride_zk, mask=zmask, other=0.0)
+        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if NATIVE_DOT:
+            acc += tl.dot(z.to(bt.dtype), tl.trans(bt))
+        else:
+            acc += tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    acc = acc * tl.load(scales_ptr + j * S + slot)
     yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     old = tl.load(yp, mask=mask, other=0.0)
     tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
 
 
-def _block(n: int, lo: int = 16, hi: int = 64) -> int:
+def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
-def add_lora_triton(y, x, lora_a, lora_b, plan: SegmentPlan, ranks, scales):
-    """Shrink then expand over ``plan``; y updated in place and returned.
-    Callers (add_lora) have checked shapes, dtypes and devices."""
-    if plan.num_active == 0:
-        return y
-    S, R, d_in = lora_a.shape
-    d_out = lora_b.shape[1]
-    x, lora_a, lora_b = x.contiguous(), lora_a.contiguous(), lora_b.contiguous()
-    assert y.stride(1) == 1, "y must be row-major"
-    z = torch.empty((plan.num_active, R), dtype=torch.float32, device=x.device)
-    block_m = _block(plan.max_count)
-    block_r = _block(R)
-    grid = (plan.num_segments, triton.cdiv(plan.max_count, block_m), triton.cdiv(R, block_r))
-    _shrink_kernel[grid](
-        x, lora_a, z, plan.sorted_rows, plan.starts, plan.slot_ids, ranks,
-        d_in, R, x.stride(0), lora_a.stride(0), lora_a.stride(1), z.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_block(d_in, 16, 128),
-        NATIVE_DOT=x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET,
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: torch.device, native: bool) -> dict:
+    """Block sizes and split factor for a launch; depends only on static shapes."""
+    block_r = _pow2(R, 16, 64)
+    block_k = 128 if not _INTERPRET else _pow2(d_in, 16, 32)
+    rank_tiles = triton.cdiv(R, block_r)
+    # split d_in until the shrink launch has about two programs per SM, keeping
+    # chunks of at least 2 K-blocks
+    want = 2 * _num_sms(device)
+    have = tiles * n_slices * rank_tiles
+    max_split = max(1, d_in // (2 * block_k))
+    split = max(1, min(max_split, triton.cdiv(want, have)))
+    k_per_split = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
+    split = triton.cdiv(d_in, k_per_split)
+    return dict(
+        block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
+        block_n=_pow2(min(widths), 16, 128), block_r_expand=_pow2(R, 16, 64),
     )
-    block_n = _block(d_out, 16, 128)
-    grid = (plan.num_segments, triton.cdiv(plan.max_count, block_m), triton.cdiv(d_out, block_n))
-    _expand_kernel[grid](
-        z, lora_b, y, plan.sorted_rows, plan.starts, plan.slot_ids, ranks, scales,
-        d_out, R, z.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+
+
+def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths):
+    """Shrink then expand over ``lp``; y updated in place and returned. No host
+    synchronisation: capturable in a CUDA graph. Callers have checked shapes,
+    dtypes, devices and value ranges (add_lora_slices)."""
+    S, n, R, d_in = lora_a.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    assert y.stride(1) == 1, "y must be row-major"
+    native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a)
+    bm = lp.block_m
+    zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
+        x, lora_a, zp, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
+        d_in, R, S, cfg["k_per_split"],
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
+        RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], NATIVE_DOT=native_a,
+    )
+    bn = cfg["block_n"]
+    col_tiles = [0]
+    col_offs = [0]
+    for w in widths:
+        col_tiles.append(col_tiles[-1] + triton.cdiv(w, bn))
+        col_offs.append(col_offs[-1] + w)
+    col_meta = _col_meta(tuple(col_tiles + col_offs), x.device)
+    _expand_kernel[(lp.tile_capacity, col_tiles[-1])](
+        zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
+        ranks, scales, col_meta,
+        R, S,
+        zp.stride(0), zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        N_SLICES=n, SPLIT=cfg["split"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=native_b,
     )
     return y
+
+
+_COL_META: dict[tuple, torch.Tensor] = {}
+
+
+def _col_meta(values: tuple, device: torch.device) -> torch.Tensor:
+    """Slice column metadata as a cached device tensor (created once per shape, so
+    a call inside CUDA graph capture finds it already resident)."""
+    key = (values, str(device))
+    t = _COL_META.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=torch.int32, device=device)
+        _COL_META[key] = t
+    return t
