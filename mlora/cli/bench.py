@@ -49,3 +49,61 @@ def bench_hash(
             f"{r['floor_s']:.2f} s ({r['cores']} cores x {r['single_core_sha256_bytes_per_s'] / gb:.2f} GB/s)",
         )
     Console().print(table)
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    quick: bool = typer.Option(False, "--quick", help="Token counts 1, 64, 256, 4096 only."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also time the loop and gather-BMM baselines."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """Time the segmented Triton kernels against their floors and baselines on the GPU (step 2 grid)."""
+    from ..kernels.bench import run_kernel_bench
+
+    err = Console(stderr=True)
+
+    def progress(c):
+        err.print(
+            f"[dim]{c['d_out']:>6} r{c['R']:<3} T={c['T']:<5} A={c['adapters']:<4} "
+            f"graph {c['triton_graph_s'] * 1e6:8.1f} us  floor {c['floor_s'] * 1e6:8.1f} us  "
+            f"{'ok' if c['correct'] else 'WRONG'}[/dim]"
+        )
+
+    try:
+        results = run_kernel_bench(quick=quick, baselines=baselines, progress=None if json_out else progress)
+    except RuntimeError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    text = json.dumps(results, indent=2)
+    if out:
+        out.write_text(text + "\n")
+    if json_out:
+        sys.stdout.write(text + "\n")
+    else:
+        _print_kernel_tables(results)
+    if not results["summary"]["all_correct"]:
+        raise typer.Exit(1)
+
+
+def _us(s) -> str:
+    return "-" if s is None else f"{s * 1e6:.1f}"
+
+
+def _print_kernel_tables(r: dict) -> None:
+    con = Console()
+    c = r["ceilings"]
+    con.print(f"{r['device']}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run)")
+    table = Table(title="shrink + expand, bf16, d_in 4096 (times in us)", title_justify="left")
+    for col in ("d_out", "rank", "T", "adapters", "floor", "graph", "fraction", "eager", "loop", "gather-BMM", "ok"):
+        table.add_column(col, justify="right")
+    for x in r["cases"]:
+        table.add_row(x["d_out"], str(x["R"]), str(x["T"]), str(x["adapters"]), _us(x["floor_s"]),
+                      _us(x["triton_graph_s"]), f"{x['fraction']:.2f}", _us(x["triton_eager_s"]),
+                      _us(x.get("loop_s")), _us(x.get("gather_bmm_s")), "yes" if x["correct"] else "NO")
+    con.print(table)
+    for m in r["mixed_rank"]:
+        con.print(f"mixed ranks 8/16/64, T={m['T']}, 64 adapters: {_us(m['mixed_s'])} us vs padded-to-64 "
+                  f"{_us(m['padded_s'])} us = {m['ratio']:.2f}x (floor ratio {m['floor_ratio']:.2f})")
+    con.print_json(data=r["summary"])

@@ -82,10 +82,13 @@ def tile_capacity(num_rows: int, num_slots: int, block_m: int) -> int:
 
 
 def choose_block_m(num_active: int, num_segments: int) -> int:
-    """Row tile for a batch: 16 (the smallest tensor-core tile) when segments are
-    decode-like, up to 64 for long prefill segments."""
+    """Row tile for a batch, from the H200 sweep (scripts/kernel_sweep.py,
+    BENCHMARKS.md): 16, the smallest tensor-core tile, for decode-like and
+    mid-size batches; 32 for large batches with long segments (>= 1024 rows,
+    >= 32 rows per slot on average), where fewer, larger tiles cut the
+    re-reads of B."""
     mean = num_active / max(num_segments, 1)
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+    return 32 if num_active >= 1024 and mean >= 32 else 16
 
 
 def empty_launch_plan(row_capacity: int, tile_capacity: int, block_m: int, device) -> LaunchPlan:

@@ -93,7 +93,8 @@ def _shrink_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < d_in
         xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0,
+                     eviction_policy="evict_last")
         if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
             acc += tl.dot(xt, tl.trans(at))
         else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
@@ -108,17 +109,20 @@ def _expand_kernel(
     ranks_ptr, scales_ptr, col_meta_ptr,
     R, S,
     stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-    N_SLICES: tl.constexpr, SPLIT: tl.constexpr,
+    N_SLICES: tl.constexpr, SPLIT: tl.constexpr, GROUP_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
+    """One row tile x one group of GROUP_TILES column tiles of one slice: the
+    tile's z (split partials summed once, in fixed order) stays in registers
+    while the group's columns stream B and y."""
     pid_t = tl.program_id(0)
     if pid_t >= tl.load(num_tiles_ptr):
         return
-    pid_n = tl.program_id(1)
-    # col_meta = [first column tile of slice 0..n, first column of slice 0..n]
+    pid_g = tl.program_id(1)
+    # col_meta = [first column group of slice 0..n, first column of slice 0..n]
     j = 0
     for jj in tl.static_range(1, N_SLICES):
-        if pid_n >= tl.load(col_meta_ptr + jj):
+        if pid_g >= tl.load(col_meta_ptr + jj):
             j = jj
     slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
     rank = tl.load(ranks_ptr + j * S + slot)
@@ -126,28 +130,35 @@ def _expand_kernel(
         return
     n_lo = tl.load(col_meta_ptr + N_SLICES + 1 + j)
     n_hi = tl.load(col_meta_ptr + N_SLICES + 2 + j)
-    offs_n = n_lo + (pid_n - tl.load(col_meta_ptr + j)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_hi
+    n_first = n_lo + (pid_g - tl.load(col_meta_ptr + j)) * (GROUP_TILES * BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank  # the true rank: z and B past it are never read
+    zmask = m_ok[:, None] & r_ok[None, :]
+    zaddr = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
+    z = tl.load(zaddr, mask=zmask, other=0.0)
+    for k in tl.static_range(1, SPLIT):  # fixed order: deterministic
+        z += tl.load(zaddr + k * stride_zk, mask=zmask, other=0.0)
+    z = z * tl.load(scales_ptr + j * S + slot)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # no iterations past the true rank
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        zmask = m_ok[:, None] & r_ok[None, :]
-        zaddr = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
-        z = tl.load(zaddr, mask=zmask, other=0.0)
-        for k in tl.static_range(1, SPLIT):  # fixed order: deterministic
-            z += tl.load(zaddr + k * stride_zk, mask=zmask, other=0.0)
-        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    if NATIVE_DOT:
+        zd = z.to(b_ptr.dtype.element_ty)
+    else:
+        zd = z
+    for g in range(0, GROUP_TILES):
+        offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_hi
+        yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        # y streams through once: issue its load first (its latency overlaps B and the
+        # dot) and keep it out of L2's way; B stays cached for the slot's other tiles
+        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
+        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                     other=0.0, eviction_policy="evict_last")
         if NATIVE_DOT:
-            acc += tl.dot(z.to(bt.dtype), tl.trans(bt))
+            acc = tl.dot(zd, tl.trans(bt))
         else:
-            acc += tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-    acc = acc * tl.load(scales_ptr + j * S + slot)
-    yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    old = tl.load(yp, mask=mask, other=0.0)
-    tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
+            acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -163,29 +174,41 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: torch.device, native: bool) -> dict:
-    """Block sizes and split factor for a launch; depends only on static shapes."""
-    block_r = _pow2(R, 16, 64)
-    block_k = 128 if not _INTERPRET else _pow2(d_in, 16, 32)
+def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: torch.device, native: bool,
+                  tiles_bm: int = 16, **override) -> dict:
+    """Block sizes, warps and split factor for a launch; depends only on static
+    shapes. ``override`` replaces any entry (used by the benchmark's sweeps)."""
+    block_r = override.get("block_r") or _pow2(R, 16, 64)
+    block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
     rank_tiles = triton.cdiv(R, block_r)
-    # split d_in until the shrink launch has about two programs per SM, keeping
-    # chunks of at least 2 K-blocks
-    want = 2 * _num_sms(device)
+    # split d_in until the shrink launch has about ``waves`` programs per SM,
+    # keeping chunks of at least 2 K-blocks
+    want = override.get("waves", 4) * _num_sms(device)
     have = tiles * n_slices * rank_tiles
     max_split = max(1, d_in // (2 * block_k))
-    split = max(1, min(max_split, triton.cdiv(want, have)))
+    split = override.get("split") or max(1, min(max_split, triton.cdiv(want, have)))
     k_per_split = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     split = triton.cdiv(d_in, k_per_split)
-    return dict(
+    cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
-        block_n=_pow2(min(widths), 16, 128), block_r_expand=_pow2(R, 16, 64),
+        block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
+        shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2,
     )
+    # column groups: each expand program loads its tile's z once and streams
+    # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
+    col_tiles = sum(triton.cdiv(w, cfg["block_n"]) for w in widths)
+    programs = tiles * col_tiles
+    cfg["group_tiles"] = override.get("group_tiles") or max(
+        1, min(8, programs // (override.get("expand_waves", 4) * _num_sms(device))))
+    cfg.update({k: v for k, v in override.items() if k in cfg and k not in ("split", "block_r", "block_k", "block_n")})
+    return cfg
 
 
-def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths):
+def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None):
     """Shrink then expand over ``lp``; y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
-    dtypes, devices and value ranges (add_lora_slices)."""
+    dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
+    entries of :func:`launch_config`."""
     S, n, R, d_in = lora_a.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -193,28 +216,30 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     assert y.stride(1) == 1, "y must be row-major"
     native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-    cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a)
+    cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         d_in, R, S, cfg["k_per_split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
-        RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], NATIVE_DOT=native_a,
+        RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        NATIVE_DOT=native_a, num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
-    bn = cfg["block_n"]
-    col_tiles = [0]
+    bn, gt = cfg["block_n"], cfg["group_tiles"]
+    col_groups = [0]
     col_offs = [0]
     for w in widths:
-        col_tiles.append(col_tiles[-1] + triton.cdiv(w, bn))
+        col_groups.append(col_groups[-1] + triton.cdiv(w, bn * gt))
         col_offs.append(col_offs[-1] + w)
-    col_meta = _col_meta(tuple(col_tiles + col_offs), x.device)
-    _expand_kernel[(lp.tile_capacity, col_tiles[-1])](
+    col_meta = _col_meta(tuple(col_groups + col_offs), x.device)
+    _expand_kernel[(lp.tile_capacity, col_groups[-1])](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales, col_meta,
         R, S,
         zp.stride(0), zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        N_SLICES=n, SPLIT=cfg["split"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=native_b,
+        N_SLICES=n, SPLIT=cfg["split"], GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=native_b,
+        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
     )
     return y
 
