@@ -52,6 +52,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_ABI = "mlora-sgmv-v1: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials; scale in expand epilogue"
 
 _NUM_SMS: dict[int, int] = {}
+_CONFIGS: dict[tuple, dict] = {}
 
 
 @triton.jit
@@ -161,8 +162,14 @@ def _expand_kernel(
         tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
 
 
+# Plain-Python helpers: triton.cdiv / next_power_of_2 are JIT functions whose
+# Python calls cost microseconds each, which the host path cannot afford.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -180,15 +187,15 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     shapes. ``override`` replaces any entry (used by the benchmark's sweeps)."""
     block_r = override.get("block_r") or _pow2(R, 16, 64)
     block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
-    rank_tiles = triton.cdiv(R, block_r)
+    rank_tiles = _cdiv(R, block_r)
     # split d_in until the shrink launch has about ``waves`` programs per SM,
     # keeping chunks of at least 2 K-blocks
     want = override.get("waves", 4) * _num_sms(device)
     have = tiles * n_slices * rank_tiles
     max_split = max(1, d_in // (2 * block_k))
-    split = override.get("split") or max(1, min(max_split, triton.cdiv(want, have)))
-    k_per_split = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
-    split = triton.cdiv(d_in, k_per_split)
+    split = override.get("split") or max(1, min(max_split, _cdiv(want, have)))
+    k_per_split = _cdiv(_cdiv(d_in, split), block_k) * block_k
+    split = _cdiv(d_in, k_per_split)
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
@@ -196,7 +203,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
-    col_tiles = sum(triton.cdiv(w, cfg["block_n"]) for w in widths)
+    col_tiles = sum(_cdiv(w, cfg["block_n"]) for w in widths)
     programs = tiles * col_tiles
     cfg["group_tiles"] = override.get("group_tiles") or max(
         1, min(8, programs // (override.get("expand_waves", 4) * _num_sms(device))))
@@ -216,7 +223,12 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     assert y.stride(1) == 1, "y must be row-major"
     native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-    cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
+    key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m)
+    cfg = _CONFIGS.get(key) if config is None else None
+    if cfg is None:
+        cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
+        if config is None:
+            _CONFIGS[key] = cfg
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
@@ -230,7 +242,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     col_groups = [0]
     col_offs = [0]
     for w in widths:
-        col_groups.append(col_groups[-1] + triton.cdiv(w, bn * gt))
+        col_groups.append(col_groups[-1] + _cdiv(w, bn * gt))
         col_offs.append(col_offs[-1] + w)
     col_meta = _col_meta(tuple(col_groups + col_offs), x.device)
     _expand_kernel[(lp.tile_capacity, col_groups[-1])](
