@@ -13,7 +13,8 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
   * A bank ``[S, n, R, d_in]`` and B bank ``[S, sum(w_j), R]``, row-major, the
     logical orientation of PEFT checkpoints; slice ``j`` of B is the row block
     ``[off_j, off_j + w_j)``; ranks and scales are ``[n, S]`` tables; the
-    scale is applied in fp32 in the expand epilogue (never folded into B).
+    scale multiplies the summed z in fp32 before the expand dot (never folded
+    into B).
   * Indexed rows: x and y stay in scheduler order; the LaunchPlan's
     ``sorted_rows`` is the row-address vector.
   * Split-K shrink: ``SPLIT`` programs each reduce one contiguous chunk of
@@ -26,13 +27,16 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
     fp32 operands use IEEE fp32 dots (never TF32). Accumulation is fp32.
 
 Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
-exits at once, expand loops only up to the true rank, and every load past it
-is masked (never issued), so padded tails cost no bytes and may hold NaN.
+exits at once, and every load of z, A or B past the true rank is masked (never
+issued), so padded tails cost no bytes and may hold NaN.
 
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
 shrink ``(tile_capacity, n * rank tiles, SPLIT)``, expand ``(tile_capacity,
-column tiles of all slices)``; programs past ``num_tiles`` exit. Together with
-no host synchronisation this makes a call capturable in a CUDA graph.
+column groups of all slices)`` where each expand program keeps its tile's z in
+registers and streams ``GROUP_TILES`` column tiles; programs past
+``num_tiles`` exit. Together with no host synchronisation this makes a call
+capturable in a CUDA graph. Launch defaults come from ``scripts/kernel_sweep.py``
+on the H200 (BENCHMARKS.md); see docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from .launch import LaunchPlan
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v1: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials; scale in expand epilogue"
+KERNEL_ABI = "mlora-sgmv-v1: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials; scale on z in fp32 before the expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
