@@ -2,9 +2,10 @@
 expand for a few step-2 shapes and launch-config variants: how the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults]
 """
 import json
+import sys
 
 import torch
 from torch.profiler import profile, ProfilerActivity
@@ -18,7 +19,8 @@ CASES = [("4096", 64, 4096, 1), ("4096", 16, 4096, 1), ("4096", 16, 256, 64), ("
 VARIANTS = [dict(), dict(block_r=16), dict(block_n=256), dict(block_n=256, expand_warps=8), dict(expand_stages=3),
             dict(expand_stages=4), dict(group_tiles=2), dict(bm=64, expand_warps=8), dict(bm=64, block_n=64, expand_warps=8),
             dict(bm=32, block_n=64)]
-out = []
+if "--defaults" in sys.argv:  # only the default launch config
+    VARIANTS = [dict()]
 for (o, r, T, A) in CASES:
     widths = OUTPUTS[o]
     rk = [(8, 16, 64)[i % 3] for i in range(A)] if r == "mixed" else [r] * A

@@ -193,3 +193,26 @@ def test_column_groups_and_forced_split_match_the_oracle(config, bm):
     assert torch.equal(y[rs < 0], y0[rs < 0])
     err = (y.cpu().double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[torch.float32], float(err)
+
+
+def test_mixed_rank_classes_in_one_launch():
+    """Ranks on both sides of the narrow rank class (16) in a rank-64 bank, tails NaN."""
+    case = list(sliced_case(10, T=40, S=5, R=64, d_in=48, widths=(32, 16), dtype=torch.float32, base_frac=0.1))
+    y, x, a, b, rs, ranks, scales, widths = case
+    ranks[0] = torch.tensor([4, 16, 17, 40, 64], dtype=torch.int32)
+    ranks[1] = torch.tensor([64, 1, 16, 0, 33], dtype=torch.int32)
+    a.normal_()
+    b.normal_()
+    off = [0, 32, 48]
+    for j in range(2):
+        for s in range(5):
+            a[s, j, ranks[j, s]:] = float("nan")
+            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
+    ref = sliced_oracle(y, x, a, b, rs, ranks, scales, widths)
+    y, x, a, b, rs, ranks, scales = _dev(y, x, a, b, rs, ranks, scales)
+    y0 = y.clone()
+    add_lora_slices(y, x, a, b, rs, widths=widths, ranks=ranks, scales=scales, backend="triton")
+    assert torch.equal(y[rs < 0], y0[rs < 0])
+    assert torch.equal(y[rs == 3, 32:], y0[rs == 3, 32:])  # rank 0 in slice 1
+    err = (y.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.float32], float(err)

@@ -77,7 +77,7 @@ def _shrink_kernel(
     d_in, R, S, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     if pid_t >= tl.load(num_tiles_ptr):
@@ -89,6 +89,28 @@ def _shrink_kernel(
     rank = tl.load(ranks_ptr + j * S + slot)
     if r0 >= rank:
         return
+    if BLOCK_R > RANK_CLASS:  # narrow path for low-rank slots in a wide bank (mixed ranks)
+        if rank <= RANK_CLASS:
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+                         stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+                         BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT)
+        else:
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+                         stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+                         BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
+    else:
+        _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+                     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
+
+
+@triton.jit
+def _shrink_rows(
+    x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+    stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -115,7 +137,8 @@ def _expand_kernel(
     R, S,
     stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
     N_SLICES: tl.constexpr, SPLIT: tl.constexpr, GROUP_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):
     """One row tile x one group of GROUP_TILES column tiles of one slice: the
     tile's z (split partials summed once, in fixed order) stays in registers
@@ -136,6 +159,31 @@ def _expand_kernel(
     n_lo = tl.load(col_meta_ptr + N_SLICES + 1 + j)
     n_hi = tl.load(col_meta_ptr + N_SLICES + 2 + j)
     n_first = n_lo + (pid_g - tl.load(col_meta_ptr + j)) * (GROUP_TILES * BLOCK_N)
+    # narrow code path for low-rank slots in a wide bank (mixed ranks): their
+    # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
+    if BLOCK_R > RANK_CLASS:
+        if rank <= RANK_CLASS:
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
+                            stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
+                            SPLIT, GROUP_TILES, BLOCK_N, RANK_CLASS, NATIVE_DOT)
+        else:
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
+                            stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
+                            SPLIT, GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT)
+    else:
+        _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
+                        stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
+                        SPLIT, GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT)
+
+
+@triton.jit
+def _expand_columns(
+    zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
+    stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
+    SPLIT: tl.constexpr, GROUP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
+    """The expand of one tile over its column group, z and B BLOCK_R wide (>= rank)."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank  # the true rank: z and B past it are never read
     zmask = m_ok[:, None] & r_ok[None, :]
@@ -203,7 +251,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
-        shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2,
+        shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
@@ -240,7 +288,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         d_in, R, S, cfg["k_per_split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-        NATIVE_DOT=native_a, num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
     col_groups = [0]
@@ -254,7 +302,8 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         ranks, scales, col_meta,
         R, S,
         zp.stride(0), zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        N_SLICES=n, SPLIT=cfg["split"], GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=native_b,
+        N_SLICES=n, SPLIT=cfg["split"], GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
     )
     return y
