@@ -1,0 +1,51 @@
+"""The seam between the model and the adapter slot bank.
+
+Owns the grouping of LoRA target modules into fused launches and the protocol
+the model calls at every target module. The model never knows where adapter
+factors live; the bank (``mlora.batch.bank``, later the residency engine of
+step 4) never knows the model's layer code.
+
+Groups (one fused shrink + expand launch each, ``add_lora_slices``)::
+
+    "qkv"     slices q_proj, k_proj, v_proj   input hidden        widths q_out, kv_out, kv_out
+    "o"       slice  o_proj                   input q_out         width  hidden
+    "gate_up" slices gate_proj, up_proj       input hidden        widths inter, inter
+    "down"    slice  down_proj                input inter         width  hidden
+
+``LoraContext.apply(layer, group, x, y)`` adds, in place, the LoRA deltas of
+every row of ``x`` (packed rows of this model invocation) to ``y``, the base
+output of the fused group (columns laid out slice after slice, as above).
+Rows whose adapter does not target a slice are left untouched there.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+# role -> (group, slice index)
+ROLE_SLICE: dict[str, tuple[str, int]] = {role: (g, j) for g, roles in GROUPS.items() for j, role in enumerate(roles)}
+
+
+def group_shapes(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """group -> (d_in, slice widths) for a Llama-family decoder layer."""
+    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+    return {
+        "qkv": (hidden, (q_out, kv_out, kv_out)),
+        "o": (q_out, (hidden,)),
+        "gate_up": (hidden, (intermediate, intermediate)),
+        "down": (intermediate, (hidden,)),
+    }
+
+
+class LoraContext(Protocol):
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
