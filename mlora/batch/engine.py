@@ -1,0 +1,338 @@
+"""The generation engine: continuous batching over a paged KV cache.
+
+Owns the lifetime of requests inside the engine (spec 0x01C request state and
+0x03 iteration state): admission (FIFO, bounded by ``max_num_seqs``, the KV
+cache and the adapter slot bank), the mixed prefill/decode iteration plan of
+spec 0x03A-0x03C (chunked prefill under a ``max_batch_tokens`` budget,
+phase-major packing: prefill rows first, then decode rows, with
+``prefill_indptr`` and ``doff``), preemption by recompute when the KV cache
+runs out, sampling and stop rules. Rows leave the engine as ``Result``s in
+completion order; the job runner puts them back in input order.
+
+Per iteration::
+
+    schedule  -> IterationPlan (sequences, rows per sequence, positions, rows to sample)
+    blocks    -> every scheduled sequence holds KV blocks for its new tokens
+    adapters  -> bank.ensure(distinct adapters) -> slot per row (-1 = base only)
+    forward   -> logits of the sample rows
+    sample    -> append tokens, finish rows (eos | stop string | max_new_tokens | context)
+
+Invariants: a sequence is in exactly one of waiting / running / finished; the
+adapters of the running sequences are never more than the bank's slots, so
+``ensure`` never has to evict an adapter in use; a preempted sequence keeps its
+generated tokens and recomputes its KV (same tokens, same random stream).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import AttentionMetadata
+from .kvcache import BlockAllocator, KVCache, KVCacheFull
+from .sampling import SamplingParams, row_key, sample
+
+
+@dataclass
+class Request:
+    row: int  # global input row position
+    id: str
+    prompt_ids: list[int]
+    adapter: str | None  # None = base model on purpose
+    max_new_tokens: int
+
+
+@dataclass
+class Result:
+    row: int
+    id: str
+    adapter: str | None
+    token_ids: list[int]
+    finish_reason: str  # stop | length | error
+    num_prompt_tokens: int
+    error_code: str | None = None
+    error_message: str | None = None
+    text: str | None = None  # the completion, cut before a stop string (None: decode token_ids)
+
+
+@dataclass
+class Sequence:
+    req: Request
+    key: int
+    tokens: list[int]
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    admitted: int = 0  # admission counter (preemption picks the latest)
+    text: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.req.prompt_ids):]
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class IterationPlan:
+    """One model invocation (spec 0x03A): packed rows, phase-major."""
+
+    seqs: list[Sequence]
+    new_tokens: list[int]  # rows of each sequence in this iteration
+    sample: list[bool]  # does this sequence's last row get sampled
+    prefill_indptr: list[int]  # row offsets of the prefill sequences (spec 0x03A)
+    doff: int  # first decode row
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.new_tokens)
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        bank,
+        pinned: dict,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_batch_tokens: int = 2048,
+        sampling: SamplingParams = SamplingParams(),
+        stop_strings: tuple[str, ...] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        device="cpu",
+        dtype=torch.float32,
+    ):
+        cfg = model.config
+        if stop_strings and detokenize is None:
+            raise ValueError("stop strings need a detokenizer")
+        self.model, self.bank, self.pinned = model, bank, pinned
+        self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        self.sampling, self.stop_strings, self.detokenize = sampling, tuple(stop_strings), detokenize
+        self.device = torch.device(device)
+        self.eos = set(cfg.eos_token_ids)
+        self.max_context = cfg.max_position_embeddings
+        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.num_blocks = num_blocks
+        self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = 0
+        self.stats = dict(iterations=0, prefill_tokens=0, decode_tokens=0, generated_tokens=0, preemptions=0)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add(self, req: Request) -> Result | None:
+        """Queue a request; a request that can never run is returned at once as an error Result."""
+        err = self._reject(req)
+        if err:
+            return Result(req.row, req.id, req.adapter, [], "error", len(req.prompt_ids), *err)
+        self.waiting.append(Sequence(req, row_key(self.sampling.seed, req.id), list(req.prompt_ids)))
+        return None
+
+    def _reject(self, req: Request) -> tuple[str, str] | None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "E_PROMPT_EMPTY", "the prompt has no tokens; give a non-empty prompt"
+        if n >= self.max_context:
+            return ("E_PROMPT_TOO_LONG", f"the prompt has {n} tokens; the model's context is {self.max_context} "
+                    "(shorten the prompt)")
+        need = -(-min(n + max(req.max_new_tokens, 1), self.max_context) // self.block_size)
+        if need > self.num_blocks:
+            return ("E_PROMPT_TOO_LONG", f"prompt + max_new_tokens need {need} KV blocks, the cache holds "
+                    f"{self.num_blocks} (shorten the prompt, lower --max-new-tokens or give the cache more memory)")
+        if req.adapter is not None:
+            p = self.pinned.get(req.adapter)
+            if p is None or not p.ok:
+                code = getattr(p, "error_code", None) or "E_ADAPTER_UNKNOWN"
+                msg = getattr(p, "error_message", None) or f"adapter {req.adapter!r} is not in the catalog"
+                return code, msg
+        if req.max_new_tokens < 1:
+            return "E_MAX_NEW_TOKENS", f"max_new_tokens is {req.max_new_tokens}; it must be >= 1"
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one iteration ---------------------------------------------------------------
+
+    def step(self) -> list[Result]:
+        """Run one iteration; return the rows that finished in it."""
+        plan = self.schedule()
+        if plan is None:
+            return []
+        logits = self._forward(plan)
+        return self._advance(plan, logits)
+
+    def schedule(self) -> IterationPlan | None:
+        budget = self.max_batch_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        # decodes first (one row each), then prefill chunks of running sequences
+        for seq in sorted(self.running, key=lambda s: s.pending != 1):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted by an earlier reservation in this loop
+                continue
+            n = min(seq.pending, budget)
+            if not self._reserve(seq, n):
+                break  # cache full even after preemption: the rest waits for the next iteration
+            chosen.append((seq, n))
+            budget -= n
+        chosen = [(s, n) for s, n in chosen if s in self.running]  # drop preempted ones
+        # admit waiting sequences (FIFO) while seats, adapter slots, KV and budget allow
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break
+            n = min(seq.pending, budget)
+            blocks = self._blocks_needed(seq, n)
+            if blocks > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            self._admissions += 1
+            seq.admitted = self._admissions
+            self.running.append(seq)
+            seq.blocks += self.allocator.allocate(blocks)
+            chosen.append((seq, n))
+            budget -= n
+        if not chosen:
+            return None
+        prefill = [(s, n) for s, n in chosen if not (s.num_computed > 0 and s.pending == 1)]
+        decode = [(s, n) for s, n in chosen if s.num_computed > 0 and s.pending == 1]
+        ordered = prefill + decode  # phase-major packing (spec 0x03A)
+        indptr = [0]
+        for _, n in prefill:
+            indptr.append(indptr[-1] + n)
+        return IterationPlan(
+            seqs=[s for s, _ in ordered],
+            new_tokens=[n for _, n in ordered],
+            sample=[s.num_computed + n == len(s.tokens) for s, n in ordered],
+            prefill_indptr=indptr,
+            doff=indptr[-1],
+        )
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        a = seq.req.adapter
+        if a is None:
+            return True
+        active = {s.req.adapter for s in self.running if s.req.adapter is not None}
+        return a in active or len(active) < self.num_slots
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks))
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Blocks for ``n`` more tokens of a running sequence, preempting the latest
+        admitted other sequences (recompute) when the cache is full."""
+        need = self._blocks_needed(seq, n)
+        while need > self.allocator.num_free:
+            victims = [s for s in self.running if s is not seq]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.admitted))
+        if need:
+            try:
+                seq.blocks += self.allocator.allocate(need)
+            except KVCacheFull:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks, seq.num_computed = [], 0
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _forward(self, plan: IterationPlan) -> torch.Tensor:
+        ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters = [], [], [], [0], [], [], [], []
+        bs = self.block_size
+        for seq, n in zip(plan.seqs, plan.new_tokens):
+            p0 = seq.num_computed
+            ids += seq.tokens[p0 : p0 + n]
+            pos += range(p0, p0 + n)
+            slots_map += [seq.blocks[p // bs] * bs + p % bs for p in range(p0, p0 + n)]
+            starts.append(starts[-1] + n)
+            ctx.append(p0 + n)
+            tables.append(list(seq.blocks))
+            row_adapters += [seq.req.adapter] * n
+        for b, s in enumerate(plan.sample):
+            if s:
+                sample_rows.append(starts[b + 1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_starts=starts, context_lens=ctx, block_tables=tables,
+            slot_mapping=torch.tensor(slots_map, dtype=torch.int64, device=dev),
+        )
+        lora = None
+        distinct = sorted({a for a in row_adapters if a is not None})
+        if distinct:
+            slot_of = self.bank.ensure(distinct, self.pinned)
+            row_slots = torch.tensor([slot_of[a] if a is not None else -1 for a in row_adapters],
+                                     dtype=torch.int32, device=dev)
+            lora = self.bank.context(row_slots)
+        self.stats["iterations"] += 1
+        self.stats["prefill_tokens"] += plan.doff
+        self.stats["decode_tokens"] += plan.num_rows - plan.doff
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta, self.kv, lora, torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+        )
+
+    def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
+        sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
+        toks = sample(logits, self.sampling, [s.key for s in sampled], [len(s.generated) for s in sampled])
+        for seq, n in zip(plan.seqs, plan.new_tokens):
+            seq.num_computed += n
+        done: list[Result] = []
+        for seq, tok in zip(sampled, toks):
+            reason = self._append(seq, tok)
+            if reason:
+                done.append(self._finish(seq, reason))
+        self.stats["generated_tokens"] += len(toks)
+        return done
+
+    def _append(self, seq: Sequence, tok: int) -> str | None:
+        """Add a sampled token; return the finish reason if the row is done."""
+        if tok in self.eos:
+            return "stop"  # the EOS token itself is not part of the completion
+        seq.tokens.append(tok)
+        if self.stop_strings:
+            text = self.detokenize(seq.generated)
+            cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = text[:cut]
+                return "stop"
+        if len(seq.generated) >= seq.req.max_new_tokens or len(seq.tokens) >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> Result:
+        self.running.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        r = seq.req
+        return Result(r.row, r.id, r.adapter, seq.generated, reason, len(r.prompt_ids), text=seq.text)
+
+    def drain(self) -> list[Result]:
+        """Run until every queued request finished."""
+        out: list[Result] = []
+        while self.has_work():
+            before = (len(self.waiting), len(self.running))
+            out += self.step()
+            if not self.running and self.waiting and (len(self.waiting), len(self.running)) == before:
+                seq = self.waiting.popleft()  # cannot be admitted even into an empty engine: a bug guard
+                out.append(Result(seq.req.row, seq.req.id, seq.req.adapter, [], "error", len(seq.req.prompt_ids),
+                                  "E_ENGINE_STUCK", "the engine could not admit this row into an empty batch"))
+        return out

@@ -1,0 +1,118 @@
+"""``mlora batch-run``: thin CLI over :func:`mlora.batch.job.run_job`.
+
+Parses options, shows progress on stderr (rich, only on a terminal and without
+``--quiet``), prints the end-of-run summary (a table, or JSON with ``--json``)
+and maps errors to exit codes: 1 for invalid input / adapters / resume
+mismatch, 2 for usage errors, 3 for runtime failures (rerun with ``--resume``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+EXIT_INVALID, EXIT_USAGE = 1, 2
+
+
+def batch_run(
+    input: str = typer.Argument(..., help="Parquet file, directory of Parquet files, or glob."),
+    output: Path = typer.Argument(..., help="Output directory (Parquet shards, _manifest.json, _SUCCESS)."),
+    base: Path = typer.Option(..., "--base", exists=True, file_okay=False, help="Base checkpoint directory."),
+    adapters: Optional[Path] = typer.Option(None, "--adapters", exists=True, file_okay=False,
+                                            help="Directory whose sub-directories are adapters (id = name)."),
+    catalog: Optional[Path] = typer.Option(None, "--catalog", exists=True, dir_okay=False,
+                                           help="JSON catalog: id -> path or {path, artifact_sha256}."),
+    id_column: str = typer.Option("id", "--id-column", help="Row id column (generated from the row position if absent)."),
+    prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="Text prompt column (default: prompt)."),
+    prompt_ids_column: Optional[str] = typer.Option(None, "--prompt-ids-column", help="Token-id prompt column instead of text."),
+    adapter_column: str = typer.Option("adapter", "--adapter-column", help="Adapter id column (null, empty or __base__ = base model)."),
+    max_new_tokens_column: Optional[str] = typer.Option(None, "--max-new-tokens-column", help="Per-row max_new_tokens column."),
+    keep_columns: Optional[List[str]] = typer.Option(None, "--keep-columns", help="Input columns to copy to the output (repeat or comma-separate)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Default new-token limit per row."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (default)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Job seed; a row's random stream depends only on it and the row id."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail the job (exit 1) if any referenced adapter is unknown or unservable."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job in OUTPUT."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | bfloat16 | float16 | float32 (auto: float32 on CPU, the checkpoint's on GPU)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="Sequences decoded together."),
+    max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", min=1, help="Token budget of one iteration (chunked prefill)."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use."),
+    max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="Adapter slots (default: every adapter the job names)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
+    shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+) -> None:
+    """Generate a completion for every input row with the adapter it names (Parquet in, Parquet out)."""
+    from ..batch.job import JobError, JobOptions, run_job
+
+    err = Console(stderr=True)
+    if adapters is not None and catalog is not None:
+        _fail(err, "E_USAGE", "give either --adapters DIR or --catalog FILE, not both", EXIT_USAGE)
+    if prompt_column and prompt_ids_column:
+        _fail(err, "E_USAGE", "give either --prompt-column or --prompt-ids-column, not both", EXIT_USAGE)
+    if not 0 < top_p <= 1:
+        _fail(err, "E_USAGE", "--top-p must lie in (0, 1]", EXIT_USAGE)
+    keep = tuple(c.strip() for item in (keep_columns or []) for c in item.split(",") if c.strip())
+    opts = JobOptions(
+        input=input, output=str(output), base=str(base),
+        adapters_dir=str(adapters) if adapters else None, catalog_file=str(catalog) if catalog else None,
+        id_column=id_column, prompt_column=None if prompt_ids_column else (prompt_column or "prompt"),
+        prompt_ids_column=prompt_ids_column, adapter_column=adapter_column,
+        max_new_tokens_column=max_new_tokens_column, keep_columns=keep, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), strict=strict,
+        resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+        max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+        shard_rows=shard_rows,
+    )
+    show = not quiet and err.is_terminal
+    bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn(), console=err, disable=not show)
+    task = bar.add_task("rows", total=None, info="")
+
+    def progress(summary, engine):
+        done = summary.resumed_from_row + summary.rows_this_run
+        rate = summary.generated_tokens / max(1e-9, time.perf_counter() - started)
+        active = len({s.req.adapter for s in engine.running})
+        bar.update(task, total=summary.rows, completed=done,
+                   info=f"{rate:,.0f} tok/s  {len(engine.running)} running  {active} adapters")
+
+    started = time.perf_counter()
+    try:
+        with bar:
+            summary = run_job(opts, progress=progress)
+    except JobError as exc:
+        _fail(err, exc.code, str(exc).split(": ", 1)[-1], exc.exit_code)
+    except ValueError as exc:  # the input, output, catalog and model errors carry a stable code
+        code = getattr(exc, "code", None)
+        if code is None:
+            raise
+        _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_INVALID)
+    if json_out:
+        sys.stdout.write(json.dumps(summary.to_json()) + "\n")
+        return
+    table = Table(title=f"mlora batch-run -> {output}", title_justify="left")
+    for col in ("rows", "ok", "errors", "generated tokens", "tokens/s", "wall", "adapters", "device"):
+        table.add_column(col, justify="right")
+    table.add_row(str(summary.rows), str(summary.ok_rows), str(summary.error_rows), str(summary.generated_tokens),
+                  f"{summary.tokens_per_s:,.1f}", f"{summary.wall_s:.1f} s", str(summary.adapters), summary.device)
+    Console().print(table)
+    if summary.errors_by_code:
+        Console().print("error rows by code: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())))
+
+
+def _fail(err: Console, code: str, message: str, exit_code: int):
+    err.print(f"Error: {code}: {message}", markup=False, highlight=False)
+    raise typer.Exit(exit_code)
