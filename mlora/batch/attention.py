@@ -1,0 +1,109 @@
+"""Causal attention over the paged KV cache for packed, mixed prefill/decode rows.
+
+Owns ``AttentionMetadata`` (which packed rows belong to which sequence, and
+where each sequence's K/V lives) and the reference attention. Must not touch
+the cache's allocation or the scheduler's block tables: it only reads them.
+
+Semantics, for sequence ``b`` with ``n`` new rows and ``c = context_lens[b]``::
+
+    K, V  = cache rows of positions 0 .. c-1, read through block_tables[b]
+    row i = query_starts[b] + i sits at position p = c - n + i
+    out[row i] = softmax(scale * q[row i] . K[0..p]^T) V[0..p]     (GQA: head h reads kv head h // (H / H_kv))
+
+This is the torch reference path: a loop over sequences, each one
+``scaled_dot_product_attention`` call with an explicit boolean mask. GPU
+kernels (paged decode, varlen prefill) come later and are tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mlora.batch.kvcache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """One model invocation's attention layout, shared by every layer.
+
+    ``query_starts`` (len B+1): packed rows of sequence b are [query_starts[b], query_starts[b+1]).
+    ``context_lens`` (len B): tokens of sequence b in the cache once this step's K/V are written.
+    ``block_tables`` (len B): block ids of sequence b, in position order.
+    ``slot_mapping`` (int64 [T]): cache slot of every packed row.
+    """
+
+    query_starts: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def sequence_views(self, block_size: int, device: torch.device) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per sequence ``(row_start, row_end, kv_slots [c], mask [n, c])``, built on the
+        first layer's call with one host-to-device copy and reused by the others."""
+        key = (block_size, str(device))
+        if key not in self._views:
+            self._views[key] = self._build_views(block_size, torch.device(device))
+        return self._views[key]
+
+    def _build_views(self, block_size: int, device: torch.device):
+        self._check(block_size)
+        slots: list[int] = []
+        for table, ctx in zip(self.block_tables, self.context_lens):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx))
+        all_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        views = []
+        for b, slot_chunk in enumerate(all_slots.split(self.context_lens)):
+            start, end, ctx = self.query_starts[b], self.query_starts[b + 1], self.context_lens[b]
+            n = end - start
+            query_pos = torch.arange(ctx - n, ctx, device=device)
+            key_pos = torch.arange(ctx, device=device)
+            views.append((start, end, slot_chunk, key_pos[None, :] <= query_pos[:, None]))
+        return views
+
+    def _check(self, block_size: int) -> None:
+        b = self.num_seqs
+        if len(self.query_starts) != b + 1 or len(self.block_tables) != b:
+            raise ValueError(f"AttentionMetadata: {len(self.query_starts)} query_starts, {b} context_lens, "
+                             f"{len(self.block_tables)} block_tables (want B+1, B, B)")
+        if self.query_starts[0] != 0:
+            raise ValueError("AttentionMetadata: query_starts[0] must be 0")
+        for i in range(b):
+            n = self.query_starts[i + 1] - self.query_starts[i]
+            ctx = self.context_lens[i]
+            if n < 0 or n > ctx:
+                raise ValueError(f"AttentionMetadata: sequence {i} has {n} new rows but context_len {ctx}")
+            if len(self.block_tables[i]) * block_size < ctx:
+                raise ValueError(f"AttentionMetadata: sequence {i} needs {ctx} slots, "
+                                 f"its {len(self.block_tables[i])} blocks hold {len(self.block_tables[i]) * block_size}")
+
+
+def attention(q: torch.Tensor, layer: int, kv: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, heads, head_dim] -> out [T, heads, head_dim], after ``layer``'s new K/V were written."""
+    if q.shape[0] != meta.query_starts[-1]:
+        raise ValueError(f"attention: {q.shape[0]} query rows, metadata covers {meta.query_starts[-1]}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // kv.num_kv_heads
+    k_flat = kv.k[layer].view(-1, kv.num_kv_heads, head_dim)
+    v_flat = kv.v[layer].view(-1, kv.num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for start, end, slots, mask in meta.sequence_views(kv.block_size, q.device):
+        if start == end:
+            continue
+        k = k_flat.index_select(0, slots).to(q.dtype)
+        v = v_flat.index_select(0, slots).to(q.dtype)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        # [rows, heads, dim] -> [heads, rows, dim] for SDPA
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
