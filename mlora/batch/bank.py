@@ -1,0 +1,220 @@
+"""The GPU slot bank of step 3: resident adapter factors and the per-invocation LoraContext.
+
+Owns the device tensors the segmented kernels read (layout of
+``mlora.kernels.add_lora_slices``), which pinned adapter sits in which slot,
+load-on-demand with LRU eviction, and the one plan built per model invocation.
+Must not know the model's layer code (``mlora.batch.lora`` is the seam) nor
+read adapter files itself (``catalog.load_factors`` does, verified).
+Step 4 replaces this file with the residency engine; keep its surface small:
+``ensure``, ``context``, ``bytes_per_slot``.
+
+Per layer and group (``mlora.batch.lora.GROUPS``), with S slots, n slices and
+physical rank R::
+
+    A       [S, n, R, d_in]         A[s, j, :r]            = lora_A of slice j's module, r = its rank
+    B       [S, sum(widths), R]     B[s, off_j:off_j+w_j, :r] = lora_B of that module
+    ranks   int32   [n, S]          0 = the slot's adapter does not target slice j
+    scales  float32 [n, S]
+
+Writing an adapter zeroes the whole slot first, so every tail (ranks past r,
+untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
+``semantic_sha256``, never by id or path: two catalog ids naming the same
+adapter share one slot.
+
+The caller (the scheduler) must not ask one ``ensure`` for more distinct
+adapters than there are slots (:class:`BankFull`), and must call ``context``
+after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mlora.kernels import add_lora_slices, build_plan, make_launch_plan
+
+from .catalog import PinnedAdapter, load_factors
+from .lora import GROUPS, ROLE_SLICE
+
+
+class BankError(RuntimeError):
+    """The bank cannot place an adapter; ``code`` says why."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class BankFull(BankError):
+    """One call asked for more distinct adapters than the bank has slots."""
+
+    def __init__(self, wanted: int, slots: int):
+        super().__init__("E_BANK_FULL", f"{wanted} distinct adapters requested at once, the bank has {slots} slots; "
+                         "the scheduler must admit at most that many (raise --max-gpu-adapters or lower --max-num-seqs)")
+
+
+@dataclass
+class BankStats:
+    hits: int = 0  # adapter already resident when asked for
+    misses: int = 0
+    loads: int = 0  # adapters written into a slot
+    evictions: int = 0  # resident adapters replaced
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class SlotBank:
+    """``num_slots`` adapter slots for every (layer, group) of a decoder."""
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
+        if set(shapes) != set(GROUPS):
+            raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+        self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
+        self.dtype, self.device, self.backend = dtype, device, backend
+        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in GROUPS}
+        self.d_in = {g: int(shapes[g][0]) for g in GROUPS}
+        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in GROUPS}
+        L, S, R = num_layers, num_slots, max_rank
+        # One tensor per group with a leading layer axis; [layer] is a contiguous kernel-layout view.
+        self.A = {g: torch.zeros(L, S, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
+        self.B = {g: torch.zeros(L, S, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
+        self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
+        self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
+        self.stats = BankStats()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
+        self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * S  # (layer, group) each slot adapts
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
+                       dtype: torch.dtype) -> int:
+        """Device bytes one slot costs (factors at physical rank plus rank/scale entries)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
+                        for d_in, w in shapes.values())
+        return num_layers * per_layer
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """semantic_sha256 -> slot of every resident adapter, least recently used first."""
+        return dict(self._lru)
+
+    def ensure(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> dict[str, int]:
+        """Make every listed adapter resident and return adapter id -> slot.
+
+        Misses are loaded (verified, ``catalog.load_factors``) into a free slot
+        or the least recently used slot that this call does not need. Raises
+        BankFull for more distinct adapters than slots, BankError for an
+        unknown or unservable id or a rank above the bank's, AdapterChanged
+        when an adapter's bytes changed; the bank is unchanged for the
+        adapter that failed (it is loaded before anything is evicted)."""
+        wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
+        for adapter_id in adapter_ids:
+            p = pinned.get(adapter_id)
+            if p is None:
+                raise BankError("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
+            if not p.ok:
+                raise BankError(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
+                                f"{p.error_message}")
+            if p.max_rank > self.max_rank:
+                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
+                                f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
+            wanted.setdefault(p.semantic_sha256, p)
+        if len(wanted) > self.num_slots:
+            raise BankFull(len(wanted), self.num_slots)
+        for key, p in wanted.items():
+            if key in self._lru:
+                self.stats.hits += 1
+                self._lru.move_to_end(key)
+                continue
+            self.stats.misses += 1
+            placed = self._place(p, load_factors(p, self.dtype, self.device))
+            slot = self._free_slot(set(wanted))
+            self._write(slot, placed)
+            self._lru[key] = slot
+            self.stats.loads += 1
+        return {i: self._lru[pinned[i].semantic_sha256] for i in adapter_ids}
+
+    def _free_slot(self, needed: set[str]) -> int:
+        used = set(self._lru.values())
+        free = [s for s in range(self.num_slots) if s not in used]
+        if free:
+            return free[0]
+        victim = next(k for k in self._lru if k not in needed)  # exists: len(needed) <= num_slots
+        self.stats.evictions += 1
+        return self._lru.pop(victim)
+
+    def _place(self, p: PinnedAdapter, factors: dict) -> list[tuple]:
+        """(layer, group, slice, A, B, rank, scale) of every module, checked against the bank."""
+        placed = []
+        for (layer, role), (a, b, scale) in factors.items():
+            group, j = ROLE_SLICE[role]
+            r, w = a.shape[0], self.widths[group][j]
+            if not 0 <= layer < self.num_layers or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
+                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
+                                f"B {list(b.shape)} do not fit the model ({self.num_layers} layers, d_in "
+                                f"{self.d_in[group]}, width {w})")
+            if r > self.max_rank:
+                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
+            placed.append((layer, group, j, a, b, r, scale))
+        return placed
+
+    def _write(self, slot: int, placed: list[tuple]) -> None:
+        for g in GROUPS:
+            self.A[g][:, slot].zero_()
+            self.B[g][:, slot].zero_()
+            self.ranks[g][:, :, slot] = 0
+            self.scales[g][:, :, slot] = 0.0
+        for layer, group, j, a, b, r, scale in placed:
+            off = self.offsets[group][j]
+            self.A[group][layer, slot, j, :r].copy_(a)
+            self.B[group][layer, slot, off : off + b.shape[0], :r].copy_(b)
+            self.ranks[group][layer, j, slot] = r
+            self.scales[group][layer, j, slot] = scale
+        self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
+
+    def context(self, row_slots: torch.Tensor) -> "BankContext":
+        """The LoraContext of one model invocation: one plan, shared by every layer.
+        ``row_slots`` [T] gives each packed row's slot (-1 = base only); every
+        slot named must hold an adapter (a row never silently runs the base)."""
+        row_slots = row_slots.to(device=self.device, dtype=torch.int32)
+        if row_slots.dim() != 1:
+            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
+        plan = build_plan(row_slots)
+        active = plan.slot_ids.tolist()
+        occupied = set(self._lru.values())
+        stray = [s for s in active if s not in occupied]
+        if stray or (row_slots.numel() and int(row_slots.min()) < -1):
+            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray or 'below -1'} that hold no adapter; "
+                            "call ensure() for this invocation's adapters first")
+        targeted = frozenset().union(*(self._targets[s] for s in active))
+        launch = make_launch_plan(plan) if self.backend == "triton" and active else None
+        return BankContext(self, row_slots, launch or plan, targeted)
+
+
+class BankContext:
+    """``mlora.batch.lora.LoraContext`` over a SlotBank for one invocation."""
+
+    def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
+        self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
+        if (layer, group) not in self.targeted:  # no active slot adapts this module: nothing to add
+            return
+        bank = self.bank
+        add_lora_slices(
+            y, x, bank.A[group][layer], bank.B[group][layer], self.row_slots, widths=bank.widths[group],
+            ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
+            plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
+        )
