@@ -468,3 +468,14 @@ def test_metadata_with_too_few_blocks_is_refused(checkpoints):
     meta = AttentionMetadata([0, 6], [6], [[0]], torch.arange(6))
     with pytest.raises(ValueError, match="needs 6 slots"):
         model(torch.zeros(6, dtype=torch.long), torch.arange(6), meta, kv, None, torch.tensor([5]))
+
+
+def test_a_step_may_sample_no_row(checkpoints):
+    """A non-final prefill chunk samples nothing; its K/V still land in the cache."""
+    model = load(checkpoints("llama")[0])
+    kv = model.new_kv_cache(4, 4)
+    meta = AttentionMetadata([0, 8], [8], [[3, 1]], torch.tensor([12, 13, 14, 15, 4, 5, 6, 7]))
+    logits = model(torch.tensor(tokens(8, 4)), torch.arange(8), meta, kv, None, torch.tensor([], dtype=torch.long))
+    assert logits.shape == (0, model.config.vocab_size)
+    written = kv.k[0].flatten(1).abs().sum(-1) > 0
+    assert written.tolist() == [False, True, False, True]

@@ -330,7 +330,8 @@ class DecoderModel(torch.nn.Module):
         self.register_buffer("embed_weight", embed_weight)
         self.register_buffer("norm_weight", norm_weight)
         self.register_buffer("lm_head_weight", lm_head_weight)
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(embed_weight.device))
+        # a plain attribute, not a buffer: Module.to(bfloat16) must not round the frequencies
+        self.inv_freq = rope_inv_freq(config).to(embed_weight.device)
         self.layers = torch.nn.ModuleList(layers)
 
     @property
@@ -355,7 +356,7 @@ class DecoderModel(torch.nn.Module):
         """Packed rows [T] -> float32 logits [B, vocab] of the rows in ``sample_rows``.
         Writes every layer's K/V of the T rows into ``kv`` at ``meta.slot_mapping``."""
         h = F.embedding(input_ids, self.embed_weight)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv, lora)
         h = rms_norm(h.index_select(0, sample_rows), self.norm_weight, self.config.rms_norm_eps)
