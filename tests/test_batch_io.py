@@ -523,6 +523,16 @@ def test_resume_preconditions(tmp_path):
     fresh = JobOutput.open(str(tmp_path / "new"), PARTS, resume=True)
     assert not fresh.resumed and fresh.next_row == 0
     fresh.close()
+    # killed before the first manifest: only the lock and a temp file
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / ".lock").write_bytes(b"")
+    (early / ".tmp._manifest.json.0123").write_text("{")
+    for resume in (True, False):
+        again = JobOutput.open(str(early), PARTS, resume=resume)
+        assert again.next_row == 0 and sorted(os.listdir(early)) == [".lock", MANIFEST_NAME]
+        again.close()
+        (early / MANIFEST_NAME).unlink()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "data.csv").write_text("x")

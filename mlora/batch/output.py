@@ -25,7 +25,9 @@ Commit protocol (DESIGN.md "Nothing lost"):
 Decisions:
 
 * ``--resume`` on an OUTPUT that does not exist or is empty starts the job
-  fresh (nothing to resume), so scripts can always pass ``--resume``.
+  fresh (nothing to resume), so scripts can always pass ``--resume``. An
+  OUTPUT holding only the lock file and temp files (a job killed before its
+  first manifest) counts as empty.
 * ``--resume`` of a finished job (``_SUCCESS`` present, same fingerprint) is a
   no-op success: :attr:`JobOutput.complete` is true and the runner has
   nothing to do. A different fingerprint is refused even then.
@@ -186,7 +188,8 @@ class JobOutput:
         digest = job_fingerprint(fingerprint_parts)
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise JobOutputError("E_OUTPUT_EXISTS", f"{out_dir} exists and is not a directory; choose another OUTPUT")
-        has_entries = os.path.isdir(out_dir) and any(os.scandir(out_dir))
+        # a job killed before its first manifest leaves only the lock and temp files
+        has_entries = os.path.isdir(out_dir) and any(not _own_debris(e.name) for e in os.scandir(out_dir))
         if has_entries and not resume:
             raise JobOutputError(
                 "E_OUTPUT_EXISTS",
@@ -213,6 +216,7 @@ class JobOutput:
 
         os.makedirs(out_dir, exist_ok=True)
         lock = _lock(out_dir)
+        _remove_uncommitted(out_dir, {"shards": []})
         now = _now()
         manifest = {
             "schema_version": MANIFEST_SCHEMA_VERSION,
@@ -296,6 +300,10 @@ def _mlora_version() -> str:
     from mlora import __version__
 
     return __version__
+
+
+def _own_debris(name: str) -> bool:
+    return name == LOCK_NAME or name.startswith(TMP_PREFIX)
 
 
 def _lock(out_dir: str):
