@@ -215,7 +215,23 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     }
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
-    sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows)
+    sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
+    try:
+        return _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling,
+                    tokenizer, progress, t0)
+    except BaseException:
+        try:  # commit what is contiguous so far; everything after a gap runs again on --resume
+            sink.close(final=False)
+        except Exception:
+            pass
+        raise
+
+
+def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling, tokenizer,
+         progress, t0) -> JobSummary:
+    from .bank import SlotBank
+    from .model import DecoderModel
+
 
     model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
     num_slots = len(good) if opts.max_gpu_adapters is None else max(1, min(len(good), opts.max_gpu_adapters))
@@ -284,11 +300,10 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
             emit(res)
         if progress:
             progress(summary, engine)
-    sink.close(final=True)
     summary.wall_s = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
     summary.engine = dict(engine.stats)
-    summary.bank = dict(getattr(bank, "stats", {}) or {})
+    summary.bank = bank.stats.as_dict() if bank is not None else {}
     sink.finish(summary.to_json())
     return summary
 

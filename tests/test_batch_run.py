@@ -1,0 +1,184 @@
+"""`mlora batch-run` end to end on the CPU.
+
+The reference for every row is transformers (+ PEFT for adapter rows) run row by
+row with a plain greedy loop (full forward per token, no cache): mlora's
+batched, paged, chunked, mixed-adapter output must equal it token for token in
+float32, whatever the batch options. Then the row outcomes, resume after kill
+-9, and the demo workspace.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import factory
+from conftest import DEMO, REPO
+
+MAX_NEW = 6
+ADAPTERS = {
+    "a1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=11),
+    "a2": dict(r=8, lora_alpha=16, seed=12,
+               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "a3": dict(r=2, lora_alpha=2, use_rslora=True, target_modules=["o_proj", "down_proj"], seed=13),
+}
+ROW_ADAPTERS = ["a1", None, "a2", "__base__", "a3", "", "a1", "a2", "a3", None, "a2", "a1", "a3", "a2"]
+
+
+def _greedy(model, prompt, eos, max_new):
+    toks = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(torch.tensor([toks])).logits[0, -1].argmax())
+            if t in eos:
+                break
+            toks.append(t)
+            out.append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("job")
+    base = str(root / "base")
+    factory.save_base(factory.tiny_model("llama", seed=0), base)
+    refs = {}
+    for name, kw in ADAPTERS.items():
+        kw = dict(kw)
+        seed = kw.pop("seed")
+        refs[name] = factory.make_adapter(str(root / "adapters" / name), base_model=AutoModelForCausalLM.from_pretrained(base),
+                                          seed=seed, **kw).eval()
+    base_model = AutoModelForCausalLM.from_pretrained(base).eval()
+    eos = {int(base_model.generation_config.eos_token_id)}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 64, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+               for _ in ROW_ADAPTERS]
+    inp = str(root / "in.parquet")
+    pq.write_table(pa.table({
+        "id": [f"r{i}" for i in range(len(prompts))],
+        "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
+        "adapter": pa.array(ROW_ADAPTERS, pa.string()),
+        "note": [f"n{i}" for i in range(len(prompts))],
+    }), inp)
+    expected = {}
+    for i, (p, a) in enumerate(zip(prompts, ROW_ADAPTERS)):
+        model = refs[a] if a in refs else base_model
+        expected[f"r{i}"] = _greedy(model, p, eos, MAX_NEW)
+    return dict(root=root, base=base, adapters=str(root / "adapters"), input=inp, expected=expected, prompts=prompts)
+
+
+def _run(env, out, **kw):
+    from mlora.batch.job import JobOptions, run_job
+
+    opts = dict(input=env["input"], output=str(out), base=env["base"], adapters_dir=env["adapters"],
+                prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=MAX_NEW, device="cpu",
+                dtype="float32", keep_columns=("note",))
+    opts.update(kw)
+    return run_job(JobOptions(**opts))
+
+
+def _rows(out):
+    from mlora.batch.output import read_output
+
+    return {r["id"]: r for r in read_output(str(out)).to_pylist()}
+
+
+@pytest.mark.parametrize("seqs, budget, shard", [(64, 2048, 10000), (1, 3, 4), (3, 7, 5), (5, 16, 1)])
+def test_outputs_equal_transformers_and_peft_row_by_row(env, tmp_path, seqs, budget, shard):
+    summary = _run(env, tmp_path / "out", max_num_seqs=seqs, max_batch_tokens=budget, shard_rows=shard)
+    rows = _rows(tmp_path / "out")
+    assert len(rows) == len(ROW_ADAPTERS) == summary.rows
+    for rid, want in env["expected"].items():
+        r = rows[rid]
+        assert r["completion_token_ids"] == want, (rid, r["adapter"])
+        assert r["error_code"] is None and r["finish_reason"] in ("stop", "length")
+        assert r["num_completion_tokens"] == len(want)
+    assert rows["r4"]["note"] == "n4" and rows["r4"]["adapter"] == "a3" and rows["r4"]["adapter_sha256"]
+    assert rows["r1"]["adapter"] is None and rows["r1"]["adapter_sha256"] is None
+    assert os.path.exists(tmp_path / "out" / "_SUCCESS")
+    assert list(rows) == [f"r{k}" for k in range(len(ROW_ADAPTERS))]  # shards follow input order
+
+
+def test_row_outcomes(env, tmp_path):
+    inp = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.table({
+        "id": ["ok", "unknown", "long", "empty", "null", "range"],
+        "prompt_ids": pa.array([[5, 6, 7], [5, 6], list(range(3, 64)) + [5] * 10, [], None, [5, 999]], pa.list_(pa.int64())),
+        "adapter": ["a1", "nope", "a1", None, None, None],
+    }), inp)
+    _run(env, tmp_path / "out", input=inp, keep_columns=())
+    rows = _rows(tmp_path / "out")
+    assert rows["ok"]["error_code"] is None
+    assert {k: rows[k]["error_code"] for k in rows if k != "ok"} == {
+        "unknown": "E_ADAPTER_UNKNOWN", "long": "E_PROMPT_TOO_LONG", "empty": "E_PROMPT_EMPTY",
+        "null": "E_PROMPT_NULL", "range": "E_PROMPT_TOKEN_RANGE"}
+    assert all(rows[k]["finish_reason"] == "error" and rows[k]["error_message"] for k in rows if k != "ok")
+
+
+def test_strict_fails_on_an_unknown_adapter(env, tmp_path, run_cli):
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"prompt_ids": pa.array([[5, 6]], pa.list_(pa.int64())), "adapter": ["nope"]}), inp)
+    code, _, err = run_cli("batch-run", inp, tmp_path / "out", "--base", env["base"], "--adapters", env["adapters"],
+                           "--prompt-ids-column", "prompt_ids", "--device", "cpu", "--strict", "--quiet")
+    assert code == 1 and "E_ADAPTER_UNKNOWN" in err
+
+
+def test_cli_json_summary_and_resume_mismatch(env, tmp_path, run_cli):
+    args = ["batch-run", env["input"], tmp_path / "out", "--base", env["base"], "--adapters", env["adapters"],
+            "--prompt-ids-column", "prompt_ids", "--device", "cpu", "--max-new-tokens", MAX_NEW, "--quiet"]
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["rows"] == len(ROW_ADAPTERS) and s["error_rows"] == 0
+    code, _, err = run_cli(*args)  # exists, no --resume
+    assert code == 1 and "E_OUTPUT_EXISTS" in err
+    code, _, err = run_cli(*args, "--resume", "--seed", "9", "--temperature", "0.5")
+    assert code == 1 and "E_RESUME_MISMATCH" in err
+
+
+@pytest.mark.parametrize("kill_after_shards", [0, 2])
+def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_after_shards):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mlora", "batch-run", env["input"], str(out), "--base", env["base"],
+           "--adapters", env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu",
+           "--max-new-tokens", str(MAX_NEW), "--shard-rows", "2", "--max-num-seqs", "2", "--quiet"]
+    envv = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(cmd, env=envv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        shards = [f for f in os.listdir(out) if f.startswith("part-")] if out.exists() else []
+        if len(shards) >= kill_after_shards and (kill_after_shards or out.exists()):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    r = subprocess.run(cmd + ["--resume"], env=envv, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = _rows(out)
+    assert sorted(rows) == sorted(env["expected"])
+    for rid, want in env["expected"].items():
+        assert rows[rid]["completion_token_ids"] == want
+
+
+def test_demo_workspace_outputs(tmp_path):
+    from mlora.batch.job import JobOptions, run_job
+
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
+                       max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32"))
+    rows = _rows(tmp_path / "out")
+    for i, _ in enumerate(expected["prompts"]):
+        for a, outs in expected["outputs"].items():
+            assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
