@@ -357,7 +357,6 @@ def open_input(path: str, spec: InputSpec) -> InputSource:
     """Locate and validate the input (schemas and footers only; no row is read)."""
     paths, root = _resolve(path)
     files: list[_File] = []
-    first_schema: pa.Schema | None = None
     kept_schema: pa.Schema | None = None
     first_row = 0
     for p in paths:
@@ -370,10 +369,10 @@ def open_input(path: str, spec: InputSpec) -> InputSource:
         except (pa.ArrowException, OSError) as exc:
             raise JobInputError("E_INPUT_NOT_PARQUET", f"{p} is not a readable Parquet file ({exc})") from None
         has_id = spec.id_column in schema.names
-        if first_schema is None:
+        if not files:
             if not has_id and spec.id_column != "id":
                 raise _missing("id", spec.id_column, rel, schema)
-            first_schema, first_has_id, first_rel = schema, has_id, rel
+            first_has_id, first_rel = has_id, rel
         elif has_id != first_has_id:
             present, absent = (rel, first_rel) if has_id else (first_rel, rel)
             raise JobInputError(
@@ -389,6 +388,8 @@ def open_input(path: str, spec: InputSpec) -> InputSource:
                         f"kept column {column!r} is in {first_rel} but not in {rel}; every input file needs the same columns",
                     )
                 raise _missing("keep", column, rel, schema)
+            if schema.get_field_index(column) < 0:
+                raise JobInputError("E_INPUT_SCHEMA_MISMATCH", f"{rel} has more than one column named {column!r}")
         kept = pa.schema([schema.field(c).with_nullable(True).remove_metadata() for c in spec.keep_columns])
         if kept_schema is None:
             kept_schema = kept

@@ -188,13 +188,9 @@ class JobOutput:
         digest = job_fingerprint(fingerprint_parts)
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise JobOutputError("E_OUTPUT_EXISTS", f"{out_dir} exists and is not a directory; choose another OUTPUT")
-        # a job killed before its first manifest leaves only the lock and temp files
-        has_entries = os.path.isdir(out_dir) and any(not _own_debris(e.name) for e in os.scandir(out_dir))
+        has_entries = _has_entries(out_dir)
         if has_entries and not resume:
-            raise JobOutputError(
-                "E_OUTPUT_EXISTS",
-                f"{out_dir} exists and is not empty; pass --resume to continue the job written there, or choose another OUTPUT",
-            )
+            raise _exists(out_dir)
         if resume and has_entries:
             if not os.path.isfile(os.path.join(out_dir, MANIFEST_NAME)):
                 raise JobOutputError(
@@ -216,6 +212,9 @@ class JobOutput:
 
         os.makedirs(out_dir, exist_ok=True)
         lock = _lock(out_dir)
+        if _has_entries(out_dir):  # another job started here between the check and the lock
+            lock.close()
+            raise _exists(out_dir)
         _remove_uncommitted(out_dir, {"shards": []})
         now = _now()
         manifest = {
@@ -302,8 +301,19 @@ def _mlora_version() -> str:
     return __version__
 
 
-def _own_debris(name: str) -> bool:
-    return name == LOCK_NAME or name.startswith(TMP_PREFIX)
+def _has_entries(out_dir: str) -> bool:
+    """Whether OUTPUT holds anything but the lock and temp files (all a job
+    killed before its first manifest leaves)."""
+    if not os.path.isdir(out_dir):
+        return False
+    return any(e.name != LOCK_NAME and not e.name.startswith(TMP_PREFIX) for e in os.scandir(out_dir))
+
+
+def _exists(out_dir: str) -> JobOutputError:
+    return JobOutputError(
+        "E_OUTPUT_EXISTS",
+        f"{out_dir} exists and is not empty; pass --resume to continue the job written there, or choose another OUTPUT",
+    )
 
 
 def _lock(out_dir: str):
