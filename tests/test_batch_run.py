@@ -182,3 +182,43 @@ def test_demo_workspace_outputs(tmp_path):
     for i, _ in enumerate(expected["prompts"]):
         for a, outs in expected["outputs"].items():
             assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+
+
+def test_adapter_bytes_changed_after_pinning_are_never_served(env, tmp_path, monkeypatch):
+    import shutil
+
+    from mlora.batch import catalog as catalog_mod
+
+    adapters = str(tmp_path / "adapters")
+    shutil.copytree(env["adapters"], adapters)
+    original = catalog_mod.Catalog.pin
+
+    def pin_then_change(self, *a, **kw):
+        pinned = original(self, *a, **kw)
+        f = os.path.join(adapters, "a2", "adapter_model.safetensors")
+        data = bytearray(open(f, "rb").read())
+        data[-3] ^= 0x40  # one bit of one factor value
+        open(f, "wb").write(bytes(data))
+        return pinned
+
+    monkeypatch.setattr(catalog_mod.Catalog, "pin", pin_then_change)
+    _run(env, tmp_path / "out", adapters_dir=adapters)
+    rows = _rows(tmp_path / "out")
+    for rid, want in env["expected"].items():
+        r = rows[rid]
+        if r["adapter"] == "a2":
+            assert r["error_code"] == "E_ADAPTER_CHANGED" and r["completion_token_ids"] == []
+            assert r["adapter_sha256"] is None
+        else:
+            assert r["completion_token_ids"] == want
+
+
+def test_empty_input_and_missing_column(env, tmp_path, run_cli):
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"prompt_ids": pa.array([], pa.list_(pa.int64())), "adapter": pa.array([], pa.string())}), empty)
+    base_args = ["--base", env["base"], "--adapters", env["adapters"], "--device", "cpu", "--quiet"]
+    code, _, err = run_cli("batch-run", empty, tmp_path / "o1", "--prompt-ids-column", "prompt_ids", *base_args)
+    assert code == 0, err
+    assert os.path.exists(tmp_path / "o1" / "_SUCCESS") and _rows(tmp_path / "o1") == {}
+    code, _, err = run_cli("batch-run", env["input"], tmp_path / "o2", "--prompt-column", "text", *base_args)
+    assert code == 1 and "E_INPUT_COLUMN_MISSING" in err

@@ -25,6 +25,7 @@ generated tokens and recomputes its KV (same tokens, same random stream).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionMetadata
+from .catalog import AdapterError
 from .kvcache import BlockAllocator, KVCache, KVCacheFull
 from .sampling import SamplingParams, row_key, sample
 
@@ -172,8 +174,39 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
-        logits = self._forward(plan)
+        try:
+            logits = self._forward(plan)
+        except AdapterError as exc:  # e.g. its bytes changed since the job started: never served
+            return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
         return self._advance(plan, logits)
+
+    def _fail_adapter(self, adapter_id: str | None, code: str, message: str) -> list[Result]:
+        """Retire an adapter that can no longer be served: every queued row that
+        names it becomes an error row; the other rows continue."""
+        if adapter_id is None:
+            raise RuntimeError(f"{code}: {message}")
+        p = self.pinned.get(adapter_id)
+        if p is not None:
+            self.pinned[adapter_id] = dataclasses.replace(p, ok=False, error_code=code, error_message=message, modules=())
+        out = []
+        for seq in [s for s in self.running if s.req.adapter == adapter_id]:
+            self.running.remove(seq)
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+            out.append(self._error(seq, code, message))
+        keep = deque()
+        for seq in self.waiting:
+            if seq.req.adapter == adapter_id:
+                out.append(self._error(seq, code, message))
+            else:
+                keep.append(seq)
+        self.waiting = keep
+        return out
+
+    @staticmethod
+    def _error(seq: Sequence, code: str, message: str) -> Result:
+        r = seq.req
+        return Result(r.row, r.id, r.adapter, [], "error", len(r.prompt_ids), code, message)
 
     def schedule(self) -> IterationPlan | None:
         budget = self.max_batch_tokens
