@@ -20,5 +20,5 @@ print(f"\n{'adapter':<10} {'prompt':<16} completion")
 for r in rows[:15]:
     prompt = r["prompt"].removeprefix("<|bos|>").removesuffix("=")
     print(f"{r['adapter'] or '(base)':<10} {prompt:<16} {r['completion']}")
-print(f"... {len(rows)} rows in demo-output/ (Parquet; _manifest.json, metrics.json, _SUCCESS)")
+print(f"... {len(rows)} rows in demo-output/ (Parquet; _manifest.json, _metrics.json, _SUCCESS)")
 PY

@@ -433,7 +433,7 @@ def test_finish_writes_metrics_then_success(tmp_path):
     for r in (2, 0, 1):
         sink.add(r, record(r))
     sink.finish({"rows": 3, "tokens_per_s": 1.5})
-    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {"rows": 3, "tokens_per_s": 1.5}
+    assert json.loads((tmp_path / "out" / "_metrics.json").read_text()) == {"rows": 3, "tokens_per_s": 1.5}
     assert os.path.exists(tmp_path / "out" / "_SUCCESS") and out.complete
     assert read_output(str(tmp_path / "out")).equals(expected_table(3))
 

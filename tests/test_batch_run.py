@@ -142,6 +142,10 @@ def test_cli_json_summary_and_resume_mismatch(env, tmp_path, run_cli):
     assert s["rows"] == len(ROW_ADAPTERS) and s["error_rows"] == 0
     code, _, err = run_cli(*args)  # exists, no --resume
     assert code == 1 and "E_OUTPUT_EXISTS" in err
+    metrics = (tmp_path / "out" / "_metrics.json").read_text()
+    code, _, err = run_cli(*args, "--resume")  # a finished job: nothing to do
+    assert code == 0, err
+    assert (tmp_path / "out" / "_metrics.json").read_text() == metrics
     code, _, err = run_cli(*args, "--resume", "--seed", "9", "--temperature", "0.5")
     assert code == 1 and "E_RESUME_MISMATCH" in err
 

@@ -215,6 +215,10 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     }
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
+    if out.complete:  # --resume of a finished job: nothing to do, its metrics stay as they were
+        out.close()
+        return JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
+                          resumed_from_row=start_row)
     sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
     try:
         return _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling,

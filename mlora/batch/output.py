@@ -1,7 +1,7 @@
 """The output side of ``mlora batch-run``: atomic shards, the manifest, resume.
 
 Owns everything written under OUTPUT (``part-NNNNN.parquet``, ``_manifest.json``,
-``metrics.json``, ``_SUCCESS`` and the lock file) and the rules that make an
+``_metrics.json``, ``_SUCCESS`` and the lock file) and the rules that make an
 interrupted job resumable without losing or duplicating a row. Must not know
 how rows are produced: the engine hands finished rows to a :class:`ResultSink`
 by input row position, in any order.
@@ -19,7 +19,7 @@ Commit protocol (DESIGN.md "Nothing lost"):
   ``[first_row, last_row)`` and sha256, and ``rows_committed``. Resume
   continues at ``next_row = rows_committed``: rows that were finished but not
   yet committed are generated again, never written twice.
-* ``_SUCCESS`` is written last (after ``metrics.json``), only when every row
+* ``_SUCCESS`` is written last (after ``_metrics.json``), only when every row
   was committed.
 
 Decisions:
@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover
 
 MANIFEST_NAME = "_manifest.json"
 SUCCESS_NAME = "_SUCCESS"
-METRICS_NAME = "metrics.json"
+METRICS_NAME = "_metrics.json"  # leading underscore: Parquet readers of OUTPUT skip it
 LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp."
 MANIFEST_SCHEMA_VERSION = 1
@@ -480,7 +480,7 @@ class ResultSink:
         self._finish(final, metrics=None)
 
     def finish(self, metrics: dict) -> None:
-        """``close(final=True)`` that also writes ``metrics.json`` before ``_SUCCESS``."""
+        """``close(final=True)`` that also writes ``_metrics.json`` before ``_SUCCESS``."""
         self._finish(True, metrics=metrics)
 
     def _finish(self, final: bool, metrics: dict | None) -> None:

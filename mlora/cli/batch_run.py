@@ -99,7 +99,7 @@ def batch_run(
         code = getattr(exc, "code", None)
         if code is None:
             raise
-        _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_INVALID)
+        _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_USAGE if code.endswith("_USAGE") else EXIT_INVALID)
     if json_out:
         sys.stdout.write(json.dumps(summary.to_json()) + "\n")
         return
