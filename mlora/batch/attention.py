@@ -10,8 +10,9 @@ Semantics, for sequence ``b`` with ``n`` new rows and ``c = context_lens[b]``::
     row i = query_starts[b] + i sits at position p = c - n + i
     out[row i] = softmax(scale * q[row i] . K[0..p]^T) V[0..p]     (GQA: head h reads kv head h // (H / H_kv))
 
-This is the torch reference path: a loop over sequences, each one
-``scaled_dot_product_attention`` call with an explicit boolean mask. GPU
+This is the torch reference path: consecutive sequences are grouped and each
+group is one ``scaled_dot_product_attention`` call with an explicit boolean
+block-diagonal causal mask (a row never sees another sequence's keys). GPU
 kernels (paged decode, varlen prefill) come later and are tested against it.
 """
 
@@ -23,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from mlora.batch.kvcache import KVCache
+
+# Largest query rows x keys of one grouped SDPA call (the mask's element count).
+GROUP_ELEMENTS = 1 << 16
 
 
 @dataclass
@@ -46,26 +50,49 @@ class AttentionMetadata:
         return len(self.context_lens)
 
     def sequence_views(self, block_size: int, device: torch.device) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Per sequence ``(row_start, row_end, kv_slots [c], mask [n, c])``, built on the
-        first layer's call with one host-to-device copy and reused by the others."""
+        """Per group of consecutive sequences ``(row_start, row_end, kv_slots [c], mask [n, c])``,
+        built on the first layer's call and reused by the others."""
         key = (block_size, str(device))
         if key not in self._views:
             self._views[key] = self._build_views(block_size, torch.device(device))
         return self._views[key]
 
     def _build_views(self, block_size: int, device: torch.device):
+        """Consecutive sequences grouped so that one SDPA call serves each group
+        with a block-diagonal causal mask (rows x keys of a group kept under
+        ``GROUP_ELEMENTS``; a long sequence forms a group of its own)."""
         self._check(block_size)
-        slots: list[int] = []
-        for table, ctx in zip(self.block_tables, self.context_lens):
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx))
-        all_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        groups: list[list[int]] = []
+        rows = keys = 0
+        for b in range(self.num_seqs):
+            n, c = self.query_starts[b + 1] - self.query_starts[b], self.context_lens[b]
+            if groups and (rows + n) * (keys + c) <= GROUP_ELEMENTS:
+                groups[-1].append(b)
+                rows, keys = rows + n, keys + c
+            else:
+                groups.append([b])
+                rows, keys = n, c
         views = []
-        for b, slot_chunk in enumerate(all_slots.split(self.context_lens)):
-            start, end, ctx = self.query_starts[b], self.query_starts[b + 1], self.context_lens[b]
-            n = end - start
-            query_pos = torch.arange(ctx - n, ctx, device=device)
-            key_pos = torch.arange(ctx, device=device)
-            views.append((start, end, slot_chunk, key_pos[None, :] <= query_pos[:, None]))
+        for g in groups:
+            slots: list[int] = []
+            seq_of_key: list[int] = []
+            key_pos: list[int] = []
+            query_seq: list[int] = []
+            query_pos: list[int] = []
+            for i, b in enumerate(g):
+                table, ctx = self.block_tables[b], self.context_lens[b]
+                n = self.query_starts[b + 1] - self.query_starts[b]
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx))
+                seq_of_key.extend([i] * ctx)
+                key_pos.extend(range(ctx))
+                query_seq.extend([i] * n)
+                query_pos.extend(range(ctx - n, ctx))
+            t = dict(dtype=torch.int64)
+            ks, kp = torch.tensor(seq_of_key, **t), torch.tensor(key_pos, **t)
+            qs, qp = torch.tensor(query_seq, **t), torch.tensor(query_pos, **t)
+            mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+            start, end = self.query_starts[g[0]], self.query_starts[g[-1] + 1]
+            views.append((start, end, torch.tensor(slots, **t).to(device), mask.to(device)))
         return views
 
     def _check(self, block_size: int) -> None:
