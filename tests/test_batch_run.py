@@ -226,3 +226,32 @@ def test_empty_input_and_missing_column(env, tmp_path, run_cli):
     assert os.path.exists(tmp_path / "o1" / "_SUCCESS") and _rows(tmp_path / "o1") == {}
     code, _, err = run_cli("batch-run", env["input"], tmp_path / "o2", "--prompt-column", "text", *base_args)
     assert code == 1 and "E_INPUT_COLUMN_MISSING" in err
+
+
+def test_sampled_rows_do_not_depend_on_batch_options(env, tmp_path):
+    kw = dict(temperature=0.9, top_p=0.9, top_k=20, seed=3)
+    _run(env, tmp_path / "a", max_num_seqs=64, max_batch_tokens=2048, **kw)
+    _run(env, tmp_path / "b", max_num_seqs=2, max_batch_tokens=5, **kw)
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}
+    assert any(a[k]["completion_token_ids"] != env["expected"][k] for k in a)  # it really sampled
+
+
+def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
+    from mlora.batch.job import JobOptions, run_job
+
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({
+        "id": ["base", "upper", "short"],
+        "prompt": ["<|bos|>hello world=", "<|bos|>hello world=", "<|bos|>hello world="],
+        "adapter": [None, "upper", "reverse"],
+        "limit": pa.array([None, None, 3], pa.int64()),
+    }), inp)
+    run_job(JobOptions(input=inp, output=str(tmp_path / "out"), base=os.path.join(DEMO, "base"),
+                       adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=40, stop=(" ",),
+                       max_new_tokens_column="limit", device="cpu"))
+    rows = _rows(tmp_path / "out")
+    assert rows["base"]["completion"] == "hello" and rows["base"]["finish_reason"] == "stop"
+    assert rows["upper"]["completion"] == "HELLO" and rows["upper"]["finish_reason"] == "stop"
+    assert rows["short"]["completion"] == "dlr" and rows["short"]["finish_reason"] == "length"
+    assert rows["short"]["num_completion_tokens"] == 3
