@@ -84,8 +84,8 @@ def batch_run(
 
     def progress(summary, engine):
         done = summary.resumed_from_row + summary.rows_this_run
-        rate = summary.generated_tokens / max(1e-9, time.perf_counter() - started)
-        active = len({s.req.adapter for s in engine.running})
+        rate = engine.stats["generated_tokens"] / max(1e-9, time.perf_counter() - started)
+        active = len({s.req.adapter for s in engine.running if s.req.adapter is not None})
         bar.update(task, total=summary.rows, completed=done,
                    info=f"{rate:,.0f} tok/s  {len(engine.running)} running  {active} adapters")
 
