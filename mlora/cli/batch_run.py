@@ -9,6 +9,7 @@ mismatch, 2 for usage errors, 3 for runtime failures (rerun with ``--resume``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-EXIT_INVALID, EXIT_USAGE = 1, 2
+EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 1, 2, 3
 
 
 def batch_run(
@@ -98,8 +99,13 @@ def batch_run(
     except ValueError as exc:  # the input, output, catalog and model errors carry a stable code
         code = getattr(exc, "code", None)
         if code is None:
-            raise
+            _runtime(err, exc)
         _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_USAGE if code.endswith("_USAGE") else EXIT_INVALID)
+    except KeyboardInterrupt:
+        _fail(err, "E_INTERRUPTED", f"stopped; every committed shard in {output} is kept: rerun with --resume "
+              "to finish the job", EXIT_RUNTIME)
+    except Exception as exc:  # noqa: BLE001 - a runtime failure: say how to continue
+        _runtime(err, exc)
     if json_out:
         sys.stdout.write(json.dumps(summary.to_json()) + "\n")
         return
@@ -111,6 +117,14 @@ def batch_run(
     Console().print(table)
     if summary.errors_by_code:
         Console().print("error rows by code: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())))
+
+
+def _runtime(err: Console, exc: BaseException):
+    if os.environ.get("MLORA_DEBUG") == "1":
+        raise exc
+    code = getattr(exc, "code", None) or "E_RUNTIME"
+    _fail(err, code, f"{type(exc).__name__}: {exc}. Committed shards are kept: rerun with --resume "
+          "(set MLORA_DEBUG=1 for a traceback)", EXIT_RUNTIME)
 
 
 def _fail(err: Console, code: str, message: str, exit_code: int):
