@@ -255,3 +255,32 @@ def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
     assert rows["upper"]["completion"] == "HELLO" and rows["upper"]["finish_reason"] == "stop"
     assert rows["short"]["completion"] == "dlr" and rows["short"]["finish_reason"] == "length"
     assert rows["short"]["num_completion_tokens"] == 3
+
+
+def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mlora.batch.job import JobOptions, run_job
+
+    base = str(tmp_path / "base")
+    factory.save_base(factory.tiny_model("llama", seed=0, hidden=16, layers=1), base)
+    for k in range(40):
+        factory.make_adapter(str(tmp_path / "adapters" / f"ad{k:02d}"), base_model=AutoModelForCausalLM.from_pretrained(base),
+                             seed=100 + k, r=2 + k % 3, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    g = torch.Generator().manual_seed(9)
+    n = 120
+    names = [None if i % 7 == 0 else f"ad{int(torch.randint(0, 40, (1,), generator=g)):02d}" for i in range(n)]
+    prompts = [torch.randint(3, 64, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
+
+    def run(out, slots):
+        return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
+                                  prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
+                                  max_num_seqs=8, max_gpu_adapters=slots))
+
+    few, many = run("few", 3), run("many", None)
+    a, b = _rows(tmp_path / "few"), _rows(tmp_path / "many")
+    assert len(a) == n and all(r["error_code"] is None for r in a.values())
+    assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}
+    assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters

@@ -1,8 +1,10 @@
 """The generation engine: continuous batching over a paged KV cache.
 
 Owns the lifetime of requests inside the engine (spec 0x01C request state and
-0x03 iteration state): admission (FIFO, bounded by ``max_num_seqs``, the KV
-cache and the adapter slot bank), the mixed prefill/decode iteration plan of
+0x03 iteration state): admission (arrival order, bounded by ``max_num_seqs``,
+the KV cache and the adapter slot bank; a row whose adapter cannot get a slot
+is overtaken by rows of running adapters for at most ``max_wait`` iterations),
+the mixed prefill/decode iteration plan of
 spec 0x03A-0x03C (chunked prefill under a ``max_batch_tokens`` budget,
 phase-major packing: prefill rows first, then decode rows, with
 ``prefill_indptr`` and ``doff``), preemption by recompute when the KV cache
@@ -68,6 +70,7 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     admitted: int = 0  # admission counter (preemption picks the latest)
+    arrival: int = 0  # engine iteration when the request arrived (kept across preemption)
     text: str | None = None
 
     @property
@@ -110,6 +113,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         device="cpu",
         dtype=torch.float32,
+        max_wait: int = 32,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -124,6 +128,7 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks)
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
+        self.max_wait = max_wait  # iterations a row may be overtaken before it blocks admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
@@ -136,7 +141,8 @@ class Engine:
         err = self._reject(req)
         if err:
             return Result(req.row, req.id, req.adapter, [], "error", len(req.prompt_ids), *err)
-        self.waiting.append(Sequence(req, row_key(self.sampling.seed, req.id), list(req.prompt_ids)))
+        self.waiting.append(Sequence(req, row_key(self.sampling.seed, req.id), list(req.prompt_ids),
+                                     arrival=self.stats["iterations"]))
         return None
 
     def _reject(self, req: Request) -> tuple[str, str] | None:
@@ -223,16 +229,24 @@ class Engine:
             chosen.append((seq, n))
             budget -= n
         chosen = [(s, n) for s, n in chosen if s in self.running]  # drop preempted ones
-        # admit waiting sequences (FIFO) while seats, adapter slots, KV and budget allow
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # admit waiting sequences in arrival order while seats, KV and budget allow. A
+        # sequence whose adapter cannot get a slot now (every slot serves a running
+        # adapter) is skipped, so rows of running adapters go ahead (adapter-aware,
+        # spec 0x09B: a cold adapter is load-eligible, not executable) -- unless it has
+        # waited max_wait iterations: then nobody may overtake it (0x09I, no starvation).
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if not self._adapter_fits(seq):
-                break
+                if self.stats["iterations"] - seq.arrival >= self.max_wait:
+                    break
+                i += 1
+                continue
             n = min(seq.pending, budget)
             blocks = self._blocks_needed(seq, n)
             if blocks > self.allocator.num_free:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self._admissions += 1
             seq.admitted = self._admissions
             self.running.append(seq)

@@ -253,7 +253,9 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
                          resumed_from_row=start_row)
     kept: dict[int, dict] = {}
-    queue_limit = 4 * opts.max_num_seqs
+    # rows handed to the engine ahead of time: the window its adapter-aware admission
+    # can reorder within (the sink buffers at most this many out-of-order results)
+    queue_limit = 8 * opts.max_num_seqs
 
     def emit(res: Result) -> None:
         p = pinned.get(res.adapter) if res.adapter is not None else None
