@@ -284,3 +284,18 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     assert len(a) == n and all(r["error_code"] is None for r in a.values())
     assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}
     assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
+    # a KV cache of 5 blocks (16 tokens each) for up to 8 running rows: decode growth must preempt
+    from mlora.batch.model import load_config
+
+    cfg = load_config(env["base"])
+    block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 16
+    summary = _run(env, tmp_path / "out", max_num_seqs=8, kv_cache_gb=5 * block_bytes / 2**30, max_new_tokens=12)
+    assert summary.engine["preemptions"] > 0
+    rows = _rows(tmp_path / "out")
+    ref = _run(env, tmp_path / "ref", max_new_tokens=12)
+    assert ref.engine["preemptions"] == 0
+    want = _rows(tmp_path / "ref")
+    assert {k: r["completion_token_ids"] for k, r in rows.items()} == {k: r["completion_token_ids"] for k, r in want.items()}
