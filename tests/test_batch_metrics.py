@@ -1,0 +1,237 @@
+"""mlora.batch.metrics: the job's counters, derived figures and their two renderings (spec 0x0B)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlora.batch import metrics as metrics_mod
+from mlora.batch.metrics import ERROR_CODES, LABEL_VALUES, PROM_NAME, RESIDENCY_STATES, JobMetrics
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scripted(clock: Clock) -> JobMetrics:
+    """The worked sequence every figure below is computed from by hand."""
+    m = JobMetrics(clock=clock)
+    m.row_finished("stop", prompt_tokens=10, completion_tokens=5)
+    m.row_finished("length", prompt_tokens=4, completion_tokens=8)
+    m.row_finished("error", "E_PROMPT_NULL")
+    m.row_finished("error", "E_ADAPTER_LOAD", prompt_tokens=0)
+    m.row_finished("error", "E_NOT_A_CODE_WE_KNOW")
+    m.row_finished("stop", prompt_tokens=6, completion_tokens=7)
+    m.iteration(prefill_tokens=14, decode_tokens=0, distinct_adapters=2, rank_rows_true=40, rank_rows_padded=64,
+                seconds=0.5)
+    m.iteration(prefill_tokens=0, decode_tokens=6, distinct_adapters=3, rank_rows_true=24, rank_rows_padded=24,
+                seconds=0.25)
+    m.iteration(prefill_tokens=6, decode_tokens=2, distinct_adapters=1, rank_rows_true=0, rank_rows_padded=0,
+                seconds=0.25)
+    m.adapter_load(3000, 0.002, True, "host")
+    m.adapter_load(3000, 0.02, False, "disk")  # a failed attempt still moved its bytes
+    m.adapter_load(3000, 0.003, True, "disk")
+    m.adapter_load(1000, 0.0001, True, "host")
+    m.unique_adapter_bytes(3000)
+    m.unique_adapter_bytes(1000)
+    for hit, tier in [(True, "device")] * 3 + [(False, "device"), (True, "host"), (False, "host")]:
+        m.cache(hit, tier)
+    m.eviction("device")
+    m.eviction("device")
+    m.eviction("host")
+    m.residency_states({"published": 2, "active": 1, "host_ready": 4})
+    m.residency_states({"idle": 3, "host_ready": 4})  # the latest counts replace the previous ones
+    m.prefetch(4, 0)
+    m.prefetch(0, 3)
+    m.prefetch(4, 2)
+    m.preemption()
+    m.preemption()
+    clock.now += 4.0
+    return m
+
+
+def prom_samples(text: bytes) -> dict:
+    """{(sample name, frozenset(labels)): value} of a Prometheus text file."""
+    out = {}
+    for fam in text_string_to_metric_families(text.decode("utf-8")):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def test_scripted_sequence_counts_and_derived_figures():
+    s = scripted(Clock(100.0)).snapshot()
+    assert s["elapsed_s"] == 4.0
+    assert s["rows_finished"] == 6
+    assert s["finish_reasons"] == {"stop": 2, "length": 1, "error": 3}
+    assert s["errors_by_code"] == {"E_ADAPTER_LOAD": 1, "E_PROMPT_NULL": 1, "other": 1}
+    assert (s["prompt_tokens"], s["completion_tokens"]) == (20, 20)
+    assert s["tokens_per_s"] == 5.0  # 20 completion tokens / 4 s
+    assert (s["iterations"], s["iteration_seconds"], s["prefill_tokens"], s["decode_tokens"]) == (3, 1.0, 20, 8)
+    assert s["iteration_tokens_per_s"] == 28.0
+    assert (s["rank_true_row_values"], s["rank_padded_row_values"]) == (64, 88)
+    assert s["rank_padding_ratio"] == 1.375  # 88 / 64
+    assert s["adapter_loads"] == {"disk": 2, "host": 2, "device": 0}
+    assert s["adapter_load_failures"] == {"disk": 1, "host": 0, "device": 0}
+    assert (s["h2d_bytes"], s["unique_adapter_bytes"]) == (10000, 4000)
+    assert s["load_amplification"] == 2.5
+    assert s["cache_hits"] == {"disk": 0, "host": 1, "device": 3}
+    assert s["cache_misses"] == {"disk": 0, "host": 1, "device": 1}
+    assert s["cache_hit_rate"] == {"disk": None, "host": 0.5, "device": 0.75}
+    assert s["evictions"] == {"disk": 0, "host": 1, "device": 2}
+    assert s["residency_states"] == {state: {"idle": 3, "host_ready": 4}.get(state, 0) for state in RESIDENCY_STATES}
+    assert (s["prefetch_issued"], s["prefetch_used"], s["prefetch_precision"]) == (8, 5, 0.625)
+    assert s["preemptions"] == 2
+
+    distinct = s["histograms"]["adapter_distinct_per_iteration"]
+    assert (distinct["count"], distinct["sum"]) == (3, 6)
+    assert [distinct["buckets"][le] for le in ("0.0", "1.0", "2.0", "4.0", "1024.0", "+Inf")] == [0, 1, 2, 3, 3, 3]
+    assert list(distinct["buckets"])[-1] == "+Inf"
+    host = s["histograms"]["adapter_load_latency_seconds"]["host"]
+    assert host["count"] == 2 and host["sum"] == pytest.approx(0.0021)
+    assert host["buckets"]["0.0001"] == 1  # a value equal to a bound counts in that bucket (le)
+    assert host["buckets"]["0.001"] == 1 and host["buckets"]["0.0025"] == 2
+    disk = s["histograms"]["adapter_load_latency_seconds"]["disk"]
+    assert (disk["buckets"]["0.005"], disk["buckets"]["0.025"], disk["count"]) == (1, 2, 2)
+    assert s["histograms"]["adapter_load_latency_seconds"]["device"]["count"] == 0
+    assert s["histograms"]["iteration_seconds"]["buckets"]["0.25"] == 2
+
+
+def test_undefined_ratios_are_null_in_json_and_nan_in_prometheus():
+    m = JobMetrics(clock=Clock(7.0))
+    s = m.snapshot()
+    for key in ("tokens_per_s", "iteration_tokens_per_s", "rank_padding_ratio", "load_amplification",
+                "prefetch_precision"):
+        assert s[key] is None, key
+    assert set(s["cache_hit_rate"].values()) == {None}
+    prom = prom_samples(m.prometheus_text())
+    for name in ("mlora_adapter_load_amplification_ratio", "mlora_adapter_prefetch_precision_ratio",
+                 "mlora_adapter_rank_padding_ratio", "mlora_completion_tokens_per_second"):
+        assert math.isnan(prom[(name, frozenset())]), name
+
+
+def test_prometheus_text_parses_back_to_the_snapshot(tmp_path):
+    clock = Clock(100.0)
+    m = scripted(clock)
+    path = m.write_prometheus(str(tmp_path))
+    assert path == os.path.join(str(tmp_path), PROM_NAME) and PROM_NAME == "_metrics.prom"
+    assert sorted(os.listdir(tmp_path)) == [PROM_NAME]  # no temp file left behind
+    text = (tmp_path / PROM_NAME).read_bytes()
+    assert text == m.prometheus_text()
+    prom = prom_samples(text)
+    s = m.snapshot()
+
+    def value(name, **labels):
+        return prom[(name, frozenset(labels.items()))]
+
+    assert value("mlora_adapter_load_amplification_ratio") == 2.5
+    assert value("mlora_adapter_prefetch_precision_ratio") == 0.625
+    assert value("mlora_adapter_rank_padding_ratio") == 1.375
+    assert value("mlora_completion_tokens_per_second") == 5.0
+    assert value("mlora_job_elapsed_seconds") == 4.0
+    assert value("mlora_rows_finished_total", finish_reason="error") == 3
+    assert value("mlora_row_errors_total", error_code="other") == 1
+    assert value("mlora_adapter_h2d_bytes_total") == 10000
+    assert value("mlora_adapter_load_failures_total", tier="disk") == 1
+    assert value("mlora_adapter_cache_misses_total", tier="device") == 1
+    assert value("mlora_adapter_residency_state_count", state="idle") == 3
+    assert value("mlora_adapter_residency_state_count", state="published") == 0
+    assert value("mlora_iteration_tokens_total", phase="decode") == 8
+    assert value("mlora_preemptions_total") == 2
+    for le, n in s["histograms"]["adapter_distinct_per_iteration"]["buckets"].items():
+        assert value("mlora_adapter_distinct_per_iteration_bucket", le=le) == n
+    assert value("mlora_adapter_load_latency_seconds_count", tier="host") == 2
+    assert not any(name.endswith("_created") for name, _ in prom)
+    # the same events under the same clock write the same bytes
+    assert scripted(Clock(100.0)).prometheus_text() == text
+
+
+def test_snapshot_round_trips_through_json():
+    m = scripted(Clock(100.0))
+    m.adapter_load(10, math.nan, False, "host")  # a broken timer must not make the JSON unwritable
+    s = m.snapshot()
+    assert json.loads(json.dumps(s, allow_nan=False)) == s
+    assert s["histograms"]["adapter_load_latency_seconds"]["host"]["sum"] is None
+
+
+def test_unknown_error_codes_are_capped_into_other():
+    m = JobMetrics(clock=Clock(0.0))
+    for i in range(10_000):
+        m.row_finished("error", f"E_NEW_{i}")
+    for code in sorted(ERROR_CODES):
+        m.row_finished("error", code)
+    m.row_finished("error")  # an error row without a code
+    s = m.snapshot()
+    assert s["errors_by_code"]["other"] == 10_001
+    assert len(s["errors_by_code"]) == len(ERROR_CODES) + 1
+    codes = [dict(smp.labels)["error_code"] for fam in m.registry.collect() if fam.name == "mlora_row_errors"
+             for smp in fam.samples]
+    assert len(codes) == len(set(codes)) == len(ERROR_CODES) + 1
+    assert {"E_PROMPT_NULL", "E_NON_FINITE", "U_DORA", "E_ADAPTER_LOAD"} <= set(codes)
+
+
+def test_every_label_is_bounded_and_no_metric_names_an_adapter_or_row():
+    m = scripted(Clock(100.0))
+    for i in range(500):
+        m.row_finished("error", f"adapter-{i}/E_BAD")  # an id smuggled into a code is still "other"
+    families = list(m.registry.collect())
+    assert len(families) >= 25
+    for fam in families:
+        assert fam.name.startswith("mlora_"), fam.name
+        for smp in fam.samples:
+            for label, val in smp.labels.items():
+                if label == "le":
+                    continue
+                assert label in LABEL_VALUES, (fam.name, label)
+                assert val in LABEL_VALUES[label], (fam.name, label, val)
+    names = {label for fam in families for smp in fam.samples for label in smp.labels}
+    assert not names & {"adapter", "adapter_id", "row", "row_id", "id", "path", "sha256", "digest"}
+    # nothing leaks into the process-global registry
+    assert not [f for f in prometheus_client.REGISTRY.collect() if f.name.startswith("mlora_")]
+    assert m.registry is not prometheus_client.REGISTRY
+
+
+def test_two_jobs_do_not_share_state():
+    clock = Clock(100.0)
+    a = scripted(clock)
+    b = JobMetrics(clock=clock)
+    fresh = JobMetrics(clock=clock)
+    b.row_finished("stop", completion_tokens=1)
+    assert a.snapshot()["rows_finished"] == 6 and b.snapshot()["rows_finished"] == 1
+    assert fresh.snapshot()["rows_finished"] == 0 and fresh.snapshot()["h2d_bytes"] == 0
+    assert a.registry is not b.registry
+    assert a.prometheus_text() != b.prometheus_text()
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.row_finished("eos"),
+    lambda m: m.adapter_load(1, 0.1, True, "gpu"),
+    lambda m: m.cache(True, "ssd"),
+    lambda m: m.eviction("cpu"),
+    lambda m: m.residency_states({"loaded": 1}),
+])
+def test_an_unknown_vocabulary_word_is_a_caller_bug(call):
+    m = JobMetrics(clock=Clock(0.0))
+    with pytest.raises(ValueError):
+        call(m)
+    assert m.snapshot() == JobMetrics(clock=Clock(0.0)).snapshot()
+
+
+def test_docstring_lists_every_metric_and_snapshot_key():
+    doc = metrics_mod.__doc__
+    m = scripted(Clock(100.0))
+    for fam in m.registry.collect():
+        shown = fam.name + "_total" if fam.type == "counter" else fam.name
+        assert shown in doc, shown
+    s = m.snapshot()
+    for key in list(s) + list(s["histograms"]):
+        assert key in doc, key
