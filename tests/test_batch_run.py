@@ -284,6 +284,16 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     assert len(a) == n and all(r["error_code"] is None for r in a.values())
     assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}
     assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters
+    m_few = json.loads((tmp_path / "few" / "_metrics.json").read_text())["metrics"]
+    m_many = json.loads((tmp_path / "many" / "_metrics.json").read_text())["metrics"]
+    assert m_many["load_amplification"] == 1.0 < m_few["load_amplification"]
+    assert m_few["evictions"]["device"] == few.bank["evictions"]
+    assert m_few["rows_finished"] == n and m_few["rank_padding_ratio"] >= 1.0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = (tmp_path / "few" / "_metrics.prom").read_text()
+    names = {f.name for f in text_string_to_metric_families(prom)}
+    assert "mlora_adapter_load_amplification_ratio" in names and "ad07" not in prom  # no adapter ids as labels
 
 
 def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):

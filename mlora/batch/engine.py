@@ -28,6 +28,7 @@ generated tokens and recomputes its KV (same tokens, same random stream).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -114,6 +115,7 @@ class Engine:
         device="cpu",
         dtype=torch.float32,
         max_wait: int = 32,
+        metrics=None,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -129,6 +131,8 @@ class Engine:
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
         self.max_wait = max_wait  # iterations a row may be overtaken before it blocks admission
+        self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
+        self._seen_adapters: set[str] = set()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
@@ -180,11 +184,31 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
+        t0 = time.perf_counter()
         try:
             logits = self._forward(plan)
         except AdapterError as exc:  # e.g. its bytes changed since the job started: never served
+            if self.metrics:
+                self.metrics.adapter_load(0, time.perf_counter() - t0, ok=False, tier_from="disk")
             return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
-        return self._advance(plan, logits)
+        done = self._advance(plan, logits)
+        if self.metrics:
+            self._record_iteration(plan, time.perf_counter() - t0)
+        return done
+
+    def _record_iteration(self, plan: IterationPlan, seconds: float) -> None:
+        """Iteration metrics; rank rows use each adapter's largest module rank
+        (true) against the bank's physical rank (padded)."""
+        true = padded = 0
+        distinct = set()
+        for seq, n in zip(plan.seqs, plan.new_tokens):
+            a = seq.req.adapter
+            if a is None:
+                continue
+            distinct.add(a)
+            true += n * self.pinned[a].max_rank
+            padded += n * getattr(self.bank, "max_rank", 0)
+        self.metrics.iteration(plan.doff, plan.num_rows - plan.doff, len(distinct), true, padded, seconds)
 
     def _fail_adapter(self, adapter_id: str | None, code: str, message: str) -> list[Result]:
         """Retire an adapter that can no longer be served: every queued row that
@@ -296,6 +320,8 @@ class Engine:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.metrics:
+            self.metrics.preemption()
         self.running.remove(seq)
         self.allocator.free(seq.blocks)
         seq.blocks, seq.num_computed = [], 0
@@ -325,7 +351,7 @@ class Engine:
         lora = None
         distinct = sorted({a for a in row_adapters if a is not None})
         if distinct:
-            slot_of = self.bank.ensure(distinct, self.pinned)
+            slot_of = self._ensure(distinct)
             row_slots = torch.tensor([slot_of[a] if a is not None else -1 for a in row_adapters],
                                      dtype=torch.int32, device=dev)
             lora = self.bank.context(row_slots)
@@ -336,6 +362,28 @@ class Engine:
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
             meta, self.kv, lora, torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )
+
+    def _ensure(self, adapters: list[str]) -> dict[str, int]:
+        """bank.ensure, with load, cache and eviction metrics."""
+        if not self.metrics:
+            return self.bank.ensure(adapters, self.pinned)
+        before = dict(self.bank.resident)
+        evictions = self.bank.stats.evictions
+        t0 = time.perf_counter()
+        slot_of = self.bank.ensure(adapters, self.pinned)
+        seconds = time.perf_counter() - t0
+        loaded = [a for a in adapters if self.pinned[a].semantic_sha256 not in before]
+        for a in adapters:
+            hit = a not in loaded
+            self.metrics.cache(hit, "device")
+            if a not in self._seen_adapters:
+                self._seen_adapters.add(a)
+                self.metrics.unique_adapter_bytes(_adapter_bytes(self.pinned[a]))
+        for a in dict.fromkeys(loaded):
+            self.metrics.adapter_load(_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, "disk")
+        for _ in range(self.bank.stats.evictions - evictions):
+            self.metrics.eviction("device")
+        return slot_of
 
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
@@ -383,3 +431,8 @@ class Engine:
                 out.append(Result(seq.req.row, seq.req.id, seq.req.adapter, [], "error", len(seq.req.prompt_ids),
                                   "E_ENGINE_STUCK", "the engine could not admit this row into an empty batch"))
         return out
+
+
+def _adapter_bytes(pinned) -> int:
+    """Bytes of an adapter's factors as stored (what a load moves)."""
+    return sum(m.a.nbytes + m.b.nbytes for m in pinned.modules)

@@ -234,8 +234,8 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
 def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling, tokenizer,
          progress, t0) -> JobSummary:
     from .bank import SlotBank
+    from .metrics import JobMetrics
     from .model import DecoderModel
-
 
     model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
     num_slots = len(good) if opts.max_gpu_adapters is None else max(1, min(len(good), opts.max_gpu_adapters))
@@ -244,8 +244,9 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     if good:
         bank = SlotBank(config.num_layers, model.group_shapes(), max(num_slots, 1), max(max_rank, 1), dtype, device)
     num_blocks = _kv_blocks(opts, config, dtype, device)
+    metrics = JobMetrics()
     engine = Engine(
-        model, bank, pinned, num_blocks=num_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
+        model, bank, pinned, metrics=metrics, num_blocks=num_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
         max_batch_tokens=opts.max_batch_tokens, sampling=sampling, stop_strings=tuple(opts.stop),
         detokenize=tokenizer.decode if tokenizer else None, device=device, dtype=dtype,
     )
@@ -258,6 +259,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     queue_limit = 8 * opts.max_num_seqs
 
     def emit(res: Result) -> None:
+        metrics.row_finished(res.finish_reason, res.error_code, res.num_prompt_tokens, len(res.token_ids))
         p = pinned.get(res.adapter) if res.adapter is not None else None
         text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else "")
         rec = {
@@ -310,7 +312,8 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
     summary.engine = dict(engine.stats)
     summary.bank = bank.stats.as_dict() if bank is not None else {}
-    sink.finish(summary.to_json())
+    metrics.write_prometheus(opts.output)
+    sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
     return summary
 
 
