@@ -286,7 +286,8 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters
     m_few = json.loads((tmp_path / "few" / "_metrics.json").read_text())["metrics"]
     m_many = json.loads((tmp_path / "many" / "_metrics.json").read_text())["metrics"]
-    assert m_many["load_amplification"] == 1.0 < m_few["load_amplification"]
+    # the whole input fits the scheduling window: adapter-aware admission loads each adapter once
+    assert m_many["load_amplification"] == 1.0 and m_few["load_amplification"] <= 1.1
     assert m_few["evictions"]["device"] == few.bank["evictions"]
     assert m_few["rows_finished"] == n and m_few["rank_padding_ratio"] >= 1.0
     from prometheus_client.parser import text_string_to_metric_families
@@ -309,3 +310,31 @@ def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
     assert ref.engine["preemptions"] == 0
     want = _rows(tmp_path / "ref")
     assert {k: r["completion_token_ids"] for k, r in rows.items()} == {k: r["completion_token_ids"] for k, r in want.items()}
+
+
+def test_a_cold_adapter_is_not_starved_by_hot_work(env):
+    """0x09I: one slot; a cold-adapter row arrives first, then a stream of rows of the
+    resident adapter. Hot rows may overtake it only until it has waited max_wait
+    iterations; then it runs."""
+    from mlora.batch.bank import SlotBank
+    from mlora.batch.catalog import load_catalog
+    from mlora.batch.engine import Engine, Request
+    from mlora.batch.model import DecoderModel
+
+    model = DecoderModel.from_pretrained(env["base"], dtype=torch.float32)
+    pinned = load_catalog(env["adapters"], None).pin({"a1", "a2"}, env["base"])
+    bank = SlotBank(model.config.num_layers, model.group_shapes(), 1, 8, torch.float32, "cpu")
+    engine = Engine(model, bank, pinned, num_blocks=64, max_num_seqs=2, max_wait=3)
+    engine.add(Request(0, "hot-0", [5, 6], "a1", 2))
+    assert engine.step() == [] and bank.resident  # a1 is now resident and running
+    engine.add(Request(1, "cold", [5, 6], "a2", 2))
+    finished, row = [], 2
+    for _ in range(40):
+        while engine.num_queued < 3:  # a constant stream of hot work
+            engine.add(Request(row, f"hot-{row}", [5, 7], "a1", 2))
+            row += 1
+        finished += [r.id for r in engine.step()]
+        if "cold" in finished:
+            break
+    assert "cold" in finished, finished
+    assert finished.index("cold") > 0  # hot rows did overtake it first

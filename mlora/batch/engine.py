@@ -114,7 +114,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         device="cpu",
         dtype=torch.float32,
-        max_wait: int = 32,
+        max_wait: int = 256,
         metrics=None,
     ):
         cfg = model.config
@@ -253,30 +253,39 @@ class Engine:
             chosen.append((seq, n))
             budget -= n
         chosen = [(s, n) for s, n in chosen if s in self.running]  # drop preempted ones
-        # admit waiting sequences in arrival order while seats, KV and budget allow. A
-        # sequence whose adapter cannot get a slot now (every slot serves a running
-        # adapter) is skipped, so rows of running adapters go ahead (adapter-aware,
-        # spec 0x09B: a cold adapter is load-eligible, not executable) -- unless it has
-        # waited max_wait iterations: then nobody may overtake it (0x09I, no starvation).
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
+        # admit waiting sequences while seats, KV and budget allow (spec 0x09B: a cold
+        # adapter is load-eligible, not executable). Rows whose adapter needs no load
+        # (base, running or resident in the bank) go first, each class in arrival
+        # order; a row whose adapter cannot get a slot now is skipped. Once any waiting
+        # row has waited max_wait iterations, strict arrival order applies and nobody
+        # may overtake an aged row that does not fit (0x09I: no starvation).
+        now = self.stats["iterations"]
+        candidates = list(self.waiting)
+        aged = any(now - s.arrival >= self.max_wait for s in candidates)
+        if not aged:
+            candidates.sort(key=lambda s: not self._hot(s))  # stable sort keeps arrival order
+        admitted = []
+        for seq in candidates:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if not self._adapter_fits(seq):
-                if self.stats["iterations"] - seq.arrival >= self.max_wait:
+                if aged and now - seq.arrival >= self.max_wait:
                     break
-                i += 1
                 continue
             n = min(seq.pending, budget)
             blocks = self._blocks_needed(seq, n)
             if blocks > self.allocator.num_free:
                 break
-            del self.waiting[i]
             self._admissions += 1
             seq.admitted = self._admissions
             self.running.append(seq)
             seq.blocks += self.allocator.allocate(blocks)
             chosen.append((seq, n))
             budget -= n
+            admitted.append(seq)
+        if admitted:
+            gone = {id(s) for s in admitted}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         if not chosen:
             return None
         prefill = [(s, n) for s, n in chosen if not (s.num_computed > 0 and s.pending == 1)]
@@ -292,6 +301,14 @@ class Engine:
             prefill_indptr=indptr,
             doff=indptr[-1],
         )
+
+    def _hot(self, seq: Sequence) -> bool:
+        """Can this row run without loading an adapter?"""
+        a = seq.req.adapter
+        if a is None or any(s.req.adapter == a for s in self.running):
+            return True
+        p = self.pinned.get(a)
+        return p is not None and p.ok and p.semantic_sha256 in getattr(self.bank, "resident", {})
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         a = seq.req.adapter

@@ -73,6 +73,7 @@ class JobOptions:
     kv_cache_gb: float | None = None
     block_size: int = 16
     shard_rows: int = 10000
+    schedule_window: int = 2048
     workers: int | None = None
 
 
@@ -256,7 +257,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     kept: dict[int, dict] = {}
     # rows handed to the engine ahead of time: the window its adapter-aware admission
     # can reorder within (the sink buffers at most this many out-of-order results)
-    queue_limit = 8 * opts.max_num_seqs
+    queue_limit = max(8 * opts.max_num_seqs, opts.schedule_window)
 
     def emit(res: Result) -> None:
         metrics.row_finished(res.finish_reason, res.error_code, res.num_prompt_tokens, len(res.token_ids))

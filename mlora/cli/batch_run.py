@@ -53,6 +53,8 @@ def batch_run(
     max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="Adapter slots (default: every adapter the job names)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
+    schedule_window: int = typer.Option(2048, "--schedule-window", min=1,
+                                        help="Input rows the scheduler may reorder to group rows by adapter."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
@@ -76,7 +78,7 @@ def batch_run(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), strict=strict,
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
-        shard_rows=shard_rows,
+        shard_rows=shard_rows, schedule_window=schedule_window,
     )
     show = not quiet and err.is_terminal
     bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
