@@ -259,33 +259,8 @@ class Engine:
         # order; a row whose adapter cannot get a slot now is skipped. Once any waiting
         # row has waited max_wait iterations, strict arrival order applies and nobody
         # may overtake an aged row that does not fit (0x09I: no starvation).
-        now = self.stats["iterations"]
-        candidates = list(self.waiting)
-        aged = any(now - s.arrival >= self.max_wait for s in candidates)
-        if not aged:
-            candidates.sort(key=lambda s: not self._hot(s))  # stable sort keeps arrival order
-        admitted = []
-        for seq in candidates:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if not self._adapter_fits(seq):
-                if aged and now - seq.arrival >= self.max_wait:
-                    break
-                continue
-            n = min(seq.pending, budget)
-            blocks = self._blocks_needed(seq, n)
-            if blocks > self.allocator.num_free:
-                break
-            self._admissions += 1
-            seq.admitted = self._admissions
-            self.running.append(seq)
-            seq.blocks += self.allocator.allocate(blocks)
-            chosen.append((seq, n))
-            budget -= n
-            admitted.append(seq)
-        if admitted:
-            gone = {id(s) for s in admitted}
-            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            budget = self._admit(chosen, budget)
         if not chosen:
             return None
         prefill = [(s, n) for s, n in chosen if not (s.num_computed > 0 and s.pending == 1)]
@@ -302,20 +277,49 @@ class Engine:
             doff=indptr[-1],
         )
 
-    def _hot(self, seq: Sequence) -> bool:
-        """Can this row run without loading an adapter?"""
-        a = seq.req.adapter
-        if a is None or any(s.req.adapter == a for s in self.running):
-            return True
-        p = self.pinned.get(a)
-        return p is not None and p.ok and p.semantic_sha256 in getattr(self.bank, "resident", {})
-
-    def _adapter_fits(self, seq: Sequence) -> bool:
-        a = seq.req.adapter
-        if a is None:
-            return True
+    def _admit(self, chosen: list, budget: int) -> int:
+        """Admit waiting sequences into ``chosen``; returns the budget left."""
+        now = self.stats["iterations"]
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
-        return a in active or len(active) < self.num_slots
+        resident = set(getattr(self.bank, "resident", {}))
+
+        def hot(seq: Sequence) -> bool:  # runs without loading an adapter
+            a = seq.req.adapter
+            if a is None or a in active:
+                return True
+            p = self.pinned.get(a)
+            return p is not None and p.ok and p.semantic_sha256 in resident
+
+        candidates = list(self.waiting)
+        aged = any(now - s.arrival >= self.max_wait for s in candidates)
+        if not aged:
+            candidates.sort(key=lambda s: not hot(s))  # stable sort keeps arrival order
+        admitted = []
+        for seq in candidates:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            a = seq.req.adapter
+            if a is not None and a not in active and len(active) >= self.num_slots:
+                if aged and now - seq.arrival >= self.max_wait:
+                    break  # an aged row that does not fit: nobody overtakes it
+                continue
+            n = min(seq.pending, budget)
+            blocks = self._blocks_needed(seq, n)
+            if blocks > self.allocator.num_free:
+                break
+            self._admissions += 1
+            seq.admitted = self._admissions
+            self.running.append(seq)
+            seq.blocks += self.allocator.allocate(blocks)
+            chosen.append((seq, n))
+            budget -= n
+            admitted.append(seq)
+            if a is not None:
+                active.add(a)
+        if admitted:
+            gone = {id(s) for s in admitted}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        return budget
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks))
