@@ -1,0 +1,288 @@
+"""The GPU slot bank on top of the residency engine: step 3's seam, step 4's safety.
+
+Owns the device tensors the segmented kernels read, in the layout of
+``mlora.kernels.add_lora_slices`` (exactly as ``mlora.batch.bank.SlotBank``),
+and the mapping from the engine's calls to residency transactions. Must not
+know the model's layer code (``mlora.batch.lora`` is the seam) nor read
+adapter files itself (``catalog.load_factors`` does, verified).
+
+Per layer and group, with S slots, n slices and physical rank R::
+
+    A       [S, n, R, d_in]            B       [S, sum(widths), R]
+    ranks   int32   [n, S]             scales  float32 [n, S]
+
+Only the groups named in ``shapes`` are allocated (a job whose adapters
+target q/v only needs no MLP slots). An adapter's host artifact is the list
+of its factors (copied into the leading rank rows/columns) plus its whole
+ranks/scales columns; the slot is zeroed on the device first, so every tail
+is zero and validation proves it (spec 0x06A).
+
+Calls, as for SlotBank: ``ensure(ids, pinned) -> {id: slot}`` before each
+model invocation, then ``context(row_slots)``. ``ensure`` closes the previous
+invocation's launch (recording its last-use event) and holds every adapter
+it returns as a queued reservation until ``context`` snapshots them; a miss
+is loaded as a residency transaction (victims only among eligible slots,
+rolled back and retried on failure, ``E_ADAPTER_LOAD`` after the budget).
+Requests may also hold leases (``acquire``/``release``) so that a queued or
+running request's adapter can never be evicted between iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from mlora.kernels import add_lora_slices, build_plan, make_launch_plan
+
+from ..catalog import PinnedAdapter, load_factors
+from ..lora import GROUPS, ROLE_SLICE
+from .errors import AdapterLoadError, ResidencyError, ValidationError
+from .events import Copier, copier_for
+from .faults import FaultInjector
+from .host import HostArtifact, HostCache, Piece
+from .manager import Handle, Launch, Residency
+from .pool import PagePool
+from .states import BINDABLE, State
+from .storage import SlotStorage
+
+
+class BankError(ResidencyError):
+    """The bank cannot place or serve an adapter (codes as step 3's SlotBank: E_ADAPTER_UNKNOWN,
+    E_BANK_RANK_EXCEEDS_R, E_BANK_SHAPE, E_BANK_FULL, E_BANK_SLOT_EMPTY, ...)."""
+
+
+class ResidencyBank:
+    """``num_slots`` adapter slots for every (layer, group) in ``shapes``, managed by a :class:`Residency`."""
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
+                 pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
+                 faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False):
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
+        if not shapes or not set(shapes) <= set(GROUPS):
+            raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+        self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
+        self.dtype, self.device, self.backend = dtype, device, backend
+        self.groups = tuple(g for g in GROUPS if g in shapes)
+        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in self.groups}
+        self.d_in = {g: int(shapes[g][0]) for g in self.groups}
+        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
+        L, S, R = num_layers, num_slots, max_rank
+        self.A = {g: torch.zeros(L, S, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
+        self.B = {g: torch.zeros(L, S, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
+        self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
+        self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
+        self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in self.groups}, max_rank, dtype)
+        if pool is None:
+            pool = PagePool(num_slots, self.slot_bytes)
+        tensors = {}
+        for g in self.groups:
+            tensors.update({f"A.{g}": (self.A[g], 1), f"B.{g}": (self.B[g], 1),
+                            f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
+        storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
+        host = HostCache(host_cache_bytes, pin=device.type == "cuda")
+        self.residency = Residency(storage, pool, host, copier=copier or copier_for(device), faults=faults,
+                                   max_load_attempts=max_load_attempts, trace=trace)
+        self.stats = self.residency.stats
+        self._plan: list[str] = []  # keys the last ensure() returned, held until context()
+        self._open: ResidencyContext | None = None
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
+                       dtype: torch.dtype) -> int:
+        """Device bytes one slot costs (factors at physical rank plus rank/scale entries)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
+                        for d_in, w in shapes.values())
+        return num_layers * per_layer
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """semantic_sha256 -> slot of every published adapter, least recently used first."""
+        entries = sorted(self.residency.catalog.values(), key=lambda e: e.last_touch)
+        return {e.key: e.slot for e in entries}
+
+    # ---- the step-3 seam ------------------------------------------------------------------
+
+    def ensure(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> dict[str, int]:
+        """Make every listed adapter's generation published and return adapter id -> slot.
+
+        Raises BankError for an unknown or unservable id, a rank above the bank's or
+        more distinct adapters than slots; AdapterChanged when an adapter's bytes
+        changed; ValidationError for an adapter refused before any eviction;
+        AdapterLoadError (E_ADAPTER_LOAD) when every load attempt failed -- in each
+        case the failed adapter's attempts were rolled back (victims restored)."""
+        self._end_invocation()
+        res = self.residency
+        wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
+        for adapter_id in adapter_ids:
+            p = self._check(adapter_id, pinned)
+            wanted.setdefault(p.semantic_sha256, p)
+        if len(wanted) > self.num_slots:
+            raise BankError("E_BANK_FULL", f"{len(wanted)} distinct adapters requested at once, the bank has "
+                            f"{self.num_slots} slots; the scheduler must admit at most that many (raise "
+                            "--max-gpu-adapters or lower --max-num-seqs)")
+        for key, p in wanted.items():
+            self._make_resident(key, p)
+            res.reserve_queued(key)  # this invocation's plan assumes it stays resident
+            self._plan.append(key)
+        return {i: res.catalog[pinned[i].semantic_sha256].slot for i in adapter_ids}
+
+    def context(self, row_slots: torch.Tensor) -> "ResidencyContext":
+        """The LoraContext of one model invocation; snapshots the handles of every slot it
+        names as a launch (live until the next ``ensure``/``context`` or ``ctx.close()``)."""
+        self._close_launch()
+        row_slots = row_slots.to(device=self.device, dtype=torch.int32)
+        if row_slots.dim() != 1:
+            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
+        plan = build_plan(row_slots)
+        active = plan.slot_ids.tolist()
+        handles, stray = [], []
+        for s in active:
+            e = self.residency.slots[s].entry if 0 <= s < self.num_slots else None
+            if e is None or not (e.state in BINDABLE or (e.state is State.RETIRING and e.refcount)):
+                stray.append(s)
+            else:
+                handles.append(self.residency.handle_of(e))
+        if stray or (row_slots.numel() and int(row_slots.min()) < -1):
+            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray or 'below -1'} that hold no "
+                            "published adapter; call ensure() for this invocation's adapters first")
+        launch = self.residency.launch(handles)
+        self._release_plan()  # the launch snapshot protects them now
+        targeted = frozenset().union(*(self.residency.slots[h.slot_id].entry.artifact.meta["targets"]
+                                       for h in handles))
+        kernel_plan = make_launch_plan(plan) if self.backend == "triton" and active else None
+        self._open = ResidencyContext(self, row_slots, kernel_plan or plan, targeted, launch)
+        return self._open
+
+    # ---- leases ------------------------------------------------------------------------
+
+    def acquire(self, request: str, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> Handle:
+        """Load if needed and bind request attempt ``request`` to the adapter's current
+        generation for its lifetime (its slot cannot be evicted until :meth:`release`)."""
+        p = self._check(adapter_id, pinned)
+        self._make_resident(p.semantic_sha256, p)
+        return self.residency.acquire(request, p.semantic_sha256)
+
+    def release(self, request: str) -> None:
+        self.residency.finish_request(request)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
+        p = pinned.get(adapter_id)
+        if p is None:
+            raise BankError("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
+        if not p.ok:
+            raise BankError(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
+                            f"{p.error_message}")
+        if p.max_rank > self.max_rank:
+            raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
+                            f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
+        return p
+
+    def _make_resident(self, key: str, p: PinnedAdapter) -> None:
+        res = self.residency
+        if not res.host.has_source(key):
+            res.host.register(key, key, lambda p=p: self._artifact(p))
+        pending = res.loading(key)
+        if pending is not None and res.catalog.get(key) is None:  # a prefetch in flight
+            res.wait(pending)
+        if res.catalog.get(key) is not None:
+            res.stats.hits += 1
+            res.touch(key)
+            return
+        res.stats.misses += 1
+        try:
+            res.load(key)
+        except AdapterLoadError as exc:
+            raise AdapterLoadError(p.id, exc.attempts, exc.last) from exc.last
+
+    def _artifact(self, p: PinnedAdapter) -> HostArtifact:
+        """The verified host image of one pinned adapter (factors re-hashed from disk)."""
+        L = self.num_layers
+        ranks = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.int32) for g in self.groups}
+        scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
+        pieces, targets = [], set()
+        for (layer, role), (a, b, scale) in sorted(load_factors(p, self.dtype, "cpu").items()):
+            group, j = ROLE_SLICE[role]
+            if group not in self.widths:
+                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {group} slots")
+            r, w = a.shape[0], self.widths[group][j]
+            if not 0 <= layer < L or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
+                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
+                                f"B {list(b.shape)} do not fit the model ({L} layers, d_in {self.d_in[group]}, "
+                                f"width {w})")
+            if r > self.max_rank:
+                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
+            off = self.offsets[group][j]
+            pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
+            pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
+            ranks[group][layer, j] = r
+            scales[group][layer, j] = scale
+            targets.add((layer, group))
+        for g in self.groups:
+            pieces += [Piece(f"ranks.{g}", (), ranks[g]), Piece(f"scales.{g}", (), scales[g])]
+        return HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
+                            meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
+
+    def _check_meta(self, views: dict[str, torch.Tensor], name: str) -> None:
+        """Ranks within [0, R]; scales finite, and zero wherever the rank is zero."""
+        for g in self.groups:
+            r, s = views.get(f"ranks.{g}"), views.get(f"scales.{g}")
+            if r is None or s is None:
+                continue
+            r, s = r.to("cpu"), s.to("cpu")
+            if bool(((r < 0) | (r > self.max_rank)).any()):
+                raise ValidationError("E_VALIDATE_LAYOUT", f"adapter {name!r}: ranks of group {g} outside "
+                                      f"[0, {self.max_rank}]")
+            if not bool(torch.isfinite(s).all()) or bool((s[r == 0] != 0).any()):
+                raise ValidationError("E_VALIDATE_SCALE", f"adapter {name!r}: malformed scaling metadata in group "
+                                      f"{g} (non-finite, or a scale on a slice the adapter does not target); the "
+                                      "adapter is refused")
+
+    def _release_plan(self) -> None:
+        for key in self._plan:
+            self.residency.release_queued(key)
+        self._plan = []
+
+    def _close_launch(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+    def _end_invocation(self) -> None:
+        self._close_launch()
+        self._release_plan()
+
+
+class ResidencyContext:
+    """``mlora.batch.lora.LoraContext`` over a ResidencyBank for one invocation."""
+
+    def __init__(self, bank: ResidencyBank, row_slots: torch.Tensor, plan, targeted: frozenset, launch: Launch):
+        self.bank, self.row_slots, self.plan, self.targeted, self.launch = bank, row_slots, plan, targeted, launch
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
+        if (layer, group) not in self.targeted:
+            return
+        bank = self.bank
+        add_lora_slices(
+            y, x, bank.A[group][layer], bank.B[group][layer], self.row_slots, widths=bank.widths[group],
+            ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
+            plan=self.plan, check_values=False,  # validated when published, row slots in context()
+        )
+
+    def close(self, event=None) -> None:
+        """The invocation's kernels are issued: its last-use event is ``event`` (default: one
+        recorded now on the compute stream)."""
+        if self.launch.event is None:
+            self.launch.finish(event if event is not None else self.bank.residency.copier.compute_event())

@@ -1,0 +1,149 @@
+"""The host tier: verified adapter images ready to copy, in a bounded LRU cache.
+
+Owns :class:`HostArtifact` (what one slot must hold, as a list of pieces to
+copy plus the digests and non-zero counts that validation compares against)
+and :class:`HostCache` (digest -> artifact, bounded by bytes, with a
+registered *verified source* per digest that can rebuild an evicted artifact,
+e.g. ``catalog.load_factors`` re-hashing the pinned file bytes). Must not
+know slots or devices beyond pinning host memory for CUDA transfers.
+
+A trusted host source is what rollback restores victims from (0x05F) and
+what the eviction predicate asks for (``host_source_verified``, 0x05D).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import ResidencyError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy ``src`` (host) into ``view[index]`` of the slot view named ``view``."""
+
+    view: str
+    index: tuple
+    src: torch.Tensor
+
+
+@dataclass
+class HostArtifact:
+    """One adapter generation's bytes on the host, laid out for a slot.
+
+    ``digest`` is the artifact identity a handle carries; ``pieces`` are the
+    only bytes transferred (everything else in the slot is zeroed on the
+    device first); ``image_sha256`` hashes the pieces (validation re-hashes
+    what landed); ``nonzeros`` counts non-zero elements per view, so a stale
+    value left in a padded tail is caught by one exact integer comparison."""
+
+    key: str
+    digest: str
+    pieces: list[Piece]
+    name: str = ""  # human id for messages and fault matching (an adapter id)
+    pages: int = 0  # ledger pages it needs when resident
+    meta: dict = field(default_factory=dict)
+    image_sha256: str = ""
+    nonzeros: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.name = self.name or self.key
+        if not self.image_sha256:
+            self.image_sha256 = pieces_sha256((p.view, p.index, p.src) for p in self.pieces)
+        if not self.nonzeros:
+            for p in self.pieces:
+                self.nonzeros[p.view] = self.nonzeros.get(p.view, 0) + int(torch.count_nonzero(p.src))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.src.numel() * p.src.element_size() for p in self.pieces)
+
+    def pinned(self) -> "HostArtifact":
+        """The same artifact in page-locked memory (for asynchronous host-to-device copies)."""
+        pieces = [Piece(p.view, p.index, p.src.pin_memory()) for p in self.pieces]
+        return HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
+                            dict(self.nonzeros))
+
+
+def pieces_sha256(pieces) -> str:
+    """sha256 over (view, index, dtype, shape, bytes) of each piece, in order; device tensors
+    are read back to the host."""
+    h = hashlib.sha256()
+    for view, index, t in pieces:
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{view}|{index!r}|{t.dtype}|{t.numel()}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class HostCache:
+    """digest -> :class:`HostArtifact`, least recently used first, at most ``capacity_bytes``
+    (None: unbounded). ``key -> digest`` remembers which artifact an alias names now."""
+
+    def __init__(self, capacity_bytes: int | None = None, pin: bool = False):
+        self.capacity_bytes, self.pin = capacity_bytes, pin
+        self._cache: OrderedDict[str, HostArtifact] = OrderedDict()
+        self._sources: dict[str, Callable[[], HostArtifact]] = {}
+        self._current: dict[str, str] = {}
+        self.hits = self.misses = self.bytes = 0
+
+    def register(self, key: str, digest: str, source: Callable[[], HostArtifact]) -> None:
+        """A verified way to (re)build ``digest``; ``key`` now names it."""
+        self._sources[digest] = source
+        self._current[key] = digest
+
+    def put(self, artifact: HostArtifact, key_names_it: bool = True) -> None:
+        if self.pin and artifact.pieces and not artifact.pieces[0].src.is_pinned():
+            artifact = artifact.pinned()
+        if artifact.digest in self._cache:
+            self.bytes -= self._cache.pop(artifact.digest).nbytes
+        self._cache[artifact.digest] = artifact
+        self.bytes += artifact.nbytes
+        if key_names_it:
+            self._current[artifact.key] = artifact.digest
+        self._shrink(keep=artifact.digest)
+
+    def digest_of(self, key: str) -> str:
+        if key not in self._current:
+            raise ResidencyError("E_RESIDENCY_HOST_SOURCE", f"no host artifact or source names {key!r}")
+        return self._current[key]
+
+    def has_source(self, digest: str) -> bool:
+        return digest in self._cache or digest in self._sources
+
+    def get(self, digest: str) -> HostArtifact:
+        art = self._cache.get(digest)
+        if art is not None:
+            self.hits += 1
+            self._cache.move_to_end(digest)
+            return art
+        source = self._sources.get(digest)
+        if source is None:
+            raise ResidencyError("E_RESIDENCY_HOST_SOURCE", f"artifact {digest[:16]} has no verified host source")
+        self.misses += 1
+        art = source()  # the source verifies (e.g. re-hashes the pinned file bytes) or raises
+        if art.digest != digest:
+            raise ResidencyError("E_RESIDENCY_HOST_SOURCE", f"the source of {digest[:16]} produced {art.digest[:16]}")
+        self.put(art, key_names_it=False)
+        return self._cache[digest]
+
+    def forget(self, digest: str) -> None:
+        """Drop the cached bytes and the source (the host no longer has a trusted copy)."""
+        art = self._cache.pop(digest, None)
+        if art is not None:
+            self.bytes -= art.nbytes
+        self._sources.pop(digest, None)
+
+    def _shrink(self, keep: str) -> None:
+        if self.capacity_bytes is None:
+            return
+        for digest in list(self._cache):
+            if self.bytes <= self.capacity_bytes:
+                break
+            if digest != keep and digest in self._sources:  # only what can be rebuilt may be dropped
+                self.bytes -= self._cache.pop(digest).nbytes

@@ -1,0 +1,126 @@
+"""Where a resident adapter's bytes live, and the validation of what landed there.
+
+Owns the ``Storage`` protocol (named destination views of one slot, the
+pages an artifact needs, host-side and device-side metadata checks) and two
+implementations, plus :func:`validate_landed`, the one validation every load
+and every rollback restoration runs before publication (spec 0x04E, 0x05E).
+Must not know states, leases or the page ledger's rules.
+
+* :class:`SlotStorage` -- fixed max-rank slots: named device tensors with a
+  slot axis (the GPU slot bank's A/B/ranks/scales, ``bank.py``; a tiny
+  rank-two slot table in the hotswap fixture). A slot's pages are ledger
+  tokens; its bytes are the slot's sub-tensors.
+* :class:`PagedStorage` -- unified vector pages (0x05B): one device tensor of
+  ``num_pages`` pages; an adapter's pages *are* its storage, in page-table order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from .errors import ValidationError
+from .host import HostArtifact, pieces_sha256
+
+
+class Storage(Protocol):
+    num_slots: int
+
+    def pages_for(self, artifact: HostArtifact) -> int: ...
+
+    def views(self, slot: int, pages: list[int]) -> dict[str, torch.Tensor]: ...
+
+    def check_artifact(self, artifact: HostArtifact) -> None:
+        """Host-side: the artifact fits the layout and its metadata is servable (before any eviction)."""
+
+    def check_metadata(self, views: dict[str, torch.Tensor], artifact: HostArtifact) -> None:
+        """Device-side: the landed metadata (ranks, scales) is servable."""
+
+
+def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact) -> None:
+    """Layout, metadata, finite values, digest of the landed pieces, zeroed tails -- in that
+    order, the first failure raised as ValidationError with its E_VALIDATE_* code."""
+    what = f"adapter {artifact.name!r}"
+    for p in artifact.pieces:
+        dst = views[p.view][p.index] if p.view in views else None
+        if dst is None or dst.shape != p.src.shape or dst.dtype != p.src.dtype:
+            raise ValidationError("E_VALIDATE_LAYOUT", f"{what}: piece {p.view}{list(p.index)} does not match the slot")
+    storage.check_metadata(views, artifact)
+    for name, v in views.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValidationError("E_VALIDATE_NONFINITE", f"{what}: non-finite values landed in {name}")
+    landed = pieces_sha256((p.view, p.index, views[p.view][p.index]) for p in artifact.pieces)
+    if landed != artifact.image_sha256:
+        raise ValidationError("E_VALIDATE_DIGEST", f"{what}: the landed bytes hash to {landed[:16]}, the host "
+                              f"artifact to {artifact.image_sha256[:16]}")
+    for name, v in views.items():
+        # Pieces are disjoint and matched bit for bit above, so any further non-zero lies
+        # outside them: a stale value in a padded rank tail or an untargeted slice (0x06A).
+        extra = int(torch.count_nonzero(v)) - artifact.nonzeros.get(name, 0)
+        if extra:
+            raise ValidationError("E_VALIDATE_TAIL", f"{what}: {extra} non-zero value(s) outside the adapter's "
+                                  f"factors in {name} (padded tails must be zero)")
+
+
+class SlotStorage:
+    """``tensors``: name -> (device tensor, slot axis). Every tensor has ``num_slots`` along its axis."""
+
+    def __init__(self, tensors: dict[str, tuple[torch.Tensor, int]], pages_per_slot: int = 1,
+                 check_meta: Callable[[dict[str, torch.Tensor], str], None] | None = None):
+        sizes = {t.shape[d] for t, d in tensors.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"slot tensors disagree on the number of slots: {sorted(sizes)}")
+        self.tensors, self.pages_per_slot, self.check_meta = tensors, pages_per_slot, check_meta
+        self.num_slots = sizes.pop()
+
+    def pages_for(self, artifact: HostArtifact) -> int:
+        return self.pages_per_slot
+
+    def views(self, slot: int, pages: list[int]) -> dict[str, torch.Tensor]:
+        return {name: t.select(d, slot) for name, (t, d) in self.tensors.items()}
+
+    def check_artifact(self, artifact: HostArtifact) -> None:
+        shapes = {name: t.select(d, 0) for name, (t, d) in self.tensors.items()}
+        for p in artifact.pieces:
+            dst = shapes[p.view][p.index] if p.view in shapes else None
+            if dst is None or dst.shape != p.src.shape or dst.dtype != p.src.dtype:
+                raise ValidationError("E_VALIDATE_LAYOUT", f"adapter {artifact.name!r}: piece {p.view}{list(p.index)} "
+                                      f"{tuple(p.src.shape)} {p.src.dtype} does not fit the slot layout")
+        if self.check_meta is not None:
+            self.check_meta({p.view: p.src for p in artifact.pieces if p.index == ()}, artifact.name)
+
+    def check_metadata(self, views: dict[str, torch.Tensor], artifact: HostArtifact) -> None:
+        if self.check_meta is not None:
+            self.check_meta(views, artifact.name)
+
+
+class PagedStorage:
+    """``num_pages`` vector pages of ``page_elems`` elements; page ``p`` is ``data[p]``.
+    ``num_slots`` is the size of the pointer table (how many adapters may be mapped at once)."""
+
+    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device="cpu", num_slots: int = 16):
+        self.data = torch.zeros(num_pages, page_elems, dtype=dtype, device=device)
+        self.num_slots = num_slots
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data.shape[1] * self.data.element_size()
+
+    def pages_for(self, artifact: HostArtifact) -> int:
+        return artifact.pages
+
+    def views(self, slot: int, pages: list[int]) -> dict[str, torch.Tensor]:
+        return {str(i): self.data[p] for i, p in enumerate(pages)}
+
+    def check_artifact(self, artifact: HostArtifact) -> None:
+        names = [p.view for p in artifact.pieces]
+        ok = names == [str(i) for i in range(artifact.pages)] and all(
+            p.index == () and p.src.shape == self.data.shape[1:] and p.src.dtype == self.data.dtype
+            for p in artifact.pieces)
+        if not ok:
+            raise ValidationError("E_VALIDATE_LAYOUT", f"adapter {artifact.name!r} is not {artifact.pages} whole "
+                                  f"pages of {self.data.shape[1]} {self.data.dtype} elements")
+
+    def check_metadata(self, views: dict[str, torch.Tensor], artifact: HostArtifact) -> None:
+        pass
