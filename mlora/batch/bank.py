@@ -28,6 +28,8 @@ after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
 
 from __future__ import annotations
 
+from mlora.batch.errors import CodedError
+
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -39,12 +41,8 @@ from .catalog import PinnedAdapter, load_factors
 from .lora import GROUPS, ROLE_SLICE
 
 
-class BankError(RuntimeError):
+class BankError(CodedError, RuntimeError):
     """The bank cannot place an adapter; ``code`` says why."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 class BankFull(BankError):

@@ -25,6 +25,8 @@ Error code of a bad adapter, first match wins::
 
 from __future__ import annotations
 
+from mlora.batch.errors import CodedError
+
 import hashlib
 import json
 import os
@@ -48,21 +50,16 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-class CatalogError(ValueError):
+class CatalogError(CodedError, ValueError):
     """The catalog itself is unusable (the job cannot start). ``code`` is one of
     E_CATALOG_NOT_FOUND, E_CATALOG_INVALID, E_CATALOG_EMPTY."""
 
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
-
-class AdapterError(RuntimeError):
+class AdapterError(CodedError, RuntimeError):
     """A pinned adapter cannot be served; ``code`` says why."""
 
     def __init__(self, code: str, message: str, adapter_id: str | None = None):
-        super().__init__(f"{code}: {message}")
-        self.code = code
+        super().__init__(code, message)
         self.adapter_id = adapter_id
 
 

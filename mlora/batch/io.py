@@ -41,6 +41,8 @@ Rules:
 
 from __future__ import annotations
 
+from mlora.batch.errors import CodedError
+
 import glob
 import hashlib
 import os
@@ -64,16 +66,12 @@ _FLAG = {
 }
 
 
-class JobInputError(ValueError):
+class JobInputError(CodedError, ValueError):
     """The input cannot be read as asked. ``code`` is stable; the message says what to do.
 
     Codes: E_INPUT_USAGE (contradictory column options), E_INPUT_NOT_FOUND,
     E_INPUT_NOT_PARQUET, E_INPUT_COLUMN_MISSING, E_INPUT_COLUMN_TYPE,
     E_INPUT_SCHEMA_MISMATCH, E_INPUT_NULL_ID, E_INPUT_CHANGED."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,18 @@ import pyarrow.dataset as pads
 import torch
 
 from .engine import Engine, Request, Result
+from .errors import CodedError
 from .sampling import SamplingParams
 
 BASE_IDS = (None, "", "__base__")
 
 
-class JobError(Exception):
+class JobError(CodedError):
     """The job cannot start or continue; ``code`` is stable, the message says what to do."""
 
     def __init__(self, code: str, message: str, exit_code: int = 1):
-        super().__init__(f"{code}: {message}")
-        self.code, self.exit_code = code, exit_code
+        super().__init__(code, message)
+        self.exit_code = exit_code
 
 
 @dataclass

@@ -24,6 +24,8 @@ and Qwen3 q/k/v/o biases; Qwen2 always has q/k/v biases; Mistral has none.
 
 from __future__ import annotations
 
+from mlora.batch.errors import CodedError
+
 import json
 import math
 import os
@@ -49,13 +51,9 @@ ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-class ModelError(ValueError):
+class ModelError(CodedError, ValueError):
     """An unsupported or broken base checkpoint. ``code`` is one of
     E_MODEL_ARCH, E_MODEL_CONFIG, E_MODEL_WEIGHTS."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ Decisions:
 
 from __future__ import annotations
 
+from mlora.batch.errors import CodedError
+
 import datetime
 import hashlib
 import json
@@ -85,16 +87,12 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
 OUTPUT_COLUMNS: tuple[str, ...] = ("id",) + tuple(f.name for f in RESULT_FIELDS)
 
 
-class JobOutputError(ValueError):
+class JobOutputError(CodedError, ValueError):
     """OUTPUT cannot be used as asked. ``code`` is stable; the message says what to do.
 
     Codes: E_OUTPUT_EXISTS, E_OUTPUT_LOCKED, E_OUTPUT_CORRUPT, E_OUTPUT_EMPTY
     (:func:`read_output` before any shard), E_RESUME_NO_MANIFEST,
     E_RESUME_MISMATCH."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 def output_schema(kept_schema: pa.Schema) -> pa.Schema:

@@ -1,0 +1,17 @@
+"""The error shape every ``mlora.batch`` failure shares.
+
+A ``CodedError`` carries a stable ``code`` (``E_...``, the contract scripts
+match on) and a message that ends with what to do; ``str(err)`` is
+``"CODE: message"``. Concrete classes mix it with the builtin they specialise
+(``ValueError`` for bad input, ``RuntimeError`` for a state that cannot go on)
+so callers can catch either way.
+"""
+
+from __future__ import annotations
+
+
+class CodedError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
