@@ -17,7 +17,7 @@ One concept per module::
 """
 
 from .bank import BankError, ResidencyBank, ResidencyContext
-from .errors import (AdapterLoadError, AdmissionError, KVCapacity, LedgerError, LoadError, NotEvictable,
+from .errors import (AdapterLoadError, AdmissionError, ArtifactRefused, KVCapacity, LedgerError, LoadError, NotEvictable,
                      ResidencyError, RollbackError, TransitionError, ValidationError)
 from .events import DONE, CpuCopier, CudaCopier, Event, ManualEvent, copier_for
 from .faults import FaultInjector
@@ -28,7 +28,7 @@ from .states import BINDABLE, TRANSITIONS, State, check_transition
 from .storage import PagedStorage, SlotStorage, validate_landed
 
 __all__ = [
-    "Admission", "AdapterLoadError", "AdmissionError", "BINDABLE", "BankError", "CpuCopier", "CudaCopier", "DONE",
+    "Admission", "AdapterLoadError", "AdmissionError", "ArtifactRefused", "BINDABLE", "BankError", "CpuCopier", "CudaCopier", "DONE",
     "Demand", "Entry", "Event", "FaultInjector", "Handle", "HostArtifact", "HostCache", "KVCapacity", "Launch",
     "LedgerError", "LoadError", "ManualEvent", "NotEvictable", "Owner", "PagePool", "PagedStorage", "Piece",
     "RequestAttempt", "Residency", "ResidencyBank", "ResidencyContext", "ResidencyError", "ResidencyStats",

@@ -117,7 +117,7 @@ class ResidencyBank:
 
         Raises BankError for an unknown or unservable id, a rank above the bank's or
         more distinct adapters than slots; AdapterChanged when an adapter's bytes
-        changed; ValidationError for an adapter refused before any eviction;
+        changed; ArtifactRefused (E_VALIDATE_*) for an adapter refused before any eviction;
         AdapterLoadError (E_ADAPTER_LOAD) when every load attempt failed -- in each
         case the failed adapter's attempts were rolled back (victims restored)."""
         self._end_invocation()

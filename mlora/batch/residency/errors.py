@@ -13,7 +13,8 @@ the broken invariant. Codes::
     E_RESIDENCY_COPY                 a host-to-device copy failed (partial bytes may have landed)
     E_RESIDENCY_NO_HOST_SOURCE       rollback found no verified host source to restore a victim from
     E_RESIDENCY_RESTORE_FAILED       rollback could not restore a victim (its copy or validation failed)
-    E_VALIDATE_LAYOUT / _SCALE / _NONFINITE / _DIGEST / _TAIL   what landed is not what was sent
+    E_VALIDATE_LAYOUT / _SCALE / _NONFINITE / _DIGEST / _TAIL   what landed is not what was sent (or, raised
+                                     as ArtifactRefused, the host artifact itself is not servable)
     E_ADMISSION_CAPACITY             free + reclaimable pages (or slots) < the joint demand
     E_ADMISSION_KERNEL_CONTRACT      the adapter does not fit the slot layout (rank, shape)
     E_KV_CAPACITY                    KV growth found no free or reclaimable page (nothing over-committed)
@@ -80,6 +81,11 @@ class KVCapacity(ResidencyError):
 
 class LedgerError(ResidencyError):
     pass
+
+
+class ArtifactRefused(AdapterError):
+    """The host artifact fails the layout or metadata check (E_VALIDATE_*) before any victim was
+    touched: nothing to roll back, nothing to retry. A catalog ``AdapterError``: its rows fail closed."""
 
 
 class AdapterLoadError(AdapterError):

@@ -32,7 +32,7 @@ import itertools
 import time
 from dataclasses import dataclass, field, replace
 
-from .errors import (AdapterLoadError, AdmissionError, KVCapacity, LedgerError, LoadError, NotEvictable,
+from .errors import (AdapterLoadError, AdmissionError, ArtifactRefused, KVCapacity, LedgerError, LoadError, NotEvictable,
                      ResidencyError, RollbackError, ValidationError)
 from .events import DONE, Copier, CpuCopier, Event, complete
 from .faults import FaultInjector
@@ -360,15 +360,15 @@ class Residency:
             slots += 1
         if demand is not None:
             demand = replace(demand, reclaimable=pages)
+        if slots < slots_needed:
+            raise AdmissionError("E_ADMISSION_CAPACITY", "adapter_slot_capacity", f"{what}needs an adapter slot; "
+                                 "every slot holds an adapter that is in use, pinned, reserved or still referenced "
+                                 "by device work", demand)
         if pages < pages_needed:
             raise AdmissionError("E_ADMISSION_CAPACITY", "joint_adapter_kv_capacity", f"{what}needs {pages_needed} "
                                  f"more pages ({pages_needed * self.pool.page_bytes} bytes) than are free, only "
                                  f"{pages} are reclaimable from eligible idle adapters; queue it until pages free up",
                                  demand)
-        if slots < slots_needed:
-            raise AdmissionError("E_ADMISSION_CAPACITY", "adapter_slot_capacity", f"{what}needs an adapter slot; "
-                                 "every slot holds an adapter that is in use, pinned, reserved or still referenced "
-                                 "by device work", demand)
         return victims
 
     # ---- joint admission (0x05C) -----------------------------------------------------
@@ -421,8 +421,9 @@ class Residency:
 
         ``key=None`` reserves KV only. A resident generation of ``key`` is bound without a
         load (unless ``replace``: a shadow copy that publishes a new generation, 0x07G).
-        Raises AdmissionError (nothing changed), AdapterError/ValidationError for an artifact
-        refused before any eviction, or LoadError after rolling the attempt back."""
+        Raises AdmissionError (nothing changed), ArtifactRefused (or the host source's
+        AdapterError) for an artifact refused before any eviction, LoadError after rolling the
+        attempt back, RollbackError when the rollback could not restore a victim."""
         self.collect()
         if request is not None and (request in self._leases or request in self._kv
                                     or any(t.request == request for t in self._txns.values())):
@@ -440,7 +441,10 @@ class Residency:
                 self._log(f"validate-identity {key}")
                 self.faults.check("host", key, key, attempt)
                 artifact = self.host.get(digest)
-                self.storage.check_artifact(artifact)  # refused here, before any destructive step
+                try:
+                    self.storage.check_artifact(artifact)  # refused here, before any destructive step
+                except ValidationError as exc:
+                    raise ArtifactRefused(exc.code, str(exc).split(": ", 1)[1], artifact.name) from None
         need = self.storage.pages_for(artifact) if artifact is not None else 0
         total = need + kv_pages + growth_pages
         if artifact is not None:
