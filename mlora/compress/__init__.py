@@ -1,4 +1,54 @@
-"""Compress-then-Serve JD-Full / JD-Diag collection bundles (spec 0x06G).
+"""Compress-then-Serve: one adapter collection as shared bases plus small per-adapter cores (spec 0x06G).
 
-NOT BUILT YET: this package is step 5 (issue "Step 5 - mlora compress").
+Owns the offline approximation of a collection of LoRA updates
+``Delta_i = s_i B_i A_i`` at one module by ``U Sigma_i V^T``:
+
+* :mod:`.solvers` - JD-Full (orthonormal bases, R x R cores) and JD-Diag
+  (unconstrained bases, diagonal cores) fitted in factored form, and exact
+  per-adapter reconstruction errors;
+* :mod:`.cluster` - k clusters with their own bases: k-means start, then
+  alternating refits and lowest-error reassignment; the smallest K meeting
+  an error bound;
+* :mod:`.ledger` - parameter counts and break-even collection size (0x06G3);
+* :mod:`.operator` - the reference three-stage runtime product (0x06G4).
+
+Imports only torch and ``mlora.compress`` itself; adapter directories,
+bundles, the CLI and serving build on these functions and are not here yet.
 """
+
+from .cluster import ClusterResult, auto_clusters, cluster, kmeans
+from .ledger import LedgerTotals, ModuleLedger, break_even_n, module_ledger, total_ledger
+from .operator import joint_apply
+from .solvers import (
+    METHODS,
+    CompressError,
+    FactoredCollection,
+    FactoredDelta,
+    JDResult,
+    jd_diag,
+    jd_full,
+    relative_errors,
+    squared_errors,
+)
+
+__all__ = [
+    "METHODS",
+    "ClusterResult",
+    "CompressError",
+    "FactoredCollection",
+    "FactoredDelta",
+    "JDResult",
+    "LedgerTotals",
+    "ModuleLedger",
+    "auto_clusters",
+    "break_even_n",
+    "cluster",
+    "jd_diag",
+    "jd_full",
+    "joint_apply",
+    "kmeans",
+    "module_ledger",
+    "relative_errors",
+    "squared_errors",
+    "total_ledger",
+]

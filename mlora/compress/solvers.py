@@ -1,0 +1,554 @@
+"""JD-Full and JD-Diag joint decompositions of one adapter collection at one module (spec 0x06G1-0x06G2).
+
+Owns the numerical core of ``mlora compress`` for one (layer, module): the
+fitted shared bases, the per-adapter cores and their exact reconstruction
+errors. Knows nothing of adapter directories, bundles, clusters or serving;
+those build on :func:`jd_full`, :func:`jd_diag` and :func:`relative_errors`.
+
+Every adapter arrives factored, ``Delta_i = s_i B_i A_i`` with ``A_i [r_i, d_in]``
+and ``B_i [d_out, r_i]`` (PEFT's ``lora_A`` / ``lora_B``; ranks may differ).
+No ``d_out x d_in`` matrix is ever formed for an adapter: every product is
+parenthesised through the factors (``B_i (A_i V)``, ``(U^T B_i)(A_i V)``), so
+memory stays O(n r d) per module plus one ``rho x rho`` Gram matrix, where
+``rho = min(d, max(sum_i r_i, R))`` (see :class:`FactoredCollection`).
+
+Solver maths runs in float64 on ``device`` (CPU by default, the same code on
+CUDA); random draws come from a CPU ``torch.Generator(seed)`` so a seed gives
+the same numbers on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+METHODS = ("jd-full", "jd-diag")
+_DTYPE = torch.float64
+# Errors at the float64 round-off floor of ||Delta||^2 count as exact: the
+# alternating loop stops there instead of chasing noise.
+_EXACT_FLOOR = 64 * torch.finfo(_DTYPE).eps
+
+
+class CompressError(ValueError):
+    """A collection that cannot be compressed as asked. ``code`` names the broken invariant."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class FactoredDelta:
+    """One adapter's update at one module, ``Delta = scale * B @ A`` (spec 0x06G1).
+
+    ``A`` is PEFT's ``lora_A`` [r, d_in], ``B`` its ``lora_B`` [d_out, r] and
+    ``scale`` the semantic scale (``lora_alpha / r``, or rsLoRA's rule).
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float = 1.0
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[0])
+
+    def dense(self) -> torch.Tensor:
+        """The float64 ``d_out x d_in`` matrix: for tests and exports of small shapes only."""
+        return float(self.scale) * (self.B.to(_DTYPE) @ self.A.to(_DTYPE))
+
+
+@dataclass
+class JDResult:
+    """A fitted joint decomposition ``Delta_i ~= U Sigma_i V^T`` of n adapters.
+
+    ``cores`` reconstruct the *original* updates (norms restored when the fit
+    was normalised): [n, R, R] for JD-Full, [n, R] (the diagonals) for JD-Diag.
+    ``objective`` holds the fitted objective after initialisation and after
+    every sweep, in the units the fit minimised (a sum of squared *relative*
+    errors when ``normalize``); it never increases.
+    """
+
+    method: str
+    U: torch.Tensor  # [d_out, R]; orthonormal columns for JD-Full
+    V: torch.Tensor  # [d_in, R]
+    cores: torch.Tensor  # [n, R, R] or [n, R]
+    norms: torch.Tensor  # [n] ||Delta_i||_F, float64
+    normalize: bool
+    iterations: int
+    converged: bool
+    seed: int
+    objective: list[float] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return int(self.U.shape[1])
+
+    def full_cores(self) -> torch.Tensor:
+        """Cores as [n, R, R] matrices whatever the method."""
+        return torch.diag_embed(self.cores) if self.method == "jd-diag" else self.cores
+
+    def dense(self, i: int) -> torch.Tensor:
+        """``U Sigma_i V^T`` as a dense matrix: for tests and exports of small shapes only."""
+        return self.U @ self.full_cores()[i] @ self.V.T
+
+
+# ---------------------------------------------------------------- the collection
+
+
+class FactoredCollection:
+    """The adapters of one module as the solvers see them: padded, maybe normalised, reduced to their span.
+
+    Both factors are held as row stacks, ``Bt_i = (s_i B_i)^T`` [r, rho_B] and
+    ``A_i`` [r, rho_A], so ``Delta_i = Bt_i^T A_i`` and every per-adapter
+    product for all adapters at once is one 2-D GEMM on the [n r, rho] stack.
+    Ranks are padded with zero rows to ``r_max``, which leaves every
+    ``B_i A_i`` unchanged.
+
+    ``[s_1 B_1 ... s_n B_n]`` (divided by ``||Delta_i||`` when normalising)
+    has orthonormal range basis ``Q_B`` [d_out, rho_B]; every column space of
+    every Delta_i lies in it, and so does every optimal U of either method (a
+    component of U outside it only adds residual). The fit therefore runs on
+    the reduced factors and ``U = Q_B U'``, ``V = Q_A V'`` at the end. The
+    reduction is skipped (Q = identity) where ``sum_i r_i`` is not below the
+    dimension.
+    """
+
+    def __init__(self, factors, R: int, normalize: bool, device):
+        if R < 1:
+            raise CompressError("E_COMPRESS_RANK", f"shared rank R must be >= 1, got {R}")
+        check_factors(factors)
+        self.device = torch.device(device)
+        self.n = len(factors)
+        self.d_in = int(factors[0].A.shape[1])
+        self.d_out = int(factors[0].B.shape[0])
+        self.ranks = [f.rank for f in factors]
+        self.r = max(self.ranks)
+        Bt = torch.zeros(self.n, self.r, self.d_out, dtype=_DTYPE, device=self.device)
+        A = torch.zeros(self.n, self.r, self.d_in, dtype=_DTYPE, device=self.device)
+        for i, f in enumerate(factors):
+            Bt[i, : f.rank] = f.B.to(self.device, _DTYPE).T * float(f.scale)
+            A[i, : f.rank] = f.A.to(self.device, _DTYPE)
+        self.norms = _factored_norms(Bt, A)
+        if normalize:
+            zero = [i for i, v in enumerate(self.norms.tolist()) if v == 0.0]
+            if zero:
+                raise CompressError(
+                    "E_COMPRESS_ZERO_DELTA",
+                    f"adapter(s) {zero} have a zero update at this module; normalisation needs ||Delta_i|| > 0",
+                )
+            Bt = Bt / self.norms[:, None, None]
+        # cores are fitted to Delta_i / weight_i and multiplied back by weight_i
+        self.weights = self.norms if normalize else torch.ones_like(self.norms)
+        self.total = float(self.n) if normalize else float((self.norms**2).sum())  # sum_i ||Delta_i||^2 as fitted
+        self.Q_B, self.Bt = _reduce(Bt, R)
+        self.Q_A, self.A = _reduce(A, R)
+
+    def lift(self, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        U = U if self.Q_B is None else self.Q_B @ U
+        V = V if self.Q_A is None else self.Q_A @ V
+        return U, V
+
+    def project(self, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        U = U.to(self.device, _DTYPE)
+        V = V.to(self.device, _DTYPE)
+        U = U if self.Q_B is None else self.Q_B.T @ U
+        V = V if self.Q_A is None else self.Q_A.T @ V
+        return U, V
+
+    def best_core_errors(self, U: torch.Tensor, V: torch.Tensor, method: str) -> torch.Tensor:
+        """Squared relative error of every adapter under given bases and its least-squares core: [n].
+
+        JD-Full (U, V orthonormal): ``1 - ||U^T Delta_i V||^2 / ||Delta_i||^2``.
+        JD-Diag: ``1 - z_i^T H^+ z_i / ||Delta_i||^2`` with z_i, H as in :func:`jd_diag`.
+        Expanded through Gram terms, so accurate to round-off of ||Delta_i||^2
+        only: good for choosing among bases (clustering), not for reporting
+        (:func:`relative_errors` is exact).
+        """
+        U, V = U.to(self.device, _DTYPE), V.to(self.device, _DTYPE)
+        Ur, Vr = self.project(U, V)
+        if method == "jd-full":
+            captured = torch.bmm(self.right(Ur).transpose(1, 2), self.left(Vr)).square().sum(dim=(1, 2))
+        elif method == "jd-diag":
+            Z = (self.right(Ur) * self.left(Vr)).sum(dim=1)
+            captured = ((Z @ _pinv_psd((U.T @ U) * (V.T @ V))) * Z).sum(dim=1)
+        else:
+            raise CompressError("E_COMPRESS_METHOD", f"method must be one of {METHODS}, got {method!r}")
+        fitted = self.norms.square() / self.weights.square()  # ||Delta_i||^2 in fitted units
+        safe = torch.where(fitted > 0, fitted, torch.ones_like(fitted))
+        return torch.where(fitted > 0, (fitted - captured).clamp(min=0) / safe, torch.zeros_like(fitted))
+
+    def left(self, V: torch.Tensor) -> torch.Tensor:
+        """``A_i V`` for every i: [n, r, R]."""
+        return _rows_times(self.A, V)
+
+    def right(self, U: torch.Tensor) -> torch.Tensor:
+        """``B_i^T U`` for every i: [n, r, R]."""
+        return _rows_times(self.Bt, U)
+
+
+def _rows_times(F: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    # one 2-D GEMM: batched broadcast matmul is far slower on small CPU shapes
+    n, r, rho = F.shape
+    return (F.reshape(n * r, rho) @ X).reshape(n, r, X.shape[1])
+
+
+def _stack_t(F: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``sum_i F_i^T G_i`` for F [n, r, p], G [n, r, q]: one GEMM over the stacked rows."""
+    n, r, p = F.shape
+    return F.reshape(n * r, p).T @ G.reshape(n * r, G.shape[2])
+
+
+def check_factors(factors) -> None:
+    """Raise ``E_COMPRESS_SHAPE`` unless every factor pair is ``A [r, d_in]``, ``B [d_out, r]`` of one module shape."""
+    if len(factors) == 0:
+        raise CompressError("E_COMPRESS_EMPTY", "a collection needs at least one adapter")
+    d_in = d_out = None
+    for i, f in enumerate(factors):
+        if not isinstance(f, FactoredDelta):
+            raise CompressError("E_COMPRESS_SHAPE", f"adapter {i}: expected a FactoredDelta, got {type(f).__name__}")
+        if f.A.dim() != 2 or f.B.dim() != 2 or f.A.shape[0] != f.B.shape[1] or f.A.shape[0] < 1:
+            raise CompressError(
+                "E_COMPRESS_SHAPE",
+                f"adapter {i}: A {tuple(f.A.shape)} and B {tuple(f.B.shape)} are not [r, d_in] and [d_out, r]",
+            )
+        if d_in is None:
+            d_in, d_out = int(f.A.shape[1]), int(f.B.shape[0])
+        elif (int(f.A.shape[1]), int(f.B.shape[0])) != (d_in, d_out):
+            raise CompressError(
+                "E_COMPRESS_SHAPE",
+                f"adapter {i}: Delta is {int(f.B.shape[0])}x{int(f.A.shape[1])}, the collection's is {d_out}x{d_in}",
+            )
+
+
+def _reduce(F: torch.Tensor, R: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Orthonormal basis Q [d, rho] of the row space of ``[F_1; ...; F_n]`` (F: [n, r, d]) and ``F_i Q``.
+
+    Zero columns pad the stack to at least R so that Q always has R
+    orthonormal columns to choose a basis from (Householder QR returns an
+    orthonormal Q whatever the rank of its input).
+    """
+    n, r, d = F.shape
+    width = max(n * r, R)
+    if width >= d:
+        return None, F
+    stacked = F.reshape(n * r, d).T
+    if width > n * r:
+        stacked = torch.cat([stacked, stacked.new_zeros(d, width - n * r)], dim=1)
+    Q, _ = torch.linalg.qr(stacked, mode="reduced")
+    return Q, _rows_times(F, Q)
+
+
+def _factored_norms(Bt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``||Bt_i^T A_i||_F`` for every i from the small triangular factors, never the product.
+
+    ``B = Q_B R_B`` and ``A^T = Q_A R_A`` give ``||B A||_F = ||R_B R_A^T||_F``;
+    unlike ``trace((B^T B)(A A^T))`` it keeps full relative accuracy.
+    """
+    return torch.linalg.matrix_norm(_small_product(Bt.transpose(1, 2), A.transpose(1, 2)))
+
+
+def _small_product(X: torch.Tensor, Yt: torch.Tensor) -> torch.Tensor:
+    """``R_X R_Y^T`` with ``X = Q_X R_X``, ``Y^T = Q_Y R_Y``: same singular values as ``X Y`` (batched)."""
+    _, RX = torch.linalg.qr(X, mode="reduced")
+    _, RY = torch.linalg.qr(Yt, mode="reduced")
+    return RX @ RY.transpose(-1, -2)
+
+
+def _sandwich(F: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``sum_i F_i^T G_i F_i`` for F [n, r, rho], G [n, r, r]: one rho x rho matrix, no per-adapter product."""
+    return _stack_t(F, torch.bmm(G, F))
+
+
+def _top_eigvecs(M: torch.Tensor, R: int) -> torch.Tensor:
+    """The R leading eigenvectors of a symmetric PSD matrix, largest eigenvalue first."""
+    _, vecs = torch.linalg.eigh((M + M.T) / 2)
+    return vecs[:, -R:].flip(1)
+
+
+def _random_orthonormal(rows: int, R: int, gen: torch.Generator, device) -> torch.Tensor:
+    G = torch.randn(rows, R, generator=gen, dtype=_DTYPE)
+    Q, _ = torch.linalg.qr(G, mode="reduced")
+    return Q.to(device)
+
+
+def _check_init(init, col: FactoredCollection, R: int):
+    if isinstance(init, str):
+        if init not in ("svd", "random"):
+            raise CompressError("E_COMPRESS_INIT", f"init must be 'svd', 'random' or a (U, V) pair, got {init!r}")
+        return init
+    U, V = init
+    if tuple(U.shape) != (col.d_out, R) or tuple(V.shape) != (col.d_in, R):
+        raise CompressError(
+            "E_COMPRESS_INIT",
+            f"init bases U {tuple(U.shape)}, V {tuple(V.shape)}; expected ({col.d_out}, {R}), ({col.d_in}, {R})",
+        )
+    return col.project(U, V)
+
+
+def _svd_init(col: FactoredCollection, R: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """HOSVD start, TensorLy's ``init='svd'``: leading eigenvectors of ``sum_i Delta_i Delta_i^T`` and ``sum_i Delta_i^T Delta_i``.
+
+    Where R exceeds a reduced dimension (JD-Diag only) the extra columns are seeded random.
+    """
+    # sum_i B_i (A_i A_i^T) B_i^T and sum_i A_i^T (B_i^T B_i) A_i, through r x r Grams
+    M = _sandwich(col.Bt, torch.bmm(col.A, col.A.transpose(1, 2)))
+    N = _sandwich(col.A, torch.bmm(col.Bt, col.Bt.transpose(1, 2)))
+    return _leading_or_random(M, R, gen), _leading_or_random(N, R, gen)
+
+
+def _leading_or_random(M: torch.Tensor, R: int, gen: torch.Generator) -> torch.Tensor:
+    rows = M.shape[0]
+    if R <= rows:
+        return _top_eigvecs(M, R)
+    extra = torch.randn(rows, R - rows, generator=gen, dtype=_DTYPE).to(M.device)
+    return torch.cat([_top_eigvecs(M, rows), extra / math.sqrt(rows)], dim=1)
+
+
+def _converged(previous: float, current: float, tol: float, total: float) -> bool:
+    if current <= _EXACT_FLOOR * total:
+        return True
+    return abs(previous - current) <= tol * max(previous, _EXACT_FLOOR * total)
+
+
+# ---------------------------------------------------------------- JD-Full
+
+
+def _full_objective(col: FactoredCollection, U: torch.Tensor, V: torch.Tensor) -> float:
+    captured = torch.bmm(col.right(U).transpose(1, 2), col.left(V)).square().sum()
+    return max(col.total - float(captured), 0.0)
+
+
+def jd_full(
+    factors,
+    R: int,
+    *,
+    iters: int = 10,
+    tol: float = 1e-6,
+    normalize: bool = True,
+    seed: int = 0,
+    init="svd",
+    device="cpu",
+) -> JDResult:
+    """JD-Full: orthonormal shared bases and full R x R cores (spec 0x06G1).
+
+    Minimises ``sum_i w_i^-2 ||Delta_i - U Sigma_i V^T||_F^2`` over
+    ``U^T U = V^T V = I_R`` (``w_i = ||Delta_i||_F`` when ``normalize``, else 1).
+    For fixed bases the optimal core is ``Sigma_i = U^T Delta_i V``, which
+    turns the fit into maximising the captured energy ``sum_i ||U^T Delta_i V||^2``.
+    Alternating (TensorLy's Tucker-2 HOOI over the adapter-stacked tensor)::
+
+        U <- top-R eigenvectors of M(V) = sum_i B_i (A_i V)(A_i V)^T B_i^T
+        V <- top-R eigenvectors of N(U) = sum_i A_i^T (B_i^T U)(B_i^T U)^T A_i
+        Sigma_i = (U^T B_i)(A_i V) * w_i        (norms restored)
+
+    Each half-step maximises the captured energy over one basis, so the
+    objective never increases. Stops after ``iters`` sweeps or when the
+    objective's relative change is at most ``tol`` (or it reaches the float64
+    round-off floor). ``init`` is ``"svd"`` (HOSVD), ``"random"`` (seeded) or
+    a ``(U, V)`` pair to warm-start from. ``R <= min(d_in, d_out)``.
+    """
+    check_factors(factors)
+    d_in, d_out = int(factors[0].A.shape[1]), int(factors[0].B.shape[0])
+    if R > min(d_in, d_out):
+        raise CompressError("E_COMPRESS_RANK", f"JD-Full needs R <= min(d_in, d_out) = {min(d_in, d_out)}, got {R}")
+    col = FactoredCollection(factors, R, normalize, device)
+    gen = torch.Generator().manual_seed(seed)
+    start = _check_init(init, col, R)
+    if start == "svd":
+        U, V = _svd_init(col, R, gen)
+    elif start == "random":
+        U = _random_orthonormal(col.Bt.shape[2], R, gen, col.device)
+        V = _random_orthonormal(col.A.shape[2], R, gen, col.device)
+    else:
+        # a warm start is only a starting point: re-orthonormalise in reduced coordinates
+        U, V = (torch.linalg.qr(X, mode="reduced")[0] for X in start)
+    history = [_full_objective(col, U, V)]
+    converged = history[0] <= _EXACT_FLOOR * col.total
+    sweeps = 0
+    while not converged and sweeps < iters:
+        C = col.left(V)
+        U = _top_eigvecs(_sandwich(col.Bt, torch.bmm(C, C.transpose(1, 2))), R)
+        D = col.right(U)
+        V = _top_eigvecs(_sandwich(col.A, torch.bmm(D, D.transpose(1, 2))), R)
+        sweeps += 1
+        history.append(_full_objective(col, U, V))
+        converged = _converged(history[-2], history[-1], tol, col.total)
+    cores = torch.bmm(col.right(U).transpose(1, 2), col.left(V)) * col.weights[:, None, None]
+    U, V = col.lift(U, V)
+    return JDResult("jd-full", U, V, cores, col.norms, normalize, sweeps, converged, seed, history)
+
+
+# ---------------------------------------------------------------- JD-Diag
+
+
+def _pinv_psd(H: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.pinv((H + H.T) / 2, hermitian=True)
+
+
+def _diag_terms(col: FactoredCollection, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Z[i, j] = u_j^T Delta_i v_j = sum_k (B_i^T U)[k, j] (A_i V)[k, j]`` and ``H = U^T U * V^T V``."""
+    return (col.right(U) * col.left(V)).sum(dim=1), (U.T @ U) * (V.T @ V)
+
+
+def _diag_cores(col: FactoredCollection, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Least-squares diagonal cores for fixed bases, ``D = Z H^+``; returns ``(D, Z, H)``."""
+    Z, H = _diag_terms(col, U, V)
+    return Z @ _pinv_psd(H), Z, H
+
+
+def _adapter_gram(col: FactoredCollection) -> torch.Tensor:
+    """``K[i, j] = <Delta_i, Delta_j>_F = trace((B_i^T B_j)(A_j A_i^T))``: the n x n Gram of the stacked adapter mode."""
+    n, r = col.n, col.r
+    B_all = col.Bt.reshape(n * r, -1)
+    A_all = col.A.reshape(n * r, -1)
+    K = A_all.new_empty(n, n)
+    step = max(1, (1 << 22) // (n * r * r))  # rows of K per block: bounded memory at any n
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        BtB = B_all[lo * r : hi * r] @ B_all.T  # (B_i^T B_j)[r, s]
+        AAt = A_all[lo * r : hi * r] @ A_all.T  # (A_i A_j^T)[r, s]
+        K[lo:hi] = (BtB * AAt).reshape(hi - lo, r, n, r).sum(dim=(1, 3))
+    return K
+
+
+def _diag_objective(col: FactoredCollection, D: torch.Tensor, Z: torch.Tensor, H: torch.Tensor) -> float:
+    value = col.total - 2 * float((D * Z).sum()) + float(((D @ H) * D).sum())
+    return max(value, 0.0)
+
+
+def jd_diag(
+    factors,
+    R: int,
+    *,
+    iters: int = 10,
+    tol: float = 1e-6,
+    normalize: bool = True,
+    seed: int = 0,
+    init="svd",
+    restarts: int = 0,
+    device="cpu",
+) -> JDResult:
+    """JD-Diag: unconstrained shared bases and diagonal cores (spec 0x06G1).
+
+    Minimises ``sum_i w_i^-2 ||Delta_i - U diag(d_i) V^T||_F^2``: a CP
+    decomposition of rank R of the adapter-stacked tensor with factors U, V
+    and ``D = [d_1; ...; d_n]`` [n, R]. Alternating least squares, each step
+    the exact minimiser of its block (Hadamard-Gram normal equations, ``*`` is
+    the elementwise product, ``^+`` the pseudo-inverse)::
+
+        U <- (sum_i B_i (A_i V) diag(d_i))     ((V^T V) * (D^T D))^+
+        V <- (sum_i A_i^T (B_i^T U) diag(d_i)) ((U^T U) * (D^T D))^+
+        D <- Z ((U^T U) * (V^T V))^+,  Z[i, j] = u_j^T Delta_i v_j
+        rescale: u_j /= |u_j|, v_j /= |v_j|, D[:, j] *= |u_j| |v_j|
+
+    The rescaling changes no product ``U diag(d_i) V^T``; it keeps the
+    columns of U and V at unit norm so that the scale lives in the cores and
+    the Gram matrices stay balanced. The objective never increases.
+
+    ``init``: ``"svd"`` is TensorLy's ``parafac(init='svd')`` start - the
+    leading eigenvectors of the three stacked Grams (``sum_i Delta_i
+    Delta_i^T``, ``sum_i Delta_i^T Delta_i`` and the n x n adapter Gram
+    ``<Delta_i, Delta_j>``), seeded random columns where R exceeds one; then
+    the sweeps above from the U step. ``"random"`` or a ``(U, V)`` pair start
+    from least-squares cores of those bases. ALS can stall in a swamp from
+    any one start: ``restarts`` adds that many fits from seeded random
+    starts and keeps the lowest final objective. Cores returned with norms
+    restored when ``normalize``.
+    """
+    check_factors(factors)
+    col = FactoredCollection(factors, R, normalize, device)
+    gen = torch.Generator().manual_seed(seed)
+    start = _check_init(init, col, R)
+    best = _diag_als(col, R, start, iters, tol, gen)
+    for _ in range(restarts):
+        candidate = _diag_als(col, R, "random", iters, tol, gen)
+        if candidate[3][-1] < best[3][-1]:
+            best = candidate
+    U, V, D, history, sweeps, converged = best
+    U, V = col.lift(U, V)
+    return JDResult("jd-diag", U, V, D * col.weights[:, None], col.norms, normalize, sweeps, converged, seed, history)
+
+
+def _diag_als(col: FactoredCollection, R: int, start, iters: int, tol: float, gen: torch.Generator):
+    if start == "svd":
+        U, V = _svd_init(col, R, gen)
+        D = _leading_or_random(_adapter_gram(col), R, gen)
+    else:
+        if start == "random":
+            U = torch.randn(col.Bt.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
+            V = torch.randn(col.A.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
+        else:
+            U, V = start
+        D = _diag_cores(col, U, V)[0]
+    history = [_diag_objective(col, D, *_diag_terms(col, U, V))]
+    converged = history[0] <= _EXACT_FLOOR * col.total
+    sweeps = 0
+    while not converged and sweeps < iters:
+        DtD = D.T @ D
+        U = _stack_t(col.Bt, col.left(V) * D[:, None, :]) @ _pinv_psd((V.T @ V) * DtD)
+        V = _stack_t(col.A, col.right(U) * D[:, None, :]) @ _pinv_psd((U.T @ U) * DtD)
+        U, V = _unit_columns(U), _unit_columns(V)
+        D, Z, H = _diag_cores(col, U, V)
+        sweeps += 1
+        history.append(_diag_objective(col, D, Z, H))
+        converged = _converged(history[-2], history[-1], tol, col.total)
+    return U, V, D, history, sweeps, converged
+
+
+def _unit_columns(X: torch.Tensor) -> torch.Tensor:
+    # the core step that follows absorbs the scale, so dividing here is the rescaling step
+    norms = torch.linalg.vector_norm(X, dim=0)
+    return X / torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def squared_errors(factors, result: JDResult, *, chunk: int = 64) -> list[float]:
+    """``||Delta_i - U Sigma_i V^T||_F^2`` per adapter, exactly, in factored form.
+
+    The residual is itself factored, ``[s_i B_i, -U Sigma_i] [A_i ; V^T]`` of
+    rank ``r_i + R``; its norm is that of ``R_X R_Y^T`` (QR of the two tall
+    factors), a ``(r_i + R)``-square matrix. Unlike expanding the square into
+    traces of Gram matrices this keeps full relative accuracy when the
+    residual is tiny. Adapters are taken ``chunk`` at a time (memory
+    O(chunk (r + R) d)).
+    """
+    check_factors(factors)
+    if len(factors) != result.cores.shape[0]:
+        raise CompressError("E_COMPRESS_SHAPE", f"{len(factors)} adapters but {result.cores.shape[0]} cores")
+    U, V, cores = result.U, result.V, result.full_cores()
+    device = U.device
+    out: list[float] = []
+    for lo in range(0, len(factors), chunk):
+        part = factors[lo : lo + chunk]
+        r_max = max(f.rank for f in part)
+        X = torch.zeros(len(part), U.shape[0], r_max + U.shape[1], dtype=_DTYPE, device=device)
+        Yt = torch.zeros(len(part), V.shape[0], r_max + U.shape[1], dtype=_DTYPE, device=device)
+        for k, f in enumerate(part):
+            X[k, :, : f.rank] = f.B.to(device, _DTYPE) * float(f.scale)
+            Yt[k, :, : f.rank] = f.A.to(device, _DTYPE).T
+        X[:, :, r_max:] = -(U @ cores[lo : lo + len(part)])
+        Yt[:, :, r_max:] = V
+        out.extend(torch.linalg.matrix_norm(_small_product(X, Yt)).square().tolist())
+    return out
+
+
+def relative_errors(factors, result: JDResult) -> list[float]:
+    """Squared relative Frobenius error ``||Delta_i - U Sigma_i V^T||^2 / ||Delta_i||^2`` per adapter (spec 0x06G5).
+
+    A zero update reconstructed exactly counts 0.0, reconstructed with anything
+    else ``inf``.
+    """
+    absolute = squared_errors(factors, result)
+    norms = result.norms.tolist()
+    out = []
+    for e, w in zip(absolute, norms):
+        if w > 0:
+            out.append(e / (w * w))
+        else:
+            out.append(0.0 if e == 0.0 else math.inf)
+    return out
