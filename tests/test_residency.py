@@ -622,7 +622,7 @@ def rbank(slots=2, **kw):
 
 def _apply_all(bank, slot_of, ids, gen):
     """Deltas of every (layer, group) for random rows over ``ids`` (and base rows)."""
-    T = 17
+    T, dev = 17, bank.device
     pick = torch.randint(-1, len(ids), (T,), generator=gen)
     pick[: len(ids)] = torch.arange(len(ids))
     ctx = bank.context(torch.tensor([slot_of[ids[i]] if i >= 0 else -1 for i in pick.tolist()], dtype=torch.int32))
@@ -630,18 +630,18 @@ def _apply_all(bank, slot_of, ids, gen):
     for layer in range(LAYERS):
         for group in GROUPS:
             d_in, widths = SHAPES[group]
-            x = torch.randn(T, d_in, generator=gen)
-            y = torch.randn(T, sum(widths), generator=gen)
+            x = torch.randn(T, d_in, generator=gen).to(dev)
+            y = torch.randn(T, sum(widths), generator=gen).to(dev)
             ctx.apply(layer, group, x, y)
-            out.append(y)
+            out.append(y.cpu())
     return out
 
 
-def _same(bank, ref, ids, pinned, seed):
+def _same(bank, ref, ids, pinned, seed, atol=1e-6):
     got = _apply_all(bank, bank.ensure(ids, pinned), ids, torch.Generator().manual_seed(seed))
     want = _apply_all(ref, ref.ensure(ids, pinned), ids, torch.Generator().manual_seed(seed))
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)
 
 
 def test_two_slots_equal_five_slot_bank_across_evictions(pinned):
@@ -767,3 +767,34 @@ def test_bank_allocates_only_the_groups_it_is_given():
     assert ResidencyBank.bytes_per_slot(LAYERS, shapes, 8, torch.bfloat16) * 3 == total
     assert ResidencyBank.bytes_per_slot(LAYERS, SHAPES, 8, torch.bfloat16) == \
         SlotBank.bytes_per_slot(LAYERS, SHAPES, 8, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_side_stream_loads_and_last_use_events(pinned):
+    """The same engine on a GPU: pinned host images, copies on a side stream, CUDA events."""
+    from mlora.batch.residency import CudaCopier
+
+    bank = ResidencyBank(LAYERS, SHAPES, 2, 8, torch.float32, "cuda")
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cuda")
+    assert isinstance(bank.residency.copier, CudaCopier) and bank.backend == "triton"
+    rng = random.Random(1)
+    for step in range(10):
+        _same(bank, ref, rng.sample(sorted(ADAPTERS), rng.choice([1, 2])), pinned, step, atol=1e-5)
+        bank.residency.audit()
+    assert bank.stats.evictions >= 3
+    art = bank.residency.host.get(pinned["qv"].semantic_sha256)
+    assert art.pieces[0].src.is_pinned()
+    slot_of = bank.ensure(["qv"], pinned)
+    ctx = bank.context(torch.tensor([slot_of["qv"]], dtype=torch.int32))
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(200):  # keep the compute stream busy past the launch's last-use event
+        busy = torch.tanh(busy @ busy)
+    ctx.close()  # records the last-use event behind that work
+    key = pinned["qv"].semantic_sha256
+    assert "inflight_events" in bank.residency.ineligible(bank.residency.entry(key))
+    with pytest.raises(NotEvictable):
+        bank.residency.evict(key)
+    torch.cuda.synchronize()
+    assert bank.residency.ineligible(bank.residency.entry(key)) == []
+    bank.residency.evict(key)
+    bank.residency.audit()

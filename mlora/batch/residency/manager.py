@@ -197,7 +197,8 @@ class ResidencyStats:
     rollbacks: int = 0
     evictions: int = 0
     reclaims: int = 0  # retired generations reclaimed after their fences
-    h2d_bytes: int = 0
+    h2d_bytes: int = 0  # every byte copied host -> device, restorations and failed attempts included
+    unique_load_bytes: int = 0  # bytes of distinct artifacts published for use (load amplification denominator)
     load_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
@@ -225,6 +226,7 @@ class Launch:
             slot = self._res.slots[h.slot_id]
             slot.last_use = event
             if slot.entry is not None:
+                slot.entry.inflight_events()  # prune, so a hot adapter's list stays short
                 slot.entry.events.append(event)
 
 
@@ -255,6 +257,7 @@ class Residency:
         self._launches: list[Launch] = []
         self._last_generation: dict[str, int] = {}
         self._attempts: dict[str, int] = {}
+        self._loaded_digests: set[str] = set()
         self._txn_ids = itertools.count(1)
         self._clock = itertools.count(1)
 
@@ -577,6 +580,9 @@ class Residency:
             self._log(f"free {txn.id} {spare}")
         del self._txns[txn.id]
         if txn.entry is not None:
+            if txn.entry.digest not in self._loaded_digests:
+                self._loaded_digests.add(txn.entry.digest)
+                self.stats.unique_load_bytes += txn.entry.artifact.nbytes
             self.stats.prefetches += txn.prefetch
             self.stats.loads += not txn.prefetch
             self.stats.load_seconds.append(time.perf_counter() - txn.started)
@@ -756,11 +762,15 @@ class Residency:
         e.refcount += 1
         if e.state in (S.PUBLISHED, S.IDLE):
             self._move(e, S.ACTIVE)
-        if e.prefetched:
-            e.prefetched = False
-            self.stats.prefetch_used += 1
+        self._used(e)
         self._leases[request] = e
         self._lease_handles[request] = self.handle_of(e)
+
+    def _used(self, e: Entry) -> None:
+        self._touch(e)
+        if e.prefetched:  # first real use of a prefetched generation (prefetch precision)
+            e.prefetched = False
+            self.stats.prefetch_used += 1
 
     def pin(self, key: str) -> None:
         self._published(key).pin_count += 1
@@ -799,7 +809,7 @@ class Residency:
                                  f"{[(h.label, h.slot_id, h.slot_generation, h.pointer_generation) for h in stale]}; "
                                  "rebuild the plan from the requests' leases")
         for h in handles:
-            self._touch(self.slots[h.slot_id].entry)
+            self._used(self.slots[h.slot_id].entry)
         launch = Launch(self, handles, batch_generation, self.catalog_generation)
         self._launches.append(launch)
         return launch
