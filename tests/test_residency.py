@@ -539,6 +539,19 @@ def test_slow_transfer_is_not_executable_until_published():
     res.audit()
 
 
+def test_one_load_of_a_key_at_a_time():
+    res = fixture16()
+    held = res.faults.hold("copy", adapter="c")
+    txn = res.prefetch("c")
+    with pytest.raises(ResidencyError) as e:  # a request for c waits for the load in flight
+        res.begin("c", request="r1#1", kv_pages=2, growth_pages=2)
+    assert e.value.code == "E_RESIDENCY_LOAD_IN_FLIGHT" and txn.id in str(e.value)
+    held.complete()
+    assert res.poll(txn)
+    adm = res.admit("c", RequestAttempt("r1"), kv_pages=1)  # now a hit: no second copy
+    assert adm.handle.generation == 1 and res.stats.load_attempts == 3 and res.stats.prefetch_used == 1
+
+
 def test_slow_validation_result():
     res = fixture16()
     res.faults.delay("validate", adapter="c", polls=2)

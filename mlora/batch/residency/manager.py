@@ -438,6 +438,10 @@ class Residency:
         attempt = 0
         if key is not None:
             hit = None if replace else self._hit(key, digest)
+            pending = self.loading(key)
+            if hit is None and pending is not None:
+                raise ResidencyError("E_RESIDENCY_LOAD_IN_FLIGHT", f"{pending.entry.label} is being loaded by "
+                                     f"{pending.id}; wait for it (poll/wait) or cancel it first")
             if hit is None:
                 digest = digest or self.host.digest_of(key)
                 attempt = self._attempts.get(key, 0) + 1  # counted once the attempt reserves pages
@@ -811,6 +815,7 @@ class Residency:
         for h in handles:
             self._used(self.slots[h.slot_id].entry)
         launch = Launch(self, handles, batch_generation, self.catalog_generation)
+        self._launches = [l for l in self._launches if l.live]
         self._launches.append(launch)
         return launch
 
