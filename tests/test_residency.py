@@ -16,6 +16,7 @@ from factory import make_adapter, save_base, tiny_model
 
 from mlora.batch.bank import SlotBank
 from mlora.batch.catalog import AdapterError, load_catalog
+from mlora.batch.errors import CodedError
 from mlora.batch.lora import GROUPS, group_shapes
 from mlora.batch.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
                                    HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
@@ -352,6 +353,7 @@ def test_transition_table_is_the_spec_chain_and_nothing_else():
             with pytest.raises(TransitionError) as e:
                 check_transition("x@g1", a, b)
             assert e.value.code == "E_RESIDENCY_TRANSITION" and f"{a.value} -> {b.value}" in str(e.value)
+            assert isinstance(e.value, CodedError) and str(e.value) == f"{e.value.code}: {e.value.message}"
     # the safety edges the spec forbids
     for a, b in [(State.LOADING, State.PUBLISHED), (State.RETIRING, State.PUBLISHED), (State.ABSENT, State.PUBLISHED),
                  (State.RESERVED, State.VALIDATED), (State.PUBLISHED, State.ABSENT), (State.IDLE, State.ABSENT)]:

@@ -24,15 +24,12 @@ the broken invariant. Codes::
 
 from __future__ import annotations
 
-from mlora.batch.catalog import AdapterError
+from ..catalog import AdapterError
+from ..errors import CodedError
 
 
-class ResidencyError(RuntimeError):
+class ResidencyError(CodedError, RuntimeError):
     """A residency invariant would break; nothing was changed unless the subclass says so."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 class TransitionError(ResidencyError):

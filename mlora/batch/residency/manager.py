@@ -451,7 +451,7 @@ class Residency:
                 try:
                     self.storage.check_artifact(artifact)  # refused here, before any destructive step
                 except ValidationError as exc:
-                    raise ArtifactRefused(exc.code, str(exc).split(": ", 1)[1], artifact.name) from None
+                    raise ArtifactRefused(exc.code, exc.message, artifact.name) from None
         need = self.storage.pages_for(artifact) if artifact is not None else 0
         total = need + kv_pages + growth_pages
         if artifact is not None:
