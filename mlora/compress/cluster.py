@@ -180,7 +180,7 @@ def cluster(
     converged, done = K == 1, 0
     while not converged and done < rounds:
         done += 1
-        err = torch.stack([everyone.best_core_errors(f.U, f.V, method) for f in fits], dim=1)  # [n, K]
+        err = torch.stack([everyone.best_core_errors(f.U, f.V, method).cpu() for f in fits], dim=1)  # [n, K]
         current = torch.tensor(labels)
         best = err.argmin(dim=1)
         moves = err[torch.arange(n), best] < err[torch.arange(n), current] - _SWITCH_MARGIN

@@ -37,6 +37,7 @@ class CompressError(ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 @dataclass(frozen=True)
