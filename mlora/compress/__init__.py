@@ -20,6 +20,7 @@ from .cluster import ClusterResult, auto_clusters, cluster, kmeans
 from .ledger import LedgerTotals, ModuleLedger, break_even_n, module_ledger, total_ledger
 from .operator import joint_apply
 from .solvers import (
+    EIGENSOLVERS,
     METHODS,
     CompressError,
     FactoredCollection,
@@ -32,6 +33,7 @@ from .solvers import (
 )
 
 __all__ = [
+    "EIGENSOLVERS",
     "METHODS",
     "ClusterResult",
     "CompressError",

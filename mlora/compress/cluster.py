@@ -137,6 +137,7 @@ def cluster(
     normalize: bool = True,
     rounds: int = 10,
     init_rank: int | None = None,
+    solver_options: dict | None = None,
     device="cpu",
 ) -> ClusterResult:
     """Fit K clusters of shared rank R over one module's collection (spec 0x06G6).
@@ -144,8 +145,9 @@ def cluster(
     The initial assignment is k-means on the cores of one joint fit of rank
     ``init_rank`` (default R; for JD-Full at most ``min(d_in, d_out)``), the
     cores taken in the fitted (normalised) units. ``iters``, ``tol``,
-    ``normalize`` and ``device`` go to every per-cluster fit. K = 1 is one
-    joint fit.
+    ``normalize``, ``seed``, ``device`` and ``solver_options`` (e.g.
+    ``{"eigensolver": "krylov"}`` for JD-Full, ``{"restarts": 2}`` for
+    JD-Diag) go to every fit. K = 1 is one joint fit.
     """
     if method not in METHODS:
         raise CompressError("E_COMPRESS_METHOD", f"method must be one of {METHODS}, got {method!r}")
@@ -154,7 +156,7 @@ def cluster(
     if not 1 <= K <= n:
         raise CompressError("E_COMPRESS_CLUSTERS", f"need 1 <= clusters <= {n} adapters, got {K}")
     solve = _SOLVERS[method]
-    fit_args = dict(iters=iters, tol=tol, normalize=normalize, seed=seed, device=device)
+    fit_args = dict(iters=iters, tol=tol, normalize=normalize, seed=seed, device=device, **(solver_options or {}))
 
     if K == 1:
         labels = [0] * n
