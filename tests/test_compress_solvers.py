@@ -530,3 +530,15 @@ def test_krylov_eigensolver_reaches_the_eigh_optimum():
     with pytest.raises(CompressError) as err:
         jd_full(hard, 8, eigensolver="lanczos")
     assert err.value.code == "E_COMPRESS_EIGENSOLVER"
+
+
+def test_wide_module_takes_the_krylov_path_and_stays_exact():
+    # sum r_i = 520 > 512: auto chooses Krylov eigenspaces (no 600 x 600 Gram) for both methods
+    gen = torch.Generator().manual_seed(21)
+    U0, V0 = rand(gen, 600, 4), rand(gen, 560, 4)
+    facs = [FactoredDelta(A=(V0 * rand(gen, 4)).T.contiguous(), B=U0.clone()) for _ in range(130)]
+    diag = jd_diag(facs, 4, iters=100, tol=1e-13)
+    assert max(relative_errors(facs, diag)) < 1e-12
+    full = jd_full(facs, 4, iters=20)
+    assert max(relative_errors(facs, full)) < 1e-20
+    assert torch.allclose(full.U.T @ full.U, torch.eye(4, dtype=F64), atol=1e-13)

@@ -9,8 +9,9 @@ Every adapter arrives factored, ``Delta_i = s_i B_i A_i`` with ``A_i [r_i, d_in]
 and ``B_i [d_out, r_i]`` (PEFT's ``lora_A`` / ``lora_B``; ranks may differ).
 No ``d_out x d_in`` matrix is ever formed for an adapter: every product is
 parenthesised through the factors (``B_i (A_i V)``, ``(U^T B_i)(A_i V)``), so
-memory stays O(n r d) per module plus one ``rho x rho`` Gram matrix, where
-``rho = min(d, max(sum_i r_i, R))`` (see :class:`FactoredCollection`).
+memory stays O(n r d) per module, plus one ``rho x rho`` Gram matrix where a
+dense eigh is used (``rho = min(d, max(sum_i r_i, R))``, see
+:class:`FactoredCollection`; wide modules take a Krylov path that forms none).
 
 Solver maths runs in float64 on ``device`` (CPU by default, the same code on
 CUDA); random draws come from a CPU ``torch.Generator(seed)`` so a seed gives
@@ -311,6 +312,10 @@ def _leading_subspace(F: torch.Tensor, G: torch.Tensor, R: int, exact: bool, war
     return basis @ _top_eigvecs(basis.T @ apply(basis), R)
 
 
+def _dense_ok(rho: int, R: int) -> bool:
+    return rho <= max(EXACT_EIGH_MAX, 4 * R)
+
+
 def _random_orthonormal(rows: int, R: int, gen: torch.Generator, device) -> torch.Tensor:
     G = torch.randn(rows, R, generator=gen, dtype=_DTYPE)
     Q, _ = torch.linalg.qr(G, mode="reduced")
@@ -412,8 +417,7 @@ def jd_full(
     col = FactoredCollection(factors, R, normalize, device)
     gen = torch.Generator().manual_seed(seed)
     exact_u, exact_v = (
-        eigensolver == "eigh" or (eigensolver == "auto" and rho <= max(EXACT_EIGH_MAX, 4 * R))
-        for rho in (col.Bt.shape[2], col.A.shape[2])
+        eigensolver == "eigh" or (eigensolver == "auto" and _dense_ok(rho, R)) for rho in (col.Bt.shape[2], col.A.shape[2])
     )
     start = _check_init(init, col, R)
     if start == "svd":
@@ -510,7 +514,8 @@ def jd_diag(
     ``init``: ``"svd"`` is TensorLy's ``parafac(init='svd')`` start - the
     leading eigenvectors of the three stacked Grams (``sum_i Delta_i
     Delta_i^T``, ``sum_i Delta_i^T Delta_i`` and the n x n adapter Gram
-    ``<Delta_i, Delta_j>``), seeded random columns where R exceeds one; then
+    ``<Delta_i, Delta_j>``; Krylov for the first two on wide modules, as in
+    :func:`jd_full`), seeded random columns where R exceeds one; then
     the sweeps above from the U step. ``"random"`` or a ``(U, V)`` pair start
     from least-squares cores of those bases. ALS can stall in a swamp from
     any one start: ``restarts`` adds that many fits from seeded random
@@ -533,7 +538,7 @@ def jd_diag(
 
 def _diag_als(col: FactoredCollection, R: int, start, iters: int, tol: float, gen: torch.Generator):
     if start == "svd":
-        U, V = _svd_init(col, R, gen)
+        U, V = _svd_init(col, R, gen, exact=_dense_ok(col.Bt.shape[2], R) and _dense_ok(col.A.shape[2], R))
         D = _leading_or_random(_adapter_gram(col), R, gen)
     else:
         if start == "random":
