@@ -72,6 +72,7 @@ class JobOptions:
     max_gpu_adapters: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_gb: float | None = None
+    host_cache_gb: float | None = None
     block_size: int = 16
     shard_rows: int = 10000
     schedule_window: int = 2048
@@ -235,8 +236,8 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
 
 def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling, tokenizer,
          progress, t0) -> JobSummary:
-    from .bank import SlotBank
     from .metrics import JobMetrics
+    from .residency import ResidencyBank
     from .model import DecoderModel
 
     model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
@@ -244,7 +245,9 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     max_rank = max((p.max_rank for p in good.values()), default=0)
     bank = None
     if good:
-        bank = SlotBank(config.num_layers, model.group_shapes(), max(num_slots, 1), max(max_rank, 1), dtype, device)
+        host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
+        bank = ResidencyBank(config.num_layers, model.group_shapes(), max(num_slots, 1), max(max_rank, 1), dtype, device,
+                             host_cache_bytes=host_bytes)
     num_blocks = _kv_blocks(opts, config, dtype, device)
     metrics = JobMetrics()
     engine = Engine(
@@ -313,7 +316,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     summary.wall_s = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
     summary.engine = dict(engine.stats)
-    summary.bank = bank.stats.as_dict() if bank is not None else {}
+    summary.bank = {k: v for k, v in bank.stats.as_dict().items() if k != "load_seconds"} if bank is not None else {}
     metrics.write_prometheus(opts.output)
     sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
     return summary

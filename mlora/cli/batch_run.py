@@ -51,6 +51,8 @@ def batch_run(
     max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", min=1, help="Token budget of one iteration (chunked prefill)."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use."),
     max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="Adapter slots (default: every adapter the job names)."),
+    host_cache_gb: Optional[float] = typer.Option(None, "--host-cache-gb",
+                                                  help="Host cache of loaded adapters (default: unbounded)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
     schedule_window: int = typer.Option(2048, "--schedule-window", min=1,
@@ -77,7 +79,7 @@ def batch_run(
         max_new_tokens_column=max_new_tokens_column, keep_columns=keep, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), strict=strict,
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
-        max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+        max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window,
     )
     show = not quiet and err.is_terminal

@@ -75,7 +75,9 @@ def pieces_sha256(pieces) -> str:
     are read back to the host."""
     h = hashlib.sha256()
     for view, index, t in pieces:
-        t = t.detach().to("cpu").contiguous().reshape(-1)
+        # a fresh 1-D copy: a one-element column slice can be "contiguous" with a stride > 1,
+        # which view(uint8) refuses (clone() would keep that stride)
+        t = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
         h.update(f"{view}|{index!r}|{t.dtype}|{t.numel()}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
