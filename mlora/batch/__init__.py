@@ -1,9 +1,11 @@
-"""The offline batch engine behind ``mlora batch-run`` (spec 0x01-0x03; docs/batch.md).
+"""The offline batch engine behind ``mlora batch-run`` (spec 0x01-0x05, 0x09; docs/batch.md).
 
 Entry point: :func:`mlora.batch.job.run_job`. Modules: ``io`` (Parquet input),
-``catalog`` (adapters pinned by digest), ``engine`` (continuous batching),
-``model`` / ``attention`` / ``kvcache`` (the decoder), ``bank`` + ``lora``
-(adapter slots and the model seam), ``sampling``, ``output`` (atomic shards,
-manifest, resume). Not built yet: GPU attention kernels, CUDA graphs,
-``mlora bench batch`` (step 3 GPU work), the residency engine (step 4).
+``catalog`` (adapters pinned by digest), ``engine`` (continuous batching,
+adapter-aware admission), ``model`` / ``attention`` / ``kvcache`` (the
+decoder), ``residency`` (the adapter residency engine and its slot bank),
+``bank`` (step 3's simple slot bank, the reference for the residency bank),
+``lora`` (the model seam), ``sampling``, ``metrics``, ``output`` (atomic
+shards, manifest, resume). Not built yet: GPU attention kernels, CUDA graphs,
+``mlora bench batch``, prefetch and per-request leases in the engine.
 """
