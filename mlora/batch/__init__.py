@@ -7,5 +7,5 @@ decoder), ``residency`` (the adapter residency engine and its slot bank),
 ``bank`` (step 3's simple slot bank, the reference for the residency bank),
 ``lora`` (the model seam), ``sampling``, ``metrics``, ``output`` (atomic
 shards, manifest, resume). Not built yet: GPU attention kernels, CUDA graphs,
-``mlora bench batch``, prefetch and per-request leases in the engine.
+``mlora bench batch``, prefetch of the next window's adapters.
 """

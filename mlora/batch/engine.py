@@ -72,6 +72,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     admitted: int = 0  # admission counter (preemption picks the latest)
     arrival: int = 0  # engine iteration when the request arrived (kept across preemption)
+    lease: str | None = None  # the bank lease on its adapter while running (spec 0x07H)
     text: str | None = None
 
     @property
@@ -220,6 +221,7 @@ class Engine:
             self.pinned[adapter_id] = dataclasses.replace(p, ok=False, error_code=code, error_message=message, modules=())
         out = []
         for seq in [s for s in self.running if s.req.adapter == adapter_id]:
+            self._release(seq)
             self.running.remove(seq)
             self.allocator.free(seq.blocks)
             seq.blocks = []
@@ -340,9 +342,15 @@ class Engine:
                 return False
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        if seq.lease is not None:
+            self.bank.release(seq.lease)
+            seq.lease = None
+
     def _preempt(self, seq: Sequence) -> None:
         if self.metrics:
             self.metrics.preemption()
+        self._release(seq)
         self.running.remove(seq)
         self.allocator.free(seq.blocks)
         seq.blocks, seq.num_computed = [], 0
@@ -373,6 +381,11 @@ class Engine:
         distinct = sorted({a for a in row_adapters if a is not None})
         if distinct:
             slot_of = self._ensure(distinct)
+            if hasattr(self.bank, "acquire"):  # a running row's adapter stays resident between iterations
+                for seq in plan.seqs:
+                    if seq.req.adapter is not None and seq.lease is None:
+                        self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
+                        seq.lease = f"row{seq.req.row}"
             row_slots = torch.tensor([slot_of[a] if a is not None else -1 for a in row_adapters],
                                      dtype=torch.int32, device=dev)
             lora = self.bank.context(row_slots)
@@ -435,6 +448,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> Result:
+        self._release(seq)
         self.running.remove(seq)
         self.allocator.free(seq.blocks)
         seq.blocks = []
