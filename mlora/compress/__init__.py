@@ -10,10 +10,12 @@ Owns the offline approximation of a collection of LoRA updates
   alternating refits and lowest-error reassignment; the smallest K meeting
   an error bound;
 * :mod:`.ledger` - parameter counts and break-even collection size (0x06G3);
-* :mod:`.operator` - the reference three-stage runtime product (0x06G4).
+* :mod:`.operator` - the reference three-stage runtime product (0x06G4);
+* :mod:`.collection` - adapter directories (validated with ``mlora.lora_tools``)
+  as ``{module: {member: FactoredDelta}}``, failing closed on any bad member.
 
-Imports only torch and ``mlora.compress`` itself; adapter directories,
-bundles, the CLI and serving build on these functions and are not here yet.
+Imports torch, ``mlora.lora_tools`` (collection loading) and itself; bundles,
+the CLI and serving build on these functions and are not here yet.
 """
 
 from .cluster import ClusterResult, auto_clusters, cluster, kmeans

@@ -1,0 +1,111 @@
+"""Load a collection of PEFT adapters as factored per-module updates (the solvers' input).
+
+Owns the step from adapter directories to ``{module: {member: FactoredDelta}}``
+for ``mlora compress`` (spec 0x06G5: conversion is offline and fails closed).
+Every member is validated with step 1's code (``mlora.lora_tools``), against
+the base when one is given; any member that is invalid or not servable, a
+duplicate member id, or members bound to different bases stop the load with a
+named error (no partial collection). Factors are read once more after the
+scan and must hash to the scanned digests (``E_COMPRESS_MEMBER_CHANGED``
+otherwise), so what is compressed is exactly what was validated.
+
+``Delta = scale * B @ A`` with PEFT's ``lora_A`` as A [r, d_in], ``lora_B`` as
+B [d_out, r] and the semantic scale of the member's config (alpha / r,
+rsLoRA, rank and alpha patterns resolved by step 1). A member that does not
+target a module is simply absent from that module's collection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mlora.lora_tools.adapter import MemTensor, check_against_base, discover_adapters, open_adapter, scan_adapters
+from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
+from mlora.lora_tools.safetensors_io import tensor_digest_prefix
+
+from .solvers import CompressError, FactoredDelta
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    path: str
+    artifact_sha256: str
+    semantic_sha256: str
+
+
+@dataclass
+class Collection:
+    base_sha256: str
+    members: list[Member]
+    modules: dict[str, dict[str, FactoredDelta]] = field(default_factory=dict)  # module -> member id -> delta
+
+    def factors(self, module: str) -> tuple[list[str], list[FactoredDelta]]:
+        """Member ids and their deltas at ``module``, in member order."""
+        per = self.modules.get(module, {})
+        ids = [m.id for m in self.members if m.id in per]
+        return ids, [per[i] for i in ids]
+
+
+def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: torch.dtype = torch.float64,
+                    workers: int | None = None) -> Collection:
+    """Validate and read every adapter named by ``paths`` (adapter directories or
+    directories of them); raises CompressError naming the first problem."""
+    dirs: list[str] = []
+    for p in paths:
+        found = discover_adapters(p)
+        if not found:
+            raise CompressError("E_COMPRESS_MEMBER_INVALID", f"{p} holds no adapter (no adapter_config.json)")
+        dirs += found
+    arts = [open_adapter(d) for d in dirs]
+    ids = [a.name for a in arts]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise CompressError("E_COMPRESS_DUPLICATE_ID", f"member ids must be unique (directory names): {dup}")
+    scan_adapters(arts, workers)
+    base_id = None
+    if base_dir is not None:
+        base = load_base(base_dir)
+        for a in arts:
+            check_against_base(a, base)
+        base_id = base_identity(base, workers)
+    members, bases = [], set()
+    for art in arts:
+        man = build_manifest(art, base_id)
+        if not (man["valid"] and man["servable"]):
+            bad = next((f for f in art.findings if f.severity in ("error", "unservable")), None)
+            what = f"{bad.code}: {bad.message}" if bad else "not valid"
+            raise CompressError("E_COMPRESS_MEMBER_INVALID", f"member {art.name!r} cannot be compressed ({what}); "
+                                "fix or drop it (mlora validate shows every finding)")
+        bases.add(man["base"]["base_sha256"])
+        members.append(Member(art.name, art.path, man["artifact_sha256"], man["semantic_sha256"]))
+    if len(bases) > 1:
+        raise CompressError("E_COMPRESS_BASE_MISMATCH", "members are bound to different bases; a collection "
+                            "shares one base (pass --base to bind them all to the measured base)")
+    col = Collection(next(iter(bases)) if bases else "", members)
+    for art in arts:
+        for rec in art.modules:
+            a = _read(rec.a, rec.a_sha256, art.name, dtype)
+            b = _read(rec.b, rec.b_sha256, art.name, dtype)
+            col.modules.setdefault(rec.name, {})[art.name] = FactoredDelta(a, b, float(rec.scale))
+    return col
+
+
+def _read(t, digest: str | None, member: str, dtype: torch.dtype) -> torch.Tensor:
+    """A factor's bytes, re-hashed against the scanned digest, as a ``dtype`` tensor."""
+    if isinstance(t, MemTensor):
+        data = t.data
+    else:
+        with open(t.path, "rb") as f:
+            data = os.pread(f.fileno(), t.nbytes, t.offset)
+    got = hashlib.sha256(tensor_digest_prefix(t.dtype, t.shape) + data).hexdigest()
+    if len(data) != t.nbytes or got != digest:
+        raise CompressError("E_COMPRESS_MEMBER_CHANGED", f"member {member!r}: {t.name} changed since it was "
+                            "validated; rerun the command on stable files")
+    return torch.frombuffer(bytearray(data), dtype=_DTYPES[t.dtype]).reshape(t.shape).to(dtype)
