@@ -1,7 +1,6 @@
 """JD-Full / JD-Diag solvers, clustering and the parameter ledger against spec 0x06G1-0x06G6 and TensorLy."""
 
 import os
-import resource
 import subprocess
 import sys
 import warnings

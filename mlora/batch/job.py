@@ -160,10 +160,9 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     every iteration. Raises JobError / the I/O and catalog errors (with codes)."""
     from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
-    from .bank import SlotBank
     from .catalog import load_catalog
     from .io import InputSpec, open_input
-    from .model import DecoderModel, load_config
+    from .model import load_config
     from .output import JobOutput, ResultSink, output_schema
 
     t0 = time.perf_counter()

@@ -77,7 +77,6 @@ def measure_ceilings() -> Ceilings:
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     t_copy = _events_median(lambda: dst.copy_(src), 10)
-    del src, dst
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
