@@ -5,8 +5,9 @@ Owns the device tensors the segmented kernels read (layout of
 load-on-demand with LRU eviction, and the one plan built per model invocation.
 Must not know the model's layer code (``mlora.batch.lora`` is the seam) nor
 read adapter files itself (``catalog.load_factors`` does, verified).
-Step 4 replaces this file with the residency engine; keep its surface small:
-``ensure``, ``context``, ``bytes_per_slot``.
+The residency engine's bank (``mlora.batch.residency.bank``) builds on the
+same :class:`SlotTensors` (layout, admission checks, placement) and
+:class:`BankContext`; batch-run uses it, and SlotBank stays as its reference.
 
 Per layer and group (``mlora.batch.lora.GROUPS``), with S slots, n slices and
 physical rank R::
@@ -28,13 +29,12 @@ after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
 
 from __future__ import annotations
 
-from mlora.batch.errors import CodedError
-
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
 
+from mlora.batch.errors import CodedError
 from mlora.kernels import add_lora_slices, build_plan, make_launch_plan
 
 from .catalog import PinnedAdapter, load_factors
@@ -64,15 +64,18 @@ class BankStats:
         return asdict(self)
 
 
-class SlotBank:
-    """``num_slots`` adapter slots for every (layer, group) of a decoder."""
+class SlotTensors:
+    """Slot tensors for the groups ``groups`` of every layer, in the layout of
+    ``mlora.kernels.add_lora_slices``, and the checks that admit a pinned
+    adapter's factors into them. Shared by :class:`SlotBank` and the residency
+    engine's bank; ``error`` is the exception class each raises."""
 
-    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
+    error: type[CodedError] = BankError
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], groups, num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
-        if set(shapes) != set(GROUPS):
-            raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         device = torch.device(device)
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
@@ -80,18 +83,16 @@ class SlotBank:
             raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
         self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
         self.dtype, self.device, self.backend = dtype, device, backend
-        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in GROUPS}
-        self.d_in = {g: int(shapes[g][0]) for g in GROUPS}
-        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in GROUPS}
+        self.groups = tuple(groups)
+        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in self.groups}
+        self.d_in = {g: int(shapes[g][0]) for g in self.groups}
+        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
         L, S, R = num_layers, num_slots, max_rank
         # One tensor per group with a leading layer axis; [layer] is a contiguous kernel-layout view.
         self.A = {g: torch.zeros(L, S, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
         self.B = {g: torch.zeros(L, S, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
         self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
         self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
-        self.stats = BankStats()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
-        self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * S  # (layer, group) each slot adapts
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
@@ -101,6 +102,50 @@ class SlotBank:
         per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
                         for d_in, w in shapes.values())
         return num_layers * per_layer
+
+    def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
+        """The pinned record of a servable adapter whose rank fits the slots."""
+        p = pinned.get(adapter_id)
+        if p is None:
+            raise self.error("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
+        if not p.ok:
+            raise self.error(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
+                             f"{p.error_message}")
+        if p.max_rank > self.max_rank:
+            raise self.error("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
+                             f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
+        return p
+
+    def _place(self, p: PinnedAdapter, factors) -> list[tuple]:
+        """(layer, group, slice, A, B, rank, scale) of every ``((layer, role), (A, B, scale))``
+        in ``factors``, each checked against the slots."""
+        placed = []
+        for (layer, role), (a, b, scale) in factors:
+            group, j = ROLE_SLICE[role]
+            if group not in self.widths:
+                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {group} slots")
+            r, w = a.shape[0], self.widths[group][j]
+            if not 0 <= layer < self.num_layers or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
+                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
+                                 f"B {list(b.shape)} do not fit the model ({self.num_layers} layers, d_in "
+                                 f"{self.d_in[group]}, width {w})")
+            if r > self.max_rank:
+                raise self.error("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
+            placed.append((layer, group, j, a, b, r, scale))
+        return placed
+
+
+class SlotBank(SlotTensors):
+    """``num_slots`` adapter slots for every (layer, group) of a decoder."""
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
+        if set(shapes) != set(GROUPS):
+            raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
+        super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend)
+        self.stats = BankStats()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
+        self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
 
     @property
     def resident(self) -> dict[str, int]:
@@ -118,15 +163,7 @@ class SlotBank:
         adapter that failed (it is loaded before anything is evicted)."""
         wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
         for adapter_id in adapter_ids:
-            p = pinned.get(adapter_id)
-            if p is None:
-                raise BankError("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
-            if not p.ok:
-                raise BankError(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
-                                f"{p.error_message}")
-            if p.max_rank > self.max_rank:
-                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
-                                f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
+            p = self._check(adapter_id, pinned)
             wanted.setdefault(p.semantic_sha256, p)
         if len(wanted) > self.num_slots:
             raise BankFull(len(wanted), self.num_slots)
@@ -136,7 +173,7 @@ class SlotBank:
                 self._lru.move_to_end(key)
                 continue
             self.stats.misses += 1
-            placed = self._place(p, load_factors(p, self.dtype, self.device))
+            placed = self._place(p, load_factors(p, self.dtype, self.device).items())
             slot = self._free_slot(set(wanted))
             self._write(slot, placed)
             self._lru[key] = slot
@@ -151,21 +188,6 @@ class SlotBank:
         victim = next(k for k in self._lru if k not in needed)  # exists: len(needed) <= num_slots
         self.stats.evictions += 1
         return self._lru.pop(victim)
-
-    def _place(self, p: PinnedAdapter, factors: dict) -> list[tuple]:
-        """(layer, group, slice, A, B, rank, scale) of every module, checked against the bank."""
-        placed = []
-        for (layer, role), (a, b, scale) in factors.items():
-            group, j = ROLE_SLICE[role]
-            r, w = a.shape[0], self.widths[group][j]
-            if not 0 <= layer < self.num_layers or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
-                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
-                                f"B {list(b.shape)} do not fit the model ({self.num_layers} layers, d_in "
-                                f"{self.d_in[group]}, width {w})")
-            if r > self.max_rank:
-                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
-            placed.append((layer, group, j, a, b, r, scale))
-        return placed
 
     def _write(self, slot: int, placed: list[tuple]) -> None:
         for g in GROUPS:

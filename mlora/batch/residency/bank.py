@@ -34,10 +34,11 @@ from collections import OrderedDict
 
 import torch
 
-from mlora.kernels import add_lora_slices, build_plan, make_launch_plan
+from mlora.kernels import build_plan, make_launch_plan
 
+from ..bank import BankContext, SlotTensors
 from ..catalog import PinnedAdapter, load_factors
-from ..lora import GROUPS, ROLE_SLICE
+from ..lora import GROUPS
 from .errors import AdapterLoadError, ResidencyError, ValidationError
 from .events import Copier, copier_for
 from .faults import FaultInjector
@@ -53,33 +54,19 @@ class BankError(ResidencyError):
     E_BANK_RANK_EXCEEDS_R, E_BANK_SHAPE, E_BANK_FULL, E_BANK_SLOT_EMPTY, ...)."""
 
 
-class ResidencyBank:
+class ResidencyBank(SlotTensors):
     """``num_slots`` adapter slots for every (layer, group) in ``shapes``, managed by a :class:`Residency`."""
+
+    error = BankError
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False):
-        if num_slots < 1 or max_rank < 1:
-            raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
-        device = torch.device(device)
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
-        self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
-        self.dtype, self.device, self.backend = dtype, device, backend
-        self.groups = tuple(g for g in GROUPS if g in shapes)
-        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in self.groups}
-        self.d_in = {g: int(shapes[g][0]) for g in self.groups}
-        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
-        L, S, R = num_layers, num_slots, max_rank
-        self.A = {g: torch.zeros(L, S, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
-        self.B = {g: torch.zeros(L, S, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
-        self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
-        self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
+        super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
+                         backend)
         self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in self.groups}, max_rank, dtype)
         if pool is None:
             pool = PagePool(num_slots, self.slot_bytes)
@@ -88,21 +75,12 @@ class ResidencyBank:
             tensors.update({f"A.{g}": (self.A[g], 1), f"B.{g}": (self.B[g], 1),
                             f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
-        host = HostCache(host_cache_bytes, pin=device.type == "cuda")
-        self.residency = Residency(storage, pool, host, copier=copier or copier_for(device), faults=faults,
+        host = HostCache(host_cache_bytes, pin=self.device.type == "cuda")
+        self.residency = Residency(storage, pool, host, copier=copier or copier_for(self.device), faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
         self.stats = self.residency.stats
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
-
-    @staticmethod
-    def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
-                       dtype: torch.dtype) -> int:
-        """Device bytes one slot costs (factors at physical rank plus rank/scale entries)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
-                        for d_in, w in shapes.values())
-        return num_layers * per_layer
 
     @property
     def resident(self) -> dict[str, int]:
@@ -177,18 +155,6 @@ class ResidencyBank:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
-        p = pinned.get(adapter_id)
-        if p is None:
-            raise BankError("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
-        if not p.ok:
-            raise BankError(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
-                            f"{p.error_message}")
-        if p.max_rank > self.max_rank:
-            raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
-                            f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
-        return p
-
     def _make_resident(self, key: str, p: PinnedAdapter) -> None:
         res = self.residency
         if not res.host.has_source(key):
@@ -212,18 +178,8 @@ class ResidencyBank:
         ranks = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.int32) for g in self.groups}
         scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
         pieces, targets = [], set()
-        for (layer, role), (a, b, scale) in sorted(load_factors(p, self.dtype, "cpu").items()):
-            group, j = ROLE_SLICE[role]
-            if group not in self.widths:
-                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {group} slots")
-            r, w = a.shape[0], self.widths[group][j]
-            if not 0 <= layer < L or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
-                raise BankError("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
-                                f"B {list(b.shape)} do not fit the model ({L} layers, d_in {self.d_in[group]}, "
-                                f"width {w})")
-            if r > self.max_rank:
-                raise BankError("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
-            off = self.offsets[group][j]
+        for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
+            off, w = self.offsets[group][j], self.widths[group][j]
             pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
             pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
             ranks[group][layer, j] = r
@@ -264,22 +220,14 @@ class ResidencyBank:
         self._release_plan()
 
 
-class ResidencyContext:
-    """``mlora.batch.lora.LoraContext`` over a ResidencyBank for one invocation."""
+class ResidencyContext(BankContext):
+    """``mlora.batch.lora.LoraContext`` over a ResidencyBank for one invocation (``apply``
+    as step 3's; ranks were validated when published, row slots in ``context()``),
+    plus the launch snapshot that keeps its slots from being reclaimed."""
 
     def __init__(self, bank: ResidencyBank, row_slots: torch.Tensor, plan, targeted: frozenset, launch: Launch):
-        self.bank, self.row_slots, self.plan, self.targeted, self.launch = bank, row_slots, plan, targeted, launch
-
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
-        if (layer, group) not in self.targeted:
-            return
-        bank = self.bank
-        add_lora_slices(
-            y, x, bank.A[group][layer], bank.B[group][layer], self.row_slots, widths=bank.widths[group],
-            ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
-            plan=self.plan, check_values=False,  # validated when published, row slots in context()
-        )
+        super().__init__(bank, row_slots, plan, targeted)
+        self.launch = launch
 
     def close(self, event=None) -> None:
         """The invocation's kernels are issued: its last-use event is ``event`` (default: one
