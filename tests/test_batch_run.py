@@ -299,10 +299,11 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
 
 def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
     # a KV cache of 5 blocks (16 tokens each) for up to 8 running rows: decode growth must preempt
+    from mlora.batch.kvcache import KVCache
     from mlora.batch.model import load_config
 
     cfg = load_config(env["base"])
-    block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 16
+    block_bytes = KVCache.block_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     summary = _run(env, tmp_path / "out", max_num_seqs=8, kv_cache_gb=5 * block_bytes / 2**30, max_new_tokens=12)
     assert summary.engine["preemptions"] > 0
     rows = _rows(tmp_path / "out")

@@ -221,10 +221,7 @@ class Engine:
             self.pinned[adapter_id] = dataclasses.replace(p, ok=False, error_code=code, error_message=message, modules=())
         out = []
         for seq in [s for s in self.running if s.req.adapter == adapter_id]:
-            self._release(seq)
-            self.running.remove(seq)
-            self.allocator.free(seq.blocks)
-            seq.blocks = []
+            self._drop(seq)
             out.append(self._error(seq, code, message))
         keep = deque()
         for seq in self.waiting:
@@ -342,18 +339,20 @@ class Engine:
                 return False
         return True
 
-    def _release(self, seq: Sequence) -> None:
+    def _drop(self, seq: Sequence) -> None:
+        """Take a sequence out of the running set: its adapter lease and KV blocks go back."""
         if seq.lease is not None:
             self.bank.release(seq.lease)
             seq.lease = None
+        self.running.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
 
     def _preempt(self, seq: Sequence) -> None:
         if self.metrics:
             self.metrics.preemption()
-        self._release(seq)
-        self.running.remove(seq)
-        self.allocator.free(seq.blocks)
-        seq.blocks, seq.num_computed = [], 0
+        self._drop(seq)
+        seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
@@ -448,10 +447,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> Result:
-        self._release(seq)
-        self.running.remove(seq)
-        self.allocator.free(seq.blocks)
-        seq.blocks = []
+        self._drop(seq)
         r = seq.req
         return Result(r.row, r.id, r.adapter, seq.generated, reason, len(r.prompt_ids), text=seq.text)
 

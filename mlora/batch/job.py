@@ -31,6 +31,7 @@ import torch
 
 from .engine import Engine, Request, Result
 from .errors import CodedError
+from .kvcache import KVCache
 from .sampling import SamplingParams
 
 BASE_IDS = (None, "", "__base__")
@@ -353,13 +354,14 @@ def _requests(batch, opts: JobOptions, tokenizer, vocab_size: int, kept: dict):
 def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
     """KV blocks: from --kv-cache-gb, else on CUDA from free memory, else enough for
     max_num_seqs full contexts (CPU)."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
-    per_block = per_token * opts.block_size
+    def fit(budget_bytes) -> int:
+        return max(1, KVCache.blocks_for_budget(budget_bytes, config.num_layers, opts.block_size,
+                                                config.num_kv_heads, config.head_dim, dtype))
+
     if opts.kv_cache_gb:
-        return max(1, int(opts.kv_cache_gb * 2**30 // per_block))
+        return fit(opts.kv_cache_gb * 2**30)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - opts.gpu_memory_utilization) * total
-        return max(1, int(budget // per_block))
+        return fit(free - (1 - opts.gpu_memory_utilization) * total)
     per_seq = -(-config.max_position_embeddings // opts.block_size)
     return max(1, opts.max_num_seqs * per_seq)
