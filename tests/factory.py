@@ -60,6 +60,19 @@ def make_adapter(path: str, kind: str = "llama", seed: int = 1, base_model=None,
     return peft_model
 
 
+def make_adapters(root: str, base_dir: str, specs: dict[str, dict]) -> dict:
+    """One adapter per ``specs`` entry (name -> make_adapter kwargs, ``seed`` included)
+    under ``root/name``, each over a fresh load of the saved base ``base_dir``.
+    Returns name -> PeftModel in eval mode (the references)."""
+    from transformers import AutoModelForCausalLM
+
+    refs = {}
+    for name, kw in specs.items():
+        model = AutoModelForCausalLM.from_pretrained(base_dir)
+        refs[name] = make_adapter(os.path.join(root, name), base_model=model, **kw).eval()
+    return refs
+
+
 def copy_adapter(src: str, dst: str) -> str:
     shutil.copytree(src, dst)
     for root, _, files in os.walk(dst):

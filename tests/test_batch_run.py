@@ -52,12 +52,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("job")
     base = str(root / "base")
     factory.save_base(factory.tiny_model("llama", seed=0), base)
-    refs = {}
-    for name, kw in ADAPTERS.items():
-        kw = dict(kw)
-        seed = kw.pop("seed")
-        refs[name] = factory.make_adapter(str(root / "adapters" / name), base_model=AutoModelForCausalLM.from_pretrained(base),
-                                          seed=seed, **kw).eval()
+    refs = factory.make_adapters(str(root / "adapters"), base, ADAPTERS)
     base_model = AutoModelForCausalLM.from_pretrained(base).eval()
     eos = {int(base_model.generation_config.eos_token_id)}
     g = torch.Generator().manual_seed(5)

@@ -7,8 +7,6 @@ with a named error.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 import factory
 from mlora.compress import jd_full, relative_errors
 from mlora.compress.collection import load_collection
@@ -27,12 +25,7 @@ def coll(tmp_path_factory):
     root = tmp_path_factory.mktemp("coll")
     base = str(root / "base")
     factory.save_base(factory.tiny_model("llama", seed=0), base)
-    refs = {}
-    for name, kw in MEMBERS.items():
-        kw = dict(kw)
-        seed = kw.pop("seed")
-        refs[name] = factory.make_adapter(str(root / "adapters" / name), base_model=AutoModelForCausalLM.from_pretrained(base),
-                                          seed=seed, **kw)
+    refs = factory.make_adapters(str(root / "adapters"), base, MEMBERS)
     return root, base, refs
 
 
