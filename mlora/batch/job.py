@@ -29,12 +29,13 @@ from dataclasses import asdict, dataclass, field
 import pyarrow.dataset as pads
 import torch
 
+from .catalog import BASE_ID
 from .engine import Engine, Request, Result
 from .errors import CodedError
 from .kvcache import KVCache
 from .sampling import SamplingParams
 
-BASE_IDS = (None, "", "__base__")
+BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
 
 
 class JobError(CodedError):
