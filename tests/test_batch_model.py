@@ -97,8 +97,10 @@ class Runner:
     """Block tables and metadata for a few sequences over one KV cache. Free
     blocks come out in a shuffled order, so block tables are not contiguous."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int = 48, block_size: int = 4, seed: int = 0):
+    def __init__(self, model: DecoderModel, num_blocks: int = 48, block_size: int = 4, seed: int = 0,
+                 attention: str = "auto"):
         self.model = model
+        self.attention = attention
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self.alloc = BlockAllocator(num_blocks)
         everything = self.alloc.allocate(num_blocks)
@@ -128,7 +130,7 @@ class Runner:
             tables.append(list(table))
             self.lens[seq] = ctx
         meta = AttentionMetadata(query_starts=starts, context_lens=ctx_lens, block_tables=tables,
-                                 slot_mapping=torch.tensor(slots, dtype=torch.int64))
+                                 slot_mapping=torch.tensor(slots, dtype=torch.int64), backend=self.attention)
         logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv, lora, torch.tensor(sample_rows))
         assert logits.dtype == torch.float32 and logits.shape == (len(sample_rows), self.model.config.vocab_size)
         out, i = [], 0
@@ -156,10 +158,10 @@ def test_packed_prefill_matches_transformers_at_every_position(checkpoints, name
     assert (got_b - hf_logits(hf, b)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ARCHS)
-def test_batched_decode_matches_transformers_step_by_step(checkpoints, name):
+@pytest.mark.parametrize("name, attention", [(n, "torch") for n in ARCHS] + [("llama", "triton"), ("qwen3", "triton")])
+def test_batched_decode_matches_transformers_step_by_step(checkpoints, name, attention):
     path, hf = checkpoints(name)
-    runner = Runner(load(path), seed=3)
+    runner = Runner(load(path), seed=3, attention=attention)
     seqs = {"a": tokens(5, 3), "b": tokens(3, 4), "c": tokens(9, 5)}
     first = runner.step(list(seqs.items()))
     nxt = {s: int(l.argmax()) for s, l in zip(seqs, first)}
@@ -173,13 +175,13 @@ def test_batched_decode_matches_transformers_step_by_step(checkpoints, name):
             nxt[s] = int(logits.argmax())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_chunked_prefill_gives_the_same_logits(checkpoints, name):
+@pytest.mark.parametrize("name, attention", [("llama", "torch"), ("qwen3", "torch"), ("llama", "triton")])
+def test_chunked_prefill_gives_the_same_logits(checkpoints, name, attention):
     path, hf = checkpoints(name)
     model = load(path)
     prompt, other = tokens(10, 6), tokens(4, 7)
-    whole = Runner(model).step([("p", prompt)])[0]
-    runner = Runner(model, seed=9)
+    whole = Runner(model, attention=attention).step([("p", prompt)])[0]
+    runner = Runner(model, seed=9, attention=attention)
     runner.step([("q", other), ("p", prompt[:6])])
     # second chunk of p packed behind a decode row of q
     _, chunked = runner.step([("q", [5]), ("p", prompt[6:])])

@@ -10,10 +10,16 @@ Semantics, for sequence ``b`` with ``n`` new rows and ``c = context_lens[b]``::
     row i = query_starts[b] + i sits at position p = c - n + i
     out[row i] = softmax(scale * q[row i] . K[0..p]^T) V[0..p]     (GQA: head h reads kv head h // (H / H_kv))
 
-This is the torch reference path: consecutive sequences are grouped and each
-group is one ``scaled_dot_product_attention`` call with an explicit boolean
-block-diagonal causal mask (a row never sees another sequence's keys). GPU
-kernels (paged decode, varlen prefill) come later and are tested against it.
+Two backends, chosen by ``AttentionMetadata.backend``:
+
+- ``"torch"``, the reference: consecutive sequences are grouped and each group
+  is one ``scaled_dot_product_attention`` call with an explicit boolean
+  block-diagonal causal mask (a row never sees another sequence's keys).
+- ``"triton"``: the paged kernel of ``mlora.batch.paged_attention`` (decode and
+  prefill-chunk launches reading K/V through the block tables), tested against
+  the reference.
+
+``"auto"`` (the default) runs the kernel on CUDA tensors and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -37,12 +43,14 @@ class AttentionMetadata:
     ``context_lens`` (len B): tokens of sequence b in the cache once this step's K/V are written.
     ``block_tables`` (len B): block ids of sequence b, in position order.
     ``slot_mapping`` (int64 [T]): cache slot of every packed row.
+    ``backend``: "auto" (Triton kernel on CUDA, reference elsewhere), "torch" or "triton".
     """
 
     query_starts: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
+    backend: str = "auto"
     _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -112,11 +120,30 @@ class AttentionMetadata:
                                  f"its {len(self.block_tables[i])} blocks hold {len(self.block_tables[i]) * block_size}")
 
 
+    def paged_layout(self, block_size: int, group: int, device: torch.device):
+        """The Triton kernel's device metadata, built on the first layer's call."""
+        from mlora.batch.paged_attention import PagedLayout
+
+        key = ("paged", block_size, group, str(device))
+        if key not in self._views:
+            self._check(block_size)
+            self._views[key] = PagedLayout.build(self.query_starts, self.context_lens, self.block_tables, group,
+                                                 torch.device(device))
+        return self._views[key]
+
+
 def attention(q: torch.Tensor, layer: int, kv: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, head_dim] -> out [T, heads, head_dim], after ``layer``'s new K/V were written."""
     if q.shape[0] != meta.query_starts[-1]:
         raise ValueError(f"attention: {q.shape[0]} query rows, metadata covers {meta.query_starts[-1]}")
+    if meta.backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend {meta.backend!r}; expected 'auto', 'torch' or 'triton'")
     heads, head_dim = q.shape[1], q.shape[2]
+    if meta.backend == "triton" or (meta.backend == "auto" and q.is_cuda):
+        from mlora.batch.paged_attention import paged_attention
+
+        layout = meta.paged_layout(kv.block_size, heads // kv.num_kv_heads, q.device)
+        return paged_attention(q, kv.k[layer], kv.v[layer], layout, scale)
     group = heads // kv.num_kv_heads
     k_flat = kv.k[layer].view(-1, kv.num_kv_heads, head_dim)
     v_flat = kv.v[layer].view(-1, kv.num_kv_heads, head_dim)

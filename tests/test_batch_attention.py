@@ -1,0 +1,112 @@
+"""The Triton paged attention kernel against the torch reference.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest), so shapes stay
+small. Every case builds a paged cache whose blocks are handed out in a
+shuffled order, fills every cache slot that no sequence owns (and every slot
+past a sequence's context) with NaN, poisons the output with NaN, and packs
+prefill chunks, whole prompts and decode rows into one invocation.
+"""
+
+import random
+
+import pytest
+import torch
+
+from mlora.batch.attention import AttentionMetadata, attention
+from mlora.batch.kvcache import KVCache
+from mlora.batch.paged_attention import PagedLayout, paged_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def paged_case(seed: int, seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int,
+               dtype=torch.float32):
+    """``seqs`` = (new rows, context length) per sequence, in packing order.
+    Returns (q, kv cache, metadata); cache slots outside every context are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-c // block_size) for _, c in seqs)
+    num_blocks = need + 3
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    kv = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    kv.k[0].fill_(float("nan"))
+    kv.v[0].fill_(float("nan"))
+    starts, ctx_lens, tables, slots = [0], [], [], []
+    for n, c in seqs:
+        assert 1 <= n <= c
+        table = [order.pop() for _ in range(-(-c // block_size))]
+        for p in range(c):  # every position of the context holds a finite key and value
+            b, i = table[p // block_size], p % block_size
+            kv.k[0][b, i] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+            kv.v[0][b, i] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+        starts.append(starts[-1] + n)
+        ctx_lens.append(c)
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
+    q = torch.randn(starts[-1], heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    meta = AttentionMetadata(query_starts=starts, context_lens=ctx_lens, block_tables=tables,
+                             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE))
+    return q, kv, meta
+
+
+def run_kernel(q, kv, meta):
+    meta.backend = "triton"
+    layout = meta.paged_layout(kv.block_size, q.shape[1] // kv.num_kv_heads, q.device)
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out)
+    assert got is out
+    return got
+
+
+def reference(q, kv, meta):
+    meta.backend = "torch"
+    return attention(q, 0, kv, meta, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize(
+    "seed, seqs, heads, kv_heads, head_dim, block_size, dtype",
+    [
+        # decode rows, a chunk in the middle of a prompt, a whole prompt; GQA 4
+        (0, [(1, 9), (5, 12), (1, 1), (17, 17), (1, 70)], 8, 2, 16, 4, torch.float32),
+        (1, [(3, 3), (1, 33), (20, 40)], 4, 4, 32, 16, torch.float32),  # MHA, block 16
+        (2, [(1, 5), (1, 6), (7, 30)], 6, 2, 24, 8, torch.float32),  # group 3 (padded to 4), head_dim 24
+        (3, [(1, 65), (66, 66), (2, 2)], 8, 1, 16, 4, torch.bfloat16),  # MQA, keys past one BLOCK_N
+        (4, [(1, 20), (9, 21)], 4, 2, 16, 4, torch.float16),
+    ],
+)
+def test_kernel_equals_the_reference(seed, seqs, heads, kv_heads, head_dim, block_size, dtype):
+    q, kv, meta = paged_case(seed, seqs, heads, kv_heads, head_dim, block_size, dtype)
+    want = reference(q, kv, meta).float()
+    got = run_kernel(q, kv, meta).float()
+    assert torch.isfinite(got).all()  # every row written, no NaN slot ever read
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= TOL[dtype], float(err)
+
+
+def test_kernel_rows_do_not_depend_on_the_other_sequences():
+    q, kv, meta = paged_case(5, [(1, 9), (6, 14), (1, 3)], 4, 2, 16, 4)
+    alone_q, alone_kv, alone_meta = q[1:7], kv, AttentionMetadata(
+        query_starts=[0, 6], context_lens=[14], block_tables=[meta.block_tables[1]],
+        slot_mapping=meta.slot_mapping[1:7])
+    together = run_kernel(q, kv, meta)[1:7]
+    alone = run_kernel(alone_q.contiguous(), alone_kv, alone_meta)
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_layout_splits_decode_and_prefill_launches():
+    layout = PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
+                               device=torch.device("cpu"))
+    by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in layout.launches}
+    assert by_q == {16: ([1, 1], [0, 16]), 4: ([0, 2], [0, 0])}
+    assert layout.block_tables.tolist() == [[0, 1, 0, 0], [2, 3, 4, 0], [5, 6, 7, 8]]
+    assert layout.context_lens.tolist() == [8, 20, 30] and layout.query_starts.tolist() == [0, 1, 21, 22]
+
+
+def test_kernel_refuses_mismatched_shapes():
+    q, kv, meta = paged_case(6, [(1, 4)], 4, 2, 16, 4)
+    layout = meta.paged_layout(kv.block_size, 2, q.device)
+    with pytest.raises(ValueError, match="paged_attention"):
+        paged_attention(q[..., :8].contiguous(), kv.k[0], kv.v[0], layout, 1.0)
+    with pytest.raises(ValueError, match="cache is"):
+        paged_attention(q.double(), kv.k[0], kv.v[0], layout, 1.0)
