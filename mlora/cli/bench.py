@@ -107,3 +107,79 @@ def _print_kernel_tables(r: dict) -> None:
         con.print(f"mixed ranks 8/16/64, T={m['T']}, 64 adapters: {_us(m['mixed_s'])} us vs padded-to-64 "
                   f"{_us(m['padded_s'])} us = {m['ratio']:.2f}x (floor ratio {m['floor_ratio']:.2f})")
     con.print_json(data=r["summary"])
+
+
+@bench_app.command("batch")
+def bench_batch(
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    rows: int = typer.Option(512, "--rows", min=1, help="Rows of the synthetic job."),
+    adapters: str = typer.Option("0,1,8,64", "--adapters", help="Distinct-adapter counts to run (0 = base only)."),
+    rank: int = typer.Option(16, "--rank", min=1, help="Rank of every random adapter (all linear modules)."),
+    prompt_min: int = typer.Option(128, "--prompt-min", min=1, help="Shortest prompt (tokens)."),
+    prompt_max: int = typer.Option(1024, "--prompt-max", min=1, help="Longest prompt (tokens)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Tokens generated per row (EOS ignored)."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1, help="Running rows per iteration."),
+    max_batch_tokens: int = typer.Option(8192, "--max-batch-tokens", min=1, help="Rows per iteration (prefill chunks)."),
+    device: str = typer.Option("cuda", "--device", help="cuda or cpu."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """Time `mlora batch-run`'s engine on a synthetic job: tokens/s and decode iterations against their floor."""
+    from ..batch.bench import BatchBenchOptions, run_batch_bench
+
+    err = Console(stderr=True)
+    try:
+        counts = tuple(int(a) for a in adapters.split(","))
+    except ValueError:
+        raise typer.BadParameter("--adapters takes comma-separated integers, e.g. 0,1,8,64")
+    if device == "cuda" and not __import__("torch").cuda.is_available():
+        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
+        raise typer.Exit(1)
+    opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
+                             prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
+                             max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed)
+
+    def progress(s):
+        d = s["decode_full_batch"] or s["decode"]
+        err.print(f"[dim]{s['adapters']:>4} adapters: {s['tokens_per_s']:9.1f} tok/s"
+                  + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms" if d else "")
+                  + "[/dim]")
+
+    try:
+        results = run_batch_bench(opts, progress=None if json_out else progress)
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    text = json.dumps(results, indent=2)
+    if out:
+        out.write_text(text + "\n")
+    if json_out:
+        sys.stdout.write(text + "\n")
+    else:
+        _print_batch_table(results)
+
+
+def _print_batch_table(r: dict) -> None:
+    con = Console()
+    c, o = r["ceilings"], r["options"]
+    con.print(f"{r['device']}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+              f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run)")
+    table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
+                  f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
+    for col in ("adapters", "tok/s", "vs base", "decode iters", "rows (median)", "decode ms", "floor ms", "x floor",
+                "full-batch ms", "full floor ms", "full x floor"):
+        table.add_column(col, justify="right")
+    for s in r["scenarios"]:
+        d, f = s["decode"] or {}, s["decode_full_batch"] or {}
+
+        def ms(v):
+            return "-" if v is None else f"{v * 1e3:.2f}"
+
+        table.add_row(str(s["adapters"]), f"{s['tokens_per_s']:.0f}",
+                      "-" if s["tokens_per_s_vs_base"] is None else f"{s['tokens_per_s_vs_base']:.2f}",
+                      str(d.get("iterations", 0)), str(d.get("median_rows", "-")), ms(d.get("median_s")),
+                      ms(d.get("median_floor_s")), f"{d['median_ratio']:.2f}" if d else "-", ms(f.get("median_s")),
+                      ms(f.get("median_floor_s")), f"{f['median_ratio']:.2f}" if f else "-")
+    con.print(table)

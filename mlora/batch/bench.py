@@ -1,0 +1,310 @@
+"""The engine benchmark behind ``mlora bench batch`` (issue step 3; targets in step 7).
+
+Owns the measurement method; the figures go into BENCHMARKS.md.
+
+* Model: a named shape preset (``llama-3-8b``; ``tiny`` for CPU tests) with
+  random weights generated on the device (no files), EOS ids removed so every
+  row generates exactly ``max_new_tokens``.
+* Adapters: ``n`` random adapters of rank ``rank`` on every linear module
+  (q, k, v, o, gate, up, down of every layer), written straight into a
+  :class:`~mlora.batch.bank.SlotBank` with ``n`` slots (all resident: this
+  measures execution, not loading). Rows pick their adapter uniformly at
+  random; ``n = 0`` is the base-only run.
+* Job: ``rows`` prompts of random token ids, lengths uniform in
+  ``[prompt_min, prompt_max]``, all queued at the start, run through the real
+  :class:`~mlora.batch.engine.Engine` (continuous batching, chunked prefill,
+  paged KV cache, segmented LoRA kernels, greedy sampling). A short warm-up
+  job first compiles the kernels.
+* Per iteration: wall time of ``Engine.step`` (it ends in a host sync when the
+  sampled tokens are read, so wall time is the iteration's time, host work
+  included). For decode-only iterations the floor is computed from what that
+  iteration had to move and compute:
+
+  bytes = base weights read (all layers, final norm, LM head)
+        + the distinct adapters' factors at true rank
+        + K/V read (every sequence's context, all layers)
+        + activations (each GEMM's input and output rows, the logits)
+  flops = 2 * rows * (layer weights + LM head) + attention (4 * context * heads * head_dim per row and layer)
+        + LoRA (2 * rows * rank * (d_in + d_out) per module)
+  floor = max(bytes / copy bandwidth, flops / bf16 matmul rate), both measured in the same run.
+* Reported per scenario: generated tokens per second over the whole job (wall
+  clock, prefill included), and for decode-only iterations the median time,
+  the median floor and the median of time / floor, overall and at full batch
+  (at least 90 % of ``max_num_seqs`` running).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .bank import SlotBank
+from .catalog import PinnedAdapter
+from .engine import Engine, Request
+from .kvcache import KVCache
+from .model import DecoderLayer, DecoderModel, ModelConfig
+
+PRESETS: dict[str, dict] = {
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
+}
+
+
+@dataclass
+class BatchBenchOptions:
+    preset: str = "llama-3-8b"
+    rows: int = 512
+    adapters: tuple[int, ...] = (0, 1, 8, 64)
+    rank: int = 16
+    prompt_min: int = 128
+    prompt_max: int = 1024
+    max_new_tokens: int = 128
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    block_size: int = 16
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+def preset_config(name: str, dtype: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    return ModelConfig(arch="llama", rms_norm_eps=1e-5, rope_scaling=None, tie_word_embeddings=False,
+                       qkv_bias=False, o_bias=False, qk_norm=False, eos_token_ids=(), bos_token_id=None,
+                       dtype=dtype, **p)
+
+
+def random_model(config: ModelConfig, device, dtype: torch.dtype, seed: int) -> DecoderModel:
+    """Random weights generated on ``device`` (std 0.02, unit norm gains)."""
+    c = config
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    layers = []
+    for i in range(c.num_layers):
+        w = {"qkv_weight": rnd(c.q_out + 2 * c.kv_out, c.hidden_size), "qkv_bias": None,
+             "o_weight": rnd(c.hidden_size, c.q_out), "o_bias": None,
+             "gate_up_weight": rnd(2 * c.intermediate_size, c.hidden_size),
+             "down_weight": rnd(c.hidden_size, c.intermediate_size),
+             "input_norm_weight": ones(c.hidden_size), "post_norm_weight": ones(c.hidden_size),
+             "q_norm_weight": None, "k_norm_weight": None}
+        layers.append(DecoderLayer(i, c, w))
+    return DecoderModel(c, rnd(c.vocab_size, c.hidden_size), ones(c.hidden_size), rnd(c.vocab_size, c.hidden_size),
+                        layers)
+
+
+def random_bank(model: DecoderModel, n: int, rank: int, seed: int) -> tuple[SlotBank, dict[str, PinnedAdapter]]:
+    """A bank whose ``n`` slots hold random rank-``rank`` adapters on every module, and their pinned records."""
+    c = model.config
+    bank = SlotBank(c.num_layers, model.group_shapes(), n, rank, model.dtype, model.device)
+    gen = torch.Generator(device=model.device).manual_seed(seed + 1)
+    pinned = {}
+    for g in bank.A:
+        d_in = bank.d_in[g]
+        bank.A[g].copy_(torch.randn(bank.A[g].shape, generator=gen, device=model.device) / d_in ** 0.5)
+        bank.B[g].copy_(torch.randn(bank.B[g].shape, generator=gen, device=model.device) * 0.02)
+        bank.ranks[g].fill_(rank)
+        bank.scales[g].fill_(2.0)
+    every = frozenset((layer, g) for layer in range(c.num_layers) for g in bank.A)
+    for s in range(n):
+        key = f"bench-{s}"
+        pinned[key] = PinnedAdapter(id=key, path=None, ok=True, semantic_sha256=key, max_rank=rank)
+        bank._lru[key] = s
+        bank._targets[s] = every
+    return bank, pinned
+
+
+def adapter_bytes(config: ModelConfig, rank: int, itemsize: int) -> int:
+    """Bytes of one adapter's factors at true rank on every linear module."""
+    c = config
+    per_layer = 0
+    for d_in, d_out in ((c.hidden_size, c.q_out), (c.hidden_size, c.kv_out), (c.hidden_size, c.kv_out),
+                        (c.q_out, c.hidden_size), (c.hidden_size, c.intermediate_size),
+                        (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size)):
+        per_layer += rank * (d_in + d_out)
+    return per_layer * c.num_layers * itemsize
+
+
+def layer_params(c: ModelConfig) -> int:
+    return (c.q_out + 2 * c.kv_out) * c.hidden_size + c.hidden_size * c.q_out + 3 * c.hidden_size * c.intermediate_size
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """Copy bandwidth and matmul rate of ``device`` (the kernel benchmark's method on CUDA;
+    a small wall-clock measurement on the CPU, good enough for floors there)."""
+    if device.type == "cuda":
+        from mlora.kernels.bench import measure_ceilings as cuda_ceilings
+
+        c = cuda_ceilings()
+        return Ceilings(c.copy_bytes_per_s, c.bf16_flops_per_s)
+    src = torch.empty(1 << 24, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.randn(512, 512)
+    times_copy, times_mm = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times_copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        a @ a
+        times_mm.append(time.perf_counter() - t0)
+    return Ceilings(2 * src.numel() * 4 / min(times_copy), 2 * 512**3 / min(times_mm))
+
+
+class _RecordingEngine(Engine):
+    """The engine, remembering each iteration's plan for the floor computation."""
+
+    last_plan = None
+
+    def schedule(self):
+        self.last_plan = super().schedule()
+        return self.last_plan
+
+
+def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tokens: int, distinct: int, rank: int,
+                 ceil: Ceilings) -> dict:
+    """Floor of one decode iteration (module docstring)."""
+    c = config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) * itemsize \
+        + (2 * c.num_layers + 1) * c.hidden_size * itemsize
+    kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
+    per_row_act = c.num_layers * (c.hidden_size + (c.q_out + 2 * c.kv_out) + c.q_out + c.hidden_size + c.hidden_size
+                                  + 2 * c.intermediate_size + c.intermediate_size + c.hidden_size) * itemsize
+    act = rows * (per_row_act + c.vocab_size * (itemsize + 4))
+    adapters = distinct * adapter_bytes(c, rank, itemsize)
+    total = weights + adapters + context_tokens * kv_per_token + act
+    lora_flops = 2 * rows * adapter_bytes(c, rank, 1) if distinct else 0
+    flops = 2 * rows * (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) \
+        + 4 * context_tokens * c.num_heads * c.head_dim * c.num_layers + lora_flops
+    t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
+    return dict(bytes=total, flops=flops, floor_s=max(t_bytes, t_flops), bound="memory" if t_bytes >= t_flops else "compute")
+
+
+def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: int, max_new: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for i in range(rows):
+        length = rng.randint(o.prompt_min, o.prompt_max)
+        prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
+        adapter = f"bench-{rng.randrange(n_adapters)}" if n_adapters else None
+        out.append(Request(row=i, id=str(i), prompt_ids=prompt, adapter=adapter, max_new_tokens=max_new))
+    return out
+
+
+def _num_blocks(o: BatchBenchOptions) -> int:
+    """Enough KV blocks that ``max_num_seqs`` full-length rows never preempt each other."""
+    per_seq = -(-(o.prompt_max + o.max_new_tokens) // o.block_size)
+    return o.max_num_seqs * per_seq + 8
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, ceil: Ceilings, progress=None) -> dict:
+    dev = model.device
+    dtype = model.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bank, pinned = random_bank(model, n_adapters, o.rank, o.seed) if n_adapters else (None, {})
+
+    def engine():
+        return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
+                                max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
+                                dtype=dtype)
+
+    warm = engine()  # compile the kernels outside the timed job
+    for r in _requests(o, model.config, n_adapters, min(o.rows, 16), 4, o.seed + 99):
+        warm.add(r)
+    while warm.has_work():
+        warm.step()
+    del warm
+
+    eng = engine()
+    for r in _requests(o, model.config, n_adapters, o.rows, o.max_new_tokens, o.seed):
+        if eng.add(r) is not None:
+            raise RuntimeError(f"bench row {r.row} was refused; lower --prompt-max or --max-new-tokens")
+    decode = []
+    _sync(dev)
+    t_start = time.perf_counter()
+    while eng.has_work():
+        eng.last_plan = None
+        t0 = time.perf_counter()
+        eng.step()
+        seconds = time.perf_counter() - t0
+        plan = eng.last_plan
+        if plan is None or plan.doff:
+            continue
+        ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
+        distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+        f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
+        decode.append(dict(rows=len(plan.seqs), context=ctx, distinct=distinct, seconds=seconds, **f))
+    _sync(dev)
+    wall = time.perf_counter() - t_start
+    generated = eng.stats["generated_tokens"]
+    full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
+
+    def summary(items):
+        if not items:
+            return None
+        return dict(iterations=len(items), median_rows=statistics.median(d["rows"] for d in items),
+                    median_s=statistics.median(d["seconds"] for d in items),
+                    median_floor_s=statistics.median(d["floor_s"] for d in items),
+                    median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
+                    bound=statistics.mode(d["bound"] for d in items))
+
+    result = dict(adapters=n_adapters, rows=o.rows, generated_tokens=generated, wall_s=wall,
+                  tokens_per_s=generated / wall, iterations=eng.stats["iterations"],
+                  prefill_tokens=eng.stats["prefill_tokens"], decode=summary(decode), decode_full_batch=summary(full),
+                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize))
+    if progress:
+        progress(result)
+    return result
+
+
+def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
+    from .model import DTYPES
+
+    if o.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {o.dtype!r}; use one of {', '.join(DTYPES)}")
+    if not 1 <= o.prompt_min <= o.prompt_max:
+        raise ValueError("need 1 <= prompt_min <= prompt_max")
+    dev = torch.device(o.device)
+    config = preset_config(o.preset, o.dtype)
+    if o.prompt_max + o.max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"prompt_max + max_new_tokens exceeds the preset's context {config.max_position_embeddings}")
+    ceil = measure_ceilings(dev)
+    t0 = time.perf_counter()
+    model = random_model(config, dev, DTYPES[o.dtype], o.seed)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
+    base = next((s for s in scenarios if s["adapters"] == 0), None)
+    for s in scenarios:
+        s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return dict(
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
+        ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s),
+        model_build_s=build_s, scenarios=scenarios,
+    )
