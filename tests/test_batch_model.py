@@ -99,7 +99,9 @@ class Runner:
 
     def __init__(self, model: DecoderModel, num_blocks: int = 48, block_size: int = 4, seed: int = 0,
                  attention: str = "auto"):
-        self.model = model
+        # the Triton kernel runs under the interpreter on a CPU-only machine, compiled on a GPU
+        self.device = torch.device("cuda" if attention == "triton" and torch.cuda.is_available() else "cpu")
+        self.model = model.to(self.device)
         self.attention = attention
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self.alloc = BlockAllocator(num_blocks)
@@ -129,9 +131,11 @@ class Runner:
             ctx_lens.append(ctx)
             tables.append(list(table))
             self.lens[seq] = ctx
+        dev = self.device
         meta = AttentionMetadata(query_starts=starts, context_lens=ctx_lens, block_tables=tables,
-                                 slot_mapping=torch.tensor(slots, dtype=torch.int64), backend=self.attention)
-        logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv, lora, torch.tensor(sample_rows))
+                                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), backend=self.attention)
+        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, self.kv, lora,
+                            torch.tensor(sample_rows, device=dev)).cpu()
         assert logits.dtype == torch.float32 and logits.shape == (len(sample_rows), self.model.config.vocab_size)
         out, i = [], 0
         for _, new in items:

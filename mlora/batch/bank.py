@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import add_lora_slices, build_plan, make_launch_plan
+from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan
 
 from .catalog import PinnedAdapter, load_factors
 from .lora import GROUPS, ROLE_SLICE
@@ -102,6 +102,25 @@ class SlotTensors:
         per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
                         for d_in, w in shapes.values())
         return num_layers * per_layer
+
+    def _plans(self, row_slots: torch.Tensor, static: LaunchPlan | None = None):
+        """(row slots on the device, SegmentPlan on the host, the plan the kernels
+        read) of one invocation. The SegmentPlan is built on the host from the
+        scheduler's row slots, so nothing waits for the device; the kernels get a
+        LaunchPlan on the device (copied into ``static``, a captured CUDA graph's
+        buffers, when given) or, for the torch backend, the SegmentPlan there."""
+        if row_slots.dim() != 1:
+            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
+        host = row_slots.to("cpu", torch.int32)
+        plan = build_plan(host)
+        if host.numel() and int(host.min()) < -1:
+            raise self.error("E_BANK_SLOT_EMPTY", "row_slots hold values below -1 (-1 = base only)")
+        if self.backend != "triton":
+            return host.to(self.device), plan, plan.to(self.device)
+        if static is not None:
+            return host.to(self.device), plan, static.copy_from(make_launch_plan(plan, block_m=static.block_m))
+        kernel = make_launch_plan(plan).to(self.device) if plan.num_segments else plan.to(self.device)
+        return host.to(self.device), plan, kernel
 
     def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
         """The pinned record of a servable adapter whose rank fits the slots."""
@@ -203,23 +222,20 @@ class SlotBank(SlotTensors):
             self.scales[group][layer, j, slot] = scale
         self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
 
-    def context(self, row_slots: torch.Tensor) -> "BankContext":
+    def context(self, row_slots: torch.Tensor, static: LaunchPlan | None = None) -> "BankContext":
         """The LoraContext of one model invocation: one plan, shared by every layer.
         ``row_slots`` [T] gives each packed row's slot (-1 = base only); every
-        slot named must hold an adapter (a row never silently runs the base)."""
-        row_slots = row_slots.to(device=self.device, dtype=torch.int32)
-        if row_slots.dim() != 1:
-            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
-        plan = build_plan(row_slots)
+        slot named must hold an adapter (a row never silently runs the base).
+        ``static``: the LaunchPlan buffers of a captured CUDA graph to fill."""
+        row_slots, plan, kernel_plan = self._plans(row_slots, static)
         active = plan.slot_ids.tolist()
         occupied = set(self._lru.values())
         stray = [s for s in active if s not in occupied]
-        if stray or (row_slots.numel() and int(row_slots.min()) < -1):
-            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray or 'below -1'} that hold no adapter; "
+        if stray:
+            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray} that hold no adapter; "
                             "call ensure() for this invocation's adapters first")
         targeted = frozenset().union(*(self._targets[s] for s in active))
-        launch = make_launch_plan(plan) if self.backend == "triton" and active else None
-        return BankContext(self, row_slots, launch or plan, targeted)
+        return BankContext(self, row_slots, kernel_plan, targeted)
 
 
 class BankContext:

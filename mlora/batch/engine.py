@@ -63,7 +63,7 @@ class Result:
     text: str | None = None  # the completion, cut before a stop string (None: decode token_ids)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in its lists on every iteration
 class Sequence:
     req: Request
     key: int
@@ -78,6 +78,10 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.req.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.req.prompt_ids)
 
     @property
     def pending(self) -> int:
@@ -420,7 +424,7 @@ class Engine:
 
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
-        toks = sample(logits, self.sampling, [s.key for s in sampled], [len(s.generated) for s in sampled])
+        toks = sample(logits, self.sampling, [s.key for s in sampled], [s.num_generated for s in sampled])
         for seq, n in zip(plan.seqs, plan.new_tokens):
             seq.num_computed += n
         done: list[Result] = []
@@ -442,7 +446,7 @@ class Engine:
             if cut >= 0:
                 seq.text = text[:cut]
                 return "stop"
-        if len(seq.generated) >= seq.req.max_new_tokens or len(seq.tokens) >= self.max_context:
+        if seq.num_generated >= seq.req.max_new_tokens or len(seq.tokens) >= self.max_context:
             return "length"
         return None
 

@@ -56,6 +56,13 @@ class LaunchPlan:
     def device(self) -> torch.device:
         return self.tile_slot.device
 
+    def to(self, device) -> "LaunchPlan":
+        """The same plan with its buffers on ``device`` (a plan built on the host
+        from the scheduler's row slots is moved with one copy per buffer, no sync)."""
+        mv = dict(device=device, non_blocking=True)
+        return LaunchPlan(self.sorted_rows.to(**mv), self.tile_slot.to(**mv), self.tile_start.to(**mv),
+                          self.tile_end.to(**mv), self.num_tiles.to(**mv), self.block_m)
+
     def copy_from(self, other: "LaunchPlan") -> "LaunchPlan":
         """Copy ``other`` (same block_m, no larger) into this plan's buffers in place
         (stream-ordered, no sync); returns self. Used before a CUDA graph replay."""

@@ -51,6 +51,12 @@ class SegmentPlan:
     def num_segments(self) -> int:
         return int(self.slot_ids.numel())
 
+    def to(self, device) -> "SegmentPlan":
+        """The same plan with its tensors on ``device``."""
+        mv = dict(device=device, non_blocking=True)
+        return SegmentPlan(self.num_rows, self.sorted_rows.to(**mv), self.slot_ids.to(**mv), self.counts.to(**mv),
+                           self.starts.to(**mv), self.max_count, self.generation)
+
 
 def build_plan(row_slots: torch.Tensor, generation: int = 0) -> SegmentPlan:
     """Group the active rows of ``row_slots`` by slot (stable: rows of one slot

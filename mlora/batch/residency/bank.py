@@ -34,8 +34,6 @@ from collections import OrderedDict
 
 import torch
 
-from mlora.kernels import build_plan, make_launch_plan
-
 from ..bank import BankContext, SlotTensors
 from ..catalog import PinnedAdapter, load_factors
 from ..lora import GROUPS
@@ -114,14 +112,12 @@ class ResidencyBank(SlotTensors):
             self._plan.append(key)
         return {i: res.catalog[pinned[i].semantic_sha256].slot for i in adapter_ids}
 
-    def context(self, row_slots: torch.Tensor) -> "ResidencyContext":
+    def context(self, row_slots: torch.Tensor, static=None) -> "ResidencyContext":
         """The LoraContext of one model invocation; snapshots the handles of every slot it
-        names as a launch (live until the next ``ensure``/``context`` or ``ctx.close()``)."""
+        names as a launch (live until the next ``ensure``/``context`` or ``ctx.close()``).
+        ``static``: the LaunchPlan buffers of a captured CUDA graph to fill."""
         self._close_launch()
-        row_slots = row_slots.to(device=self.device, dtype=torch.int32)
-        if row_slots.dim() != 1:
-            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
-        plan = build_plan(row_slots)
+        row_slots, plan, kernel_plan = self._plans(row_slots, static)
         active = plan.slot_ids.tolist()
         handles, stray = [], []
         for s in active:
@@ -130,15 +126,14 @@ class ResidencyBank(SlotTensors):
                 stray.append(s)
             else:
                 handles.append(self.residency.handle_of(e))
-        if stray or (row_slots.numel() and int(row_slots.min()) < -1):
-            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray or 'below -1'} that hold no "
+        if stray:
+            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray} that hold no "
                             "published adapter; call ensure() for this invocation's adapters first")
         launch = self.residency.launch(handles)
         self._release_plan()  # the launch snapshot protects them now
         targeted = frozenset().union(*(self.residency.slots[h.slot_id].entry.artifact.meta["targets"]
                                        for h in handles))
-        kernel_plan = make_launch_plan(plan) if self.backend == "triton" and active else None
-        self._open = ResidencyContext(self, row_slots, kernel_plan or plan, targeted, launch)
+        self._open = ResidencyContext(self, row_slots, kernel_plan, targeted, launch)
         return self._open
 
     # ---- leases ------------------------------------------------------------------------

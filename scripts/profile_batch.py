@@ -1,0 +1,81 @@
+"""Where a steady-state decode iteration of the engine spends its time (GPU).
+
+Builds the ``mlora bench batch`` model (random weights, a shape preset), fills
+the engine with ``--rows`` rows, runs until every row is decoding, then
+profiles ``--iters`` decode iterations with torch.profiler and prints: wall
+time per iteration split into host stages (schedule, input build, forward
+launch, sampling sync), and the GPU kernels by total time.
+
+    PYTHONPATH=. python scripts/profile_batch.py --rows 256 --adapters 8
+"""
+
+import argparse
+import time
+
+import torch
+
+from mlora.batch import engine as engine_mod
+from mlora.batch.bench import BatchBenchOptions, _num_blocks, _requests, preset_config, random_bank, random_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3-8b")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--adapters", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    args = ap.parse_args()
+    o = BatchBenchOptions(preset=args.preset, rows=args.rows, max_num_seqs=args.rows, prompt_max=args.prompt_max,
+                          prompt_min=min(128, args.prompt_max))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    config = preset_config(o.preset, o.dtype)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = random_model(config, dev, dtype, 0)
+    bank, pinned = random_bank(model, args.adapters, o.rank, 0) if args.adapters else (None, {})
+    eng = engine_mod.Engine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
+                            max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
+                            dtype=dtype)
+    for r in _requests(o, config, args.adapters, args.rows, 100, 0):
+        eng.add(r)
+    while eng.waiting or any(s.pending != 1 for s in eng.running):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    sync()
+
+    stages = {"schedule": 0.0, "forward (launch)": 0.0, "advance (sync + sample)": 0.0}
+    sched, fwd, adv = eng.schedule, eng._forward, eng._advance
+
+    def timed(name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            stages[name] += time.perf_counter() - t0
+            return out
+        return run
+
+    eng.schedule, eng._forward, eng._advance = (timed("schedule", sched), timed("forward (launch)", fwd),
+                                                 timed("advance (sync + sample)", adv))
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        eng.step()
+    sync()
+    wall = (time.perf_counter() - t0) / args.iters
+    print(f"{len(eng.running)} running rows, {args.adapters} adapters: {wall * 1e3:.2f} ms per decode iteration")
+    for k, v in stages.items():
+        print(f"  {k:28s} {v / args.iters * 1e3:8.2f} ms")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(args.iters):
+            eng.step()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
