@@ -14,7 +14,8 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
   ``[prompt_min, prompt_max]``, all queued at the start, run through the real
   :class:`~mlora.batch.engine.Engine` (continuous batching, chunked prefill,
   paged KV cache, segmented LoRA kernels, greedy sampling). A short warm-up
-  job first compiles the kernels.
+  job first compiles the kernels (and captures the decode graphs of its sizes;
+  other sizes are captured when first met, inside the timed job).
 * Per iteration: wall time of ``Engine.step`` (it ends in a host sync when the
   sampled tokens are read, so wall time is the iteration's time, host work
   included). For decode-only iterations the floor is computed from what that
@@ -71,6 +72,7 @@ class BatchBenchOptions:
     device: str = "cuda"
     dtype: str = "bfloat16"
     seed: int = 0
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (on a GPU), as batch-run does
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:
@@ -231,7 +233,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     def engine():
         return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
                                 max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
-                                dtype=dtype)
+                                dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda")
 
     warm = engine()  # compile the kernels outside the timed job
     for r in _requests(o, model.config, n_adapters, min(o.rows, 16), 4, o.seed + 99):

@@ -121,6 +121,7 @@ class Engine:
         dtype=torch.float32,
         max_wait: int = 256,
         metrics=None,
+        cuda_graphs: bool = False,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -131,8 +132,15 @@ class Engine:
         self.device = torch.device(device)
         self.eos = set(cfg.eos_token_ids)
         self.max_context = cfg.max_position_embeddings
-        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        # with CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V
+        self.kv = KVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim,
+                          dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
+        self.graphs = None
+        if cuda_graphs:
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv, bank, max_num_seqs, scratch_slot=num_blocks * block_size)
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
         self.max_wait = max_wait  # iterations a row may be overtaken before it blocks admission
@@ -376,11 +384,7 @@ class Engine:
             if s:
                 sample_rows.append(starts[b + 1] - 1)
         dev = self.device
-        meta = AttentionMetadata(
-            query_starts=starts, context_lens=ctx, block_tables=tables,
-            slot_mapping=torch.tensor(slots_map, dtype=torch.int64, device=dev),
-        )
-        lora = None
+        slot_list = None
         distinct = sorted({a for a in row_adapters if a is not None})
         if distinct:
             slot_of = self._ensure(distinct)
@@ -389,12 +393,19 @@ class Engine:
                     if seq.req.adapter is not None and seq.lease is None:
                         self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
                         seq.lease = f"row{seq.req.row}"
-            row_slots = torch.tensor([slot_of[a] if a is not None else -1 for a in row_adapters],
-                                     dtype=torch.int32, device=dev)
-            lora = self.bank.context(row_slots)
+            slot_list = [slot_of[a] if a is not None else -1 for a in row_adapters]
         self.stats["iterations"] += 1
         self.stats["prefill_tokens"] += plan.doff
         self.stats["decode_tokens"] += plan.num_rows - plan.doff
+        # decode-only (one row per sequence, every row sampled): replay a captured graph
+        if self.graphs is not None and plan.doff == 0 and len(sample_rows) == len(ids) \
+                and self.graphs.fits(len(ids), max(len(t) for t in tables)):
+            return self.graphs.run(ids, pos, slots_map, tables, ctx, slot_list)
+        lora = self.bank.context(torch.tensor(slot_list, dtype=torch.int32)) if slot_list is not None else None
+        meta = AttentionMetadata(
+            query_starts=starts, context_lens=ctx, block_tables=tables,
+            slot_mapping=torch.tensor(slots_map, dtype=torch.int64, device=dev),
+        )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
             meta, self.kv, lora, torch.tensor(sample_rows, dtype=torch.int64, device=dev),

@@ -78,6 +78,7 @@ class JobOptions:
     block_size: int = 16
     shard_rows: int = 10000
     schedule_window: int = 2048
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     workers: int | None = None
 
 
@@ -255,6 +256,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
         model, bank, pinned, metrics=metrics, num_blocks=num_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
         max_batch_tokens=opts.max_batch_tokens, sampling=sampling, stop_strings=tuple(opts.stop),
         detokenize=tokenizer.decode if tokenizer else None, device=device, dtype=dtype,
+        cuda_graphs=opts.cuda_graphs and device.type == "cuda",
     )
 
     summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,

@@ -113,6 +113,11 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def decode_block_q(group: int) -> int:
+    """Query rows of a decode tile: ``BLOCK_Q * pow2(group) = 16`` (at least 1)."""
+    return max(1, MIN_DOT_ROWS // _pow2(group))
+
+
 @dataclass
 class TileList:
     """One launch: query tile ``i`` covers new rows ``[tile_q0[i], tile_q0[i] + block_q)``
@@ -139,7 +144,7 @@ class PagedLayout:
         decode launch (``BLOCK_Q * pow2(group) = 16``, or ``BLOCK_Q = 1``), the
         others to a prefill launch (``BLOCK_Q * pow2(group) = 64``); one
         host-to-device copy for everything."""
-        decode_q = max(1, MIN_DOT_ROWS // _pow2(group))
+        decode_q = decode_block_q(group)
         prefill_q = max(1, PREFILL_ROWS // _pow2(group))
         tiles = {prefill_q: ([], []), decode_q: ([], [])}
         for b in range(len(context_lens)):

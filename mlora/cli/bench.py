@@ -123,6 +123,7 @@ def bench_batch(
     device: str = typer.Option("cuda", "--device", help="cuda or cpu."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
     seed: int = typer.Option(0, "--seed"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -139,7 +140,8 @@ def bench_batch(
         raise typer.Exit(1)
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
-                             max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed)
+                             max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
+                             cuda_graphs=cuda_graphs)
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]

@@ -1,0 +1,141 @@
+"""CUDA graphs of the decode step (spec 0x03 iteration state, issue step 7).
+
+Owns the static device buffers a captured decode step reads, one CUDA graph
+per batch-size bucket, and the per-iteration refill of those buffers. Must not
+schedule, sample or touch the block allocator: the engine hands it one
+decode-only iteration (every sequence one new row, every row sampled) as host
+lists and gets float32 logits back.
+
+A decode iteration of ``b`` sequences runs the graph of the smallest bucket
+``>= b``. Rows ``b .. bucket-1`` are padding: token 0 at position 0, context
+length 0 (the attention kernel reads no keys for them), their K/V written to
+a scratch block no sequence owns, slot -1 for LoRA; their logits are dropped.
+Every replay first copies the iteration's inputs into the static buffers
+(token ids, positions, cache slots, block tables, context lengths, LoRA row
+slots and tile list), all stream-ordered, no host sync. The LoRA tile list is
+built on the host by the bank (``context(row_slots, static=...)``), which also
+does its residency bookkeeping exactly as for an eager invocation.
+
+Semantics are those of the eager forward; the numbers can differ in the last
+bits because padded batch sizes may pick different GEMM kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlora.kernels import empty_launch_plan, tile_capacity
+
+from .attention import AttentionMetadata
+from .bank import BankContext
+from .lora import GROUPS
+from .paged_attention import PagedLayout, TileList, decode_block_q
+
+BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
+
+
+def buckets_for(max_seqs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, 16, then steps of 16 to 64, of 32 beyond, and ``max_seqs``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_seqs]
+    sizes += list(range(16, min(max_seqs, 64) + 1, 16)) + list(range(96, max_seqs + 1, 32))
+    return sorted(set(s for s in sizes if s <= max_seqs) | {max_seqs})
+
+
+class DecodeGraphs:
+    """Decode-step graphs over ``model``, its KV cache ``kv`` and slot ``bank`` (or None)."""
+
+    def __init__(self, model, kv, bank, max_seqs: int, scratch_slot: int):
+        self.model, self.kv, self.bank = model, kv, bank
+        self.device = model.device
+        self.buckets = buckets_for(max_seqs)
+        self.max_seqs = max_seqs
+        self.scratch_slot = scratch_slot
+        self.width = -(-model.config.max_position_embeddings // kv.block_size)
+        B, dev = max_seqs, self.device
+        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(B, **i64)
+        self.positions = torch.zeros(B, **i64)
+        self.slot_mapping = torch.full((B,), scratch_slot, **i64)
+        self.sample_rows = torch.arange(B, **i64)
+        self.block_tables = torch.zeros(B, self.width, **i32)
+        self.context_lens = torch.zeros(B, **i32)
+        self.query_starts = torch.arange(B + 1, **i32)
+        self.tile_seq = torch.arange(B, **i32)
+        self.tile_q0 = torch.zeros(B, **i32)
+        self.row_slots = torch.full((B,), -1, **i32)
+        group = model.config.num_heads // model.config.num_kv_heads
+        self.group = group
+        self.block_q = decode_block_q(group)
+        self.launch = {}
+        if bank is not None:
+            for b in self.buckets:
+                self.launch[b] = empty_launch_plan(b, tile_capacity(b, bank.num_slots, BLOCK_M), BLOCK_M, dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.replays = 0
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return 1 <= num_seqs <= self.max_seqs and max_blocks <= self.width
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        meta = AttentionMetadata(query_starts=list(range(b + 1)), context_lens=[0] * b, block_tables=[[]] * b,
+                                 slot_mapping=self.slot_mapping[:b], backend="triton")
+        layout = PagedLayout(self.block_tables[:b], self.context_lens[:b], self.query_starts[:b + 1],
+                             [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b])])
+        meta._views[("paged", self.kv.block_size, self.group, str(self.device))] = layout
+        return meta
+
+    def _capture(self, b: int) -> None:
+        """Capture bucket ``b`` while its buffers hold padding (the warm-up run writes only the scratch slot)."""
+        meta = self._meta(b)
+        lora = None
+        if self.bank is not None:
+            everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in GROUPS)
+            lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
+        args = (self.ids[:b], self.positions[:b], meta, self.kv, lora, self.sample_rows[:b])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.model.forward(*args)  # compiles and autotunes outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.forward(*args)
+        self.pool = graph.pool()
+        self.graphs[b] = (graph, logits)
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            context_lens: list[int], row_slots: list[int] | None) -> torch.Tensor:
+        """Logits [len(ids), vocab] (float32) of one decode iteration; valid until the next call."""
+        n = len(ids)
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self._pad(0, b)
+            self._capture(b)
+        self._pad(n, b)
+        nb = max(len(t) for t in tables)
+        host = torch.tensor([ids, positions, slots], dtype=torch.int64)
+        self.ids[:n].copy_(host[0], non_blocking=True)
+        self.positions[:n].copy_(host[1], non_blocking=True)
+        self.slot_mapping[:n].copy_(host[2], non_blocking=True)
+        self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
+                                         non_blocking=True)
+        if self.bank is not None:
+            padded = (row_slots or [-1] * n) + [-1] * (b - n)
+            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=self.launch[b])
+        graph, logits = self.graphs[b]
+        graph.replay()
+        self.replays += 1
+        return logits[:n]
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows ``start .. end-1`` become padding."""
+        if start < end:
+            self.ids[start:end].zero_()
+            self.positions[start:end].zero_()
+            self.slot_mapping[start:end].fill_(self.scratch_slot)
+            self.context_lens[start:end].zero_()

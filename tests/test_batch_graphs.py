@@ -1,0 +1,77 @@
+"""CUDA graphs of the decode step against the eager forward.
+
+The graph tests need a CUDA device (graphs do not exist on the CPU); they run
+on the GPU machine (BENCHMARKS.md records the runs). The bucket arithmetic is
+tested everywhere.
+"""
+
+import random
+
+import pytest
+import torch
+
+from mlora.batch.bench import preset_config, random_bank, random_model
+from mlora.batch.engine import Engine, Request
+from mlora.batch.graphs import buckets_for
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_buckets_cover_every_batch_size_once():
+    for max_seqs in (1, 3, 16, 64, 100, 256):
+        b = buckets_for(max_seqs)
+        assert b == sorted(set(b)) and b[-1] == max_seqs and b[0] == 1
+        assert all(any(x >= n for x in b) for n in range(1, max_seqs + 1))
+    assert buckets_for(256) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+
+
+def _requests(n, adapters, vocab, seed):
+    rng = random.Random(seed)
+    return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(3, 40))],
+                    adapter=rng.choice(adapters), max_new_tokens=rng.randint(4, 12)) for i in range(n)]
+
+
+def _run(model, bank, pinned, reqs, graphs, max_num_seqs):
+    eng = Engine(model, bank, pinned, num_blocks=256, block_size=4, max_num_seqs=max_num_seqs, max_batch_tokens=64,
+                 device=model.device, dtype=model.dtype, cuda_graphs=graphs)
+    for r in reqs:
+        assert eng.add(r) is None
+    out = {r.row: r.token_ids for r in eng.drain()}
+    return out, eng
+
+
+@cuda
+@pytest.mark.parametrize("max_num_seqs", [5, 16])
+def test_graph_decode_gives_the_eager_tokens(max_num_seqs):
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), torch.float32, seed=3)
+    bank, pinned = random_bank(model, 3, 4, seed=3)
+    reqs = _requests(23, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
+    eager, _ = _run(model, bank, pinned, reqs, False, max_num_seqs)
+    graphed, eng = _run(model, bank, pinned, reqs, True, max_num_seqs)
+    assert eng.graphs.replays > 0 and len(eng.graphs.graphs) > 1  # several buckets, padding exercised
+    assert graphed == eager
+
+
+@cuda
+def test_graph_logits_equal_eager_logits_with_padding():
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), torch.float32, seed=5)
+    bank, pinned = random_bank(model, 2, 4, seed=5)
+    eng = Engine(model, bank, pinned, num_blocks=64, block_size=4, max_num_seqs=8, max_batch_tokens=64,
+                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    for r in _requests(5, [None, "bench-0", "bench-1"], config.vocab_size, seed=6):
+        eng.add(r)
+    while eng.waiting or any(s.pending != 1 for s in eng.running):
+        eng.step()
+    plan = eng.schedule()
+    assert plan.doff == 0 and len(plan.seqs) == 5  # decode-only: the graph path, bucket 8 (3 padded rows)
+    graphs, eng.graphs = eng.graphs, None
+    eager = eng._forward(plan).clone()
+    kv_after_eager = [k.clone() for k in eng.kv.k]
+    eng.graphs = graphs
+    got = eng._forward(plan)
+    assert graphs.replays == 1
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kv_after_eager, eng.kv.k):  # same K/V rewritten; padding went to the scratch block only
+        torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=1e-6)
