@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=0)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                    help="profile steady decode iterations, or the first (prefill-chunk) iterations")
+    ap.add_argument("--graphs", action="store_true", help="decode steps from CUDA graphs (as batch-run on a GPU)")
     args = ap.parse_args()
     o = BatchBenchOptions(preset=args.preset, rows=args.rows, max_num_seqs=args.rows, prompt_max=args.prompt_max,
                           prompt_min=min(128, args.prompt_max))
@@ -36,13 +39,16 @@ def main() -> None:
     bank, pinned = random_bank(model, args.adapters, o.rank, 0) if args.adapters else (None, {})
     eng = engine_mod.Engine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
                             max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
-                            dtype=dtype)
+                            dtype=dtype, cuda_graphs=args.graphs)
     for r in _requests(o, config, args.adapters, args.rows, 100, 0):
         eng.add(r)
-    while eng.waiting or any(s.pending != 1 for s in eng.running):
-        eng.step()
-    for _ in range(3):
-        eng.step()
+    if args.phase == "decode":
+        while eng.waiting or any(s.pending != 1 for s in eng.running):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+    else:
+        eng.step()  # compile
     sync()
 
     stages = {"schedule": 0.0, "forward (launch)": 0.0, "advance (sync + sample)": 0.0}
@@ -63,7 +69,7 @@ def main() -> None:
         eng.step()
     sync()
     wall = (time.perf_counter() - t0) / args.iters
-    print(f"{len(eng.running)} running rows, {args.adapters} adapters: {wall * 1e3:.2f} ms per decode iteration")
+    print(f"{len(eng.running)} running rows, {args.adapters} adapters: {wall * 1e3:.2f} ms per {args.phase} iteration")
     for k, v in stages.items():
         print(f"  {k:28s} {v / args.iters * 1e3:8.2f} ms")
 

@@ -203,12 +203,13 @@ def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tok
 
 
 def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: int, max_new: int, seed: int):
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # prompts: the same for every adapter count
+    pick = random.Random(seed + 1)  # adapters
     out = []
     for i in range(rows):
         length = rng.randint(o.prompt_min, o.prompt_max)
         prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
-        adapter = f"bench-{rng.randrange(n_adapters)}" if n_adapters else None
+        adapter = f"bench-{pick.randrange(n_adapters)}" if n_adapters else None
         out.append(Request(row=i, id=str(i), prompt_ids=prompt, adapter=adapter, max_new_tokens=max_new))
     return out
 
