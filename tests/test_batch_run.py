@@ -269,15 +269,17 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
-    def run(out, slots):
+    def run(out, slots, prefetch=4):
         return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
-                                  max_num_seqs=8, max_gpu_adapters=slots))
+                                  max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch))
 
-    few, many = run("few", 3), run("many", None)
-    a, b = _rows(tmp_path / "few"), _rows(tmp_path / "many")
+    few, many, sync = run("few", 3), run("many", None), run("sync", 3, prefetch=0)
+    a, b, c = _rows(tmp_path / "few"), _rows(tmp_path / "many"), _rows(tmp_path / "sync")
     assert len(a) == n and all(r["error_code"] is None for r in a.values())
-    assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}
+    tokens = {k: r["completion_token_ids"] for k, r in a.items()}
+    assert tokens == {k: r["completion_token_ids"] for k, r in b.items()}
+    assert tokens == {k: r["completion_token_ids"] for k, r in c.items()}  # prefetch changes timing only
     assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters
     m_few = json.loads((tmp_path / "few" / "_metrics.json").read_text())["metrics"]
     m_many = json.loads((tmp_path / "many" / "_metrics.json").read_text())["metrics"]
@@ -285,6 +287,10 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     assert m_many["load_amplification"] == 1.0 and m_few["load_amplification"] <= 1.1
     assert m_few["evictions"]["device"] == few.bank["evictions"]
     assert m_few["rows_finished"] == n and m_few["rank_padding_ratio"] >= 1.0
+    # cold adapters of waiting rows were built ahead in the background, and loads used them
+    assert m_few["prefetch_issued"] > 0 and 0 < m_few["prefetch_used"] <= m_few["prefetch_issued"]
+    m_sync = json.loads((tmp_path / "sync" / "_metrics.json").read_text())["metrics"]
+    assert m_sync["prefetch_issued"] == 0
     from prometheus_client.parser import text_string_to_metric_families
 
     prom = (tmp_path / "few" / "_metrics.prom").read_text()

@@ -122,6 +122,7 @@ class Engine:
         max_wait: int = 256,
         metrics=None,
         cuda_graphs: bool = False,
+        prefetch_depth: int = 4,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -144,6 +145,9 @@ class Engine:
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
         self.max_wait = max_wait  # iterations a row may be overtaken before it blocks admission
+        # cold adapters of the waiting rows whose host images are built ahead, in the background
+        self.prefetch_depth = prefetch_depth if hasattr(bank, "prefetch") else 0
+        self._prefetch_seen = (0, 0)
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
         self.waiting: deque[Sequence] = deque()
@@ -197,6 +201,8 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
+        if self.prefetch_depth:
+            self._prefetch()
         t0 = time.perf_counter()
         try:
             logits = self._forward(plan)
@@ -208,6 +214,31 @@ class Engine:
         if self.metrics:
             self._record_iteration(plan, time.perf_counter() - t0)
         return done
+
+    def _prefetch(self) -> None:
+        """Ask the bank to build the host images of the next ``prefetch_depth`` cold
+        adapters among the waiting rows (arrival order: the order admission loads them
+        in), while this iteration's rows run."""
+        active = {s.req.adapter for s in self.running}
+        resident = set(self.bank.resident)
+        cold: list[str] = []
+        for seq in self.waiting:
+            a = seq.req.adapter
+            if a is None or a in active or a in cold:
+                continue
+            p = self.pinned.get(a)
+            if p is None or not p.ok or p.semantic_sha256 in resident:
+                continue
+            cold.append(a)
+            if len(cold) >= self.prefetch_depth:
+                break
+        if cold:
+            self.bank.prefetch(cold, self.pinned)
+        pf = self.bank.prefetcher
+        if self.metrics and pf is not None:
+            issued, used = self._prefetch_seen
+            self.metrics.prefetch(pf.issued - issued, pf.used - used)
+            self._prefetch_seen = (pf.issued, pf.used)
 
     def _record_iteration(self, plan: IterationPlan, seconds: float) -> None:
         """Iteration metrics; rank rows use each adapter's largest module rank

@@ -79,6 +79,7 @@ class JobOptions:
     shard_rows: int = 10000
     schedule_window: int = 2048
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
+    prefetch_adapters: int = 4  # cold adapters of the waiting rows whose host images are built ahead
     workers: int | None = None
 
 
@@ -249,14 +250,14 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     if good:
         host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
         bank = ResidencyBank(config.num_layers, model.group_shapes(), max(num_slots, 1), max(max_rank, 1), dtype, device,
-                             host_cache_bytes=host_bytes)
+                             host_cache_bytes=host_bytes, prefetch_workers=1 if opts.prefetch_adapters else 0)
     num_blocks = _kv_blocks(opts, config, dtype, device)
     metrics = JobMetrics()
     engine = Engine(
         model, bank, pinned, metrics=metrics, num_blocks=num_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
         max_batch_tokens=opts.max_batch_tokens, sampling=sampling, stop_strings=tuple(opts.stop),
         detokenize=tokenizer.decode if tokenizer else None, device=device, dtype=dtype,
-        cuda_graphs=opts.cuda_graphs and device.type == "cuda",
+        cuda_graphs=opts.cuda_graphs and device.type == "cuda", prefetch_depth=opts.prefetch_adapters,
     )
 
     summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
@@ -294,6 +295,22 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
             summary.prompt_tokens += res.num_prompt_tokens
 
     batches = source.batches(start_row=start_row, batch_rows=max(64, opts.max_num_seqs))
+    try:
+        _drive(engine, batches, opts, tokenizer, config.vocab_size, kept, emit, progress, queue_limit)
+    finally:
+        if bank is not None:
+            bank.close()  # prefetch threads
+    summary.wall_s = time.perf_counter() - t0
+    summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
+    summary.engine = dict(engine.stats)
+    summary.bank = {k: v for k, v in bank.stats.as_dict().items() if k != "load_seconds"} if bank is not None else {}
+    metrics.write_prometheus(opts.output)
+    sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
+    return summary
+
+
+def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, queue_limit) -> None:
+    """Feed input batches to the engine (at most ``queue_limit`` rows queued) and step it until done."""
     exhausted = False
     while True:
         while not exhausted and engine.num_queued < queue_limit:
@@ -301,7 +318,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
             if batch is None:
                 exhausted = True
                 break
-            for req_or_err in _requests(batch, opts, tokenizer, config.vocab_size, kept):
+            for req_or_err in _requests(batch, opts, tokenizer, vocab_size, kept):
                 if isinstance(req_or_err, Result):
                     emit(req_or_err)
                 else:
@@ -316,13 +333,6 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
             emit(res)
         if progress:
             progress(summary, engine)
-    summary.wall_s = time.perf_counter() - t0
-    summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
-    summary.engine = dict(engine.stats)
-    summary.bank = {k: v for k, v in bank.stats.as_dict().items() if k != "load_seconds"} if bank is not None else {}
-    metrics.write_prometheus(opts.output)
-    sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
-    return summary
 
 
 def _requests(batch, opts: JobOptions, tokenizer, vocab_size: int, kept: dict):

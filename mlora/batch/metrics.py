@@ -20,7 +20,7 @@ event has happened, not when it is planned::
     cache(hit, tier)             one residency lookup at ``tier`` found (or missed) a usable generation
     eviction(tier)               one adapter left ``tier``
     residency_states(counts)     the current count of adapters per 0x04C state (states not named: 0)
-    prefetch(issued, used)       prefetched generations published / used by a row before eviction
+    prefetch(issued, used)       host-tier prefetch builds started / prefetched images a load later used
     unique_adapter_bytes(n)      ``n`` more adapter bytes used for the first time in this job
     preemption()                 one sequence preempted (its KV freed, recomputed later)
 
@@ -66,8 +66,8 @@ Prometheus metrics (units in the name; counters end in ``_total``)::
     mlora_adapter_cache_misses_total{tier}             lookups that did not (cold or stale)
     mlora_adapter_evictions_total{tier}                adapters removed from a tier
     mlora_adapter_residency_state_count{state}         gauge: adapters per residency state
-    mlora_adapter_prefetch_issued_total                prefetched generations published
-    mlora_adapter_prefetch_used_total                  of those, used by a row before eviction
+    mlora_adapter_prefetch_issued_total                host-tier prefetch builds started
+    mlora_adapter_prefetch_used_total                  of those, images a load later used
     mlora_adapter_prefetch_precision_ratio             gauge: used / issued
     mlora_preemptions_total                            sequences preempted for KV space
 
@@ -446,9 +446,9 @@ class _Collector:
                       values=s["evictions"])
         yield gauge("mlora_adapter_residency_state_count", "Adapters per residency state (spec 0x04C).",
                     label="state", values=s["residency_states"])
-        yield counter("mlora_adapter_prefetch_issued_total", "Prefetched adapter generations published.",
+        yield counter("mlora_adapter_prefetch_issued_total", "Host-tier adapter prefetch builds started.",
                       s["prefetch_issued"])
-        yield counter("mlora_adapter_prefetch_used_total", "Prefetched generations used before eviction.",
+        yield counter("mlora_adapter_prefetch_used_total", "Prefetched adapter images a load later used.",
                       s["prefetch_used"])
         yield gauge("mlora_adapter_prefetch_precision_ratio", "Prefetches used / prefetches issued.",
                     s["prefetch_precision"])

@@ -43,6 +43,7 @@ from .faults import FaultInjector
 from .host import HostArtifact, HostCache, Piece
 from .manager import Handle, Launch, Residency
 from .pool import PagePool
+from .prefetch import HostPrefetcher
 from .states import BINDABLE, State
 from .storage import SlotStorage
 
@@ -60,7 +61,8 @@ class ResidencyBank(SlotTensors):
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
-                 faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False):
+                 faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
+                 prefetch_workers: int = 1):
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
@@ -77,6 +79,7 @@ class ResidencyBank(SlotTensors):
         self.residency = Residency(storage, pool, host, copier=copier or copier_for(self.device), faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
         self.stats = self.residency.stats
+        self.prefetcher = HostPrefetcher(host, prefetch_workers) if prefetch_workers > 0 else None
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
 
@@ -135,6 +138,33 @@ class ResidencyBank(SlotTensors):
                                        for h in handles))
         self._open = ResidencyContext(self, row_slots, kernel_plan, targeted, launch)
         return self._open
+
+    def prefetch(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> int:
+        """Start building, in the background, the verified host images of the listed
+        adapters that are neither published nor cached (``residency.prefetch``); returns
+        how many builds started. Ids that cannot be served are skipped: their rows fail
+        where they always do, at load. Host tier only: no slot, page or copy is taken."""
+        if self.prefetcher is None:
+            return 0
+        self.prefetcher.collect()
+        started = 0
+        host = self.residency.host
+        for adapter_id in adapter_ids:
+            p = pinned.get(adapter_id)
+            if p is None or not p.ok or p.max_rank > self.max_rank:
+                continue
+            key = p.semantic_sha256
+            if self.residency.catalog.get(key) is not None:
+                continue
+            if not host.has_source(key):
+                host.register(key, key, lambda p=p: self._artifact(p))
+            started += self.prefetcher.request(key)
+        return started
+
+    def close(self) -> None:
+        """Stop the prefetch threads (builds in flight are finished or cancelled)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     # ---- leases ------------------------------------------------------------------------
 

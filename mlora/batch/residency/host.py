@@ -93,6 +93,13 @@ class HostCache:
         self._sources: dict[str, Callable[[], HostArtifact]] = {}
         self._current: dict[str, str] = {}
         self.hits = self.misses = self.bytes = 0
+        self.prefetcher = None  # a residency.prefetch.HostPrefetcher attaches itself here
+
+    def cached(self, digest: str) -> bool:
+        return digest in self._cache
+
+    def source(self, digest: str) -> Callable[[], HostArtifact] | None:
+        return self._sources.get(digest)
 
     def register(self, key: str, digest: str, source: Callable[[], HostArtifact]) -> None:
         """A verified way to (re)build ``digest``; ``key`` now names it."""
@@ -119,10 +126,14 @@ class HostCache:
         return digest in self._cache or digest in self._sources
 
     def get(self, digest: str) -> HostArtifact:
+        if self.prefetcher is not None and digest not in self._cache:
+            self.prefetcher.wait(digest)  # a build in flight lands in the cache (or raises its error)
         art = self._cache.get(digest)
         if art is not None:
             self.hits += 1
             self._cache.move_to_end(digest)
+            if self.prefetcher is not None:
+                self.prefetcher.taken(digest)
             return art
         source = self._sources.get(digest)
         if source is None:
