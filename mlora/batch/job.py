@@ -296,7 +296,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
 
     batches = source.batches(start_row=start_row, batch_rows=max(64, opts.max_num_seqs))
     try:
-        _drive(engine, batches, opts, tokenizer, config.vocab_size, kept, emit, progress, queue_limit)
+        _drive(engine, batches, opts, tokenizer, config.vocab_size, kept, emit, progress, summary, queue_limit)
     finally:
         if bank is not None:
             bank.close()  # prefetch threads
@@ -309,7 +309,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     return summary
 
 
-def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, queue_limit) -> None:
+def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, summary, queue_limit) -> None:
     """Feed input batches to the engine (at most ``queue_limit`` rows queued) and step it until done."""
     exhausted = False
     while True:
