@@ -44,3 +44,29 @@ def test_decode_floor_counts_each_term_once():
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     assert more_ctx["bytes"] - base["bytes"] == 50 * kv_per_token
     assert base["bound"] == "memory" and base["floor_s"] == base["bytes"] / 1e12
+
+
+def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path):
+    import pyarrow.parquet as pq
+
+    from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+
+    o = ResidencyBenchOptions(preset="tiny", adapters=6, rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, slots=2,
+                              max_num_seqs=6, max_batch_tokens=48, device="cpu", dtype="float32")
+    r = run_residency_bench(str(tmp_path), o)
+    limited, full = r["runs"]
+    assert (limited["slots"], full["slots"]) == (2, 6)
+    assert limited["error_rows"] == full["error_rows"] == 0
+    assert sum(limited["metrics"]["evictions"].values()) > 0  # 6 adapters really went through 2 slots
+    assert full["loads"] == 0  # preloaded before the metrics clock
+    assert r["workspace"]["distinct_adapters_used"] >= 3
+
+    def tokens(name):
+        t = pq.read_table(str(tmp_path / f"out-{name}")).to_pydict()
+        return dict(zip(t["id"], t["completion_token_ids"]))
+
+    got = tokens("limited")
+    assert len(got) == 24 and all(len(v) == 3 for v in got.values())  # no EOS: every row to max_new_tokens
+    assert got == tokens("all-resident")
+    again = run_residency_bench(str(tmp_path), o)  # the workspace is reused, outputs replaced
+    assert again["runs"][0]["error_rows"] == 0

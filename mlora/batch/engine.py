@@ -447,6 +447,9 @@ class Engine:
         if not self.metrics:
             return self.bank.ensure(adapters, self.pinned)
         before = dict(self.bank.resident)
+        # where a load will copy from: the host cache (e.g. prefetched) or disk
+        tier_of = getattr(self.bank, "source_tier", lambda a, pinned: "disk")
+        tiers = {a: tier_of(a, self.pinned) for a in adapters if self.pinned[a].semantic_sha256 not in before}
         evictions = self.bank.stats.evictions
         t0 = time.perf_counter()
         slot_of = self.bank.ensure(adapters, self.pinned)
@@ -459,7 +462,8 @@ class Engine:
                 self._seen_adapters.add(a)
                 self.metrics.unique_adapter_bytes(_adapter_bytes(self.pinned[a]))
         for a in dict.fromkeys(loaded):
-            self.metrics.adapter_load(_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, "disk")
+            self.metrics.cache(tiers[a] == "host", "host")
+            self.metrics.adapter_load(_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, tiers[a])
         for _ in range(self.bank.stats.evictions - evictions):
             self.metrics.eviction("device")
         return slot_of

@@ -28,7 +28,6 @@ from mlora.kernels import empty_launch_plan, tile_capacity
 
 from .attention import AttentionMetadata
 from .bank import BankContext
-from .lora import GROUPS
 from .paged_attention import PagedLayout, TileList, decode_block_q
 
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
@@ -93,7 +92,8 @@ class DecodeGraphs:
         meta = self._meta(b)
         lora = None
         if self.bank is not None:
-            everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in GROUPS)
+            # every group the bank holds slots for (rank-0 slices leave their columns untouched)
+            everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in self.bank.groups)
             lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
         args = (self.ids[:b], self.positions[:b], meta, self.kv, lora, self.sample_rows[:b])
         stream = torch.cuda.Stream(self.device)
@@ -102,7 +102,8 @@ class DecodeGraphs:
             self.model.forward(*args)  # compiles and autotunes outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the prefetch thread may pin host memory while this thread captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.model.forward(*args)
         self.pool = graph.pool()
         self.graphs[b] = (graph, logits)

@@ -80,6 +80,7 @@ class JobOptions:
     schedule_window: int = 2048
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     prefetch_adapters: int = 4  # cold adapters of the waiting rows whose host images are built ahead
+    preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
     workers: int | None = None
 
 
@@ -240,8 +241,9 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
 def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling, tokenizer,
          progress, t0) -> JobSummary:
     from .metrics import JobMetrics
-    from .residency import ResidencyBank
+    from .lora import ROLE_SLICE
     from .model import DecoderModel
+    from .residency import ResidencyBank
 
     model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
     num_slots = len(good) if opts.max_gpu_adapters is None else max(1, min(len(good), opts.max_gpu_adapters))
@@ -249,8 +251,15 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     bank = None
     if good:
         host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
-        bank = ResidencyBank(config.num_layers, model.group_shapes(), max(num_slots, 1), max(max_rank, 1), dtype, device,
+        # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
+        used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
+        shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
+        bank = ResidencyBank(config.num_layers, shapes, max(num_slots, 1), max(max_rank, 1), dtype, device,
                              host_cache_bytes=host_bytes, prefetch_workers=1 if opts.prefetch_adapters else 0)
+    if opts.preload_adapters and bank is not None:
+        # load the first num_slots adapters before the first row (and before the metrics clock)
+        ids = sorted(good)[:bank.num_slots]
+        bank.ensure(ids, good)
     num_blocks = _kv_blocks(opts, config, dtype, device)
     metrics = JobMetrics()
     engine = Engine(

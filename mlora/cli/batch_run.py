@@ -59,6 +59,8 @@ def batch_run(
                                         help="Input rows the scheduler may reorder to group rows by adapter."),
     prefetch_adapters: int = typer.Option(4, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
+    preload_adapters: bool = typer.Option(False, "--preload-adapters",
+                                          help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
@@ -85,7 +87,7 @@ def batch_run(
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window, cuda_graphs=cuda_graphs,
-        prefetch_adapters=prefetch_adapters,
+        prefetch_adapters=prefetch_adapters, preload_adapters=preload_adapters,
     )
     show = not quiet and err.is_terminal
     bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

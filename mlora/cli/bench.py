@@ -185,3 +185,58 @@ def _print_batch_table(r: dict) -> None:
                       ms(d.get("median_floor_s")), f"{d['median_ratio']:.2f}" if d else "-", ms(f.get("median_s")),
                       ms(f.get("median_floor_s")), f"{f['median_ratio']:.2f}" if f else "-")
     con.print(table)
+
+
+@bench_app.command("residency")
+def bench_residency(
+    workdir: Path = typer.Argument(..., help="Directory for the synthetic workspace (reused if complete) and outputs."),
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    adapters: int = typer.Option(1000, "--adapters", min=1, help="Distinct adapters in the workspace."),
+    rank: int = typer.Option(16, "--rank", min=1),
+    targets: str = typer.Option("q_proj,v_proj", "--targets", help="Modules every adapter targets."),
+    rows: int = typer.Option(8000, "--rows", min=1),
+    zipf: float = typer.Option(1.0, "--zipf", help="Popularity exponent s: adapter k has weight 1/(k+1)^s."),
+    prompt_min: int = typer.Option(128, "--prompt-min", min=1),
+    prompt_max: int = typer.Option(1024, "--prompt-max", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    slots: int = typer.Option(64, "--slots", min=1, help="GPU adapter slots of the limited run."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
+    max_batch_tokens: int = typer.Option(8192, "--max-batch-tokens", min=1),
+    device: str = typer.Option("cuda", "--device"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """Run a many-adapter batch-run job with limited GPU slots against the same job with every adapter resident."""
+    from ..batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+
+    err = Console(stderr=True)
+    opts = ResidencyBenchOptions(preset=preset, adapters=adapters, rank=rank,
+                                 targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
+                                 prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
+                                 max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
+                                 seed=seed)
+    results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    text = json.dumps(results, indent=2)
+    if out:
+        out.write_text(text + "\n")
+    if json_out:
+        sys.stdout.write(text + "\n")
+        return
+    con = Console()
+    table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, {targets}), Zipf({zipf}), {rows} rows",
+                  title_justify="left")
+    for col in ("run", "slots", "tok/s (generation)", "load amplification", "loads", "evictions", "prefetch precision",
+                "mean load ms", "error rows"):
+        table.add_column(col, justify="right")
+    for r in results["runs"]:
+        m, lat, pp = r["metrics"], r["mean_load_s"], r["metrics"]["prefetch_precision"]
+        table.add_row(r["name"], str(r["slots"]), f"{r['tokens_per_s']:.0f}", f"{m['load_amplification']:.3f}",
+                      str(r["loads"]), str(sum(m["evictions"].values())), "-" if pp is None else f"{pp:.2f}",
+                      "-" if lat is None else f"{lat * 1e3:.1f}", str(r["error_rows"]))
+    con.print(table)
+    floor = results["cold_load_floor_s"]
+    con.print(f"throughput ratio (limited / all resident): {results['throughput_ratio']:.3f}; one adapter "
+              f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
+              + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))

@@ -161,6 +161,18 @@ class ResidencyBank(SlotTensors):
             started += self.prefetcher.request(key)
         return started
 
+    def source_tier(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> str:
+        """Where a load of ``adapter_id`` would copy from now: "device" (published),
+        "host" (its verified image is in the host cache) or "disk"."""
+        p = pinned.get(adapter_id)
+        if p is None or not p.ok:
+            return "disk"
+        if self.residency.catalog.get(p.semantic_sha256) is not None:
+            return "device"
+        if self.prefetcher is not None:
+            self.prefetcher.collect()
+        return "host" if self.residency.host.cached(p.semantic_sha256) else "disk"
+
     def close(self) -> None:
         """Stop the prefetch threads (builds in flight are finished or cancelled)."""
         if self.prefetcher is not None:

@@ -1,0 +1,239 @@
+"""The residency benchmark behind ``mlora bench residency`` (issue step 4).
+
+Owns a synthetic on-disk workspace and the comparison the step-4 target asks
+for; the figures go into BENCHMARKS.md.
+
+* Workspace (``write_workspace``): a Hugging Face base checkpoint of a shape
+  preset (``mlora.batch.bench.PRESETS``) with random weights, sharded
+  safetensors, no EOS id (every row runs to ``max_new_tokens``); ``n`` PEFT
+  LoRA adapters (rank ``rank`` on ``targets``, random factors, safetensors +
+  adapter_config.json); an input Parquet of ``rows`` prompts (random token
+  ids, lengths uniform in ``[prompt_min, prompt_max]``) whose adapter column
+  follows a Zipf(``zipf``) popularity over the adapters (adapter k has weight
+  1 / (k + 1)^s), rows in random order. Deterministic in ``seed``.
+* Runs: the real ``mlora batch-run`` job (``run_job``: pinning, residency
+  bank, scheduler, prefetch, CUDA graphs) once with ``slots`` GPU adapter
+  slots and once with every adapter resident from the start (slots = n,
+  ``--preload-adapters``: loaded before the first row and before the job's
+  metrics clock, so its loads do not appear in its metrics).
+* Reported per run: generated tokens/s over the generation phase (the job's
+  metrics clock starts after pinning and model loading, which both runs pay
+  alike), the job's wall time, load amplification, loads, evictions, prefetch
+  precision, mean adapter load latency (the engine's wait for ``ensure``:
+  copy and validation, plus the host build when it was not prefetched), H2D
+  bytes; and the ratio of the two throughputs. The cold-load floor is one adapter's
+  bytes over the host-to-device bandwidth of pinned memory, measured in the
+  same run (CUDA only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .bench import PRESETS
+
+HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclass
+class ResidencyBenchOptions:
+    preset: str = "llama-3-8b"
+    adapters: int = 1000
+    rank: int = 16
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    rows: int = 8000
+    zipf: float = 1.0
+    prompt_min: int = 128
+    prompt_max: int = 1024
+    max_new_tokens: int = 128
+    slots: int = 64
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+
+def module_shapes(p: dict) -> dict[str, tuple[int, int]]:
+    """(out, in) of every linear module of one layer of preset ``p``."""
+    h, i = p["hidden_size"], p["intermediate_size"]
+    q, kv = p["num_heads"] * p["head_dim"], p["num_kv_heads"] * p["head_dim"]
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def write_base(path: str, preset: str, dtype: torch.dtype, seed: int, device: str = "cpu", layers_per_shard: int = 4) -> None:
+    """A random Llama checkpoint of ``preset`` (weights made on ``device``, written shard by shard)."""
+    from safetensors.torch import save_file
+
+    p = PRESETS[preset]
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(dtype).cpu()
+
+    h, L = p["hidden_size"], p["num_layers"]
+    weight_map, shard, n_shard = {}, {}, 0
+
+    def flush():
+        nonlocal shard, n_shard
+        if shard:
+            name = f"model-{n_shard:05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, n_shard = {}, n_shard + 1
+
+    shard["model.embed_tokens.weight"] = rnd(p["vocab_size"], h)
+    for layer in range(L):
+        pre = f"model.layers.{layer}."
+        for m, (o, i) in module_shapes(p).items():
+            shard[f"{pre}{HF_NAMES[m]}.{m}.weight"] = rnd(o, i)
+        shard[pre + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        shard[pre + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        if (layer + 1) % layers_per_shard == 0:
+            flush()
+    shard["model.norm.weight"] = torch.ones(h, dtype=dtype)
+    shard["lm_head.weight"] = rnd(p["vocab_size"], h)
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": h, "intermediate_size": p["intermediate_size"], "num_hidden_layers": L,
+        "num_attention_heads": p["num_heads"], "num_key_value_heads": p["num_kv_heads"], "head_dim": p["head_dim"],
+        "vocab_size": p["vocab_size"], "max_position_embeddings": p["max_position_embeddings"],
+        "rms_norm_eps": 1e-5, "rope_theta": p["rope_theta"], "tie_word_embeddings": False,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def write_adapter(path: str, preset: str, rank: int, targets, seed: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    """One PEFT LoRA adapter (rank ``rank`` on ``targets`` of every layer, alpha = 2 * rank)."""
+    from safetensors.torch import save_file
+
+    p = PRESETS[preset]
+    shapes = module_shapes(p)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for layer in range(p["num_layers"]):
+        for m in targets:
+            o, i = shapes[m]
+            pre = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}.{m}"
+            tensors[pre + ".lora_A.weight"] = (torch.randn(rank, i, generator=gen, device=device) / i ** 0.5).to(dtype).cpu()
+            tensors[pre + ".lora_B.weight"] = (torch.randn(o, rank, generator=gen, device=device) * 0.01).to(dtype).cpu()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": sorted(targets), "base_model_name_or_path": f"mlora-bench/{preset}",
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "lora_dropout": 0.0, "inference_mode": True}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def zipf_choices(n: int, rows: int, s: float, rng: random.Random) -> list[int]:
+    weights = [1.0 / (k + 1) ** s for k in range(n)]
+    return rng.choices(range(n), weights=weights, k=rows)
+
+
+def write_input(path: str, o: ResidencyBenchOptions) -> dict[int, int]:
+    """The job's Parquet input; returns adapter index -> rows naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(o.seed)
+    vocab = PRESETS[o.preset]["vocab_size"]
+    picks = zipf_choices(o.adapters, o.rows, o.zipf, random.Random(o.seed + 1))
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(o.prompt_min, o.prompt_max))] for _ in range(o.rows)]
+    pq.write_table(pa.table({
+        "id": [str(i) for i in range(o.rows)],
+        "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
+        "adapter": [f"a{k:04d}" for k in picks],
+    }), path)
+    counts: dict[int, int] = {}
+    for k in picks:
+        counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+def write_workspace(root: str, o: ResidencyBenchOptions, progress=None) -> dict:
+    """Base, adapters and input under ``root`` (reused when already complete)."""
+    dtype = getattr(torch, o.dtype)
+    dev = o.device if o.device == "cuda" and torch.cuda.is_available() else "cpu"
+    done = os.path.join(root, ".complete")
+    t0 = time.perf_counter()
+    if not os.path.exists(done):
+        write_base(os.path.join(root, "base"), o.preset, dtype, o.seed, dev)
+        for k in range(o.adapters):
+            write_adapter(os.path.join(root, "adapters", f"a{k:04d}"), o.preset, o.rank, o.targets, o.seed + 1000 + k,
+                          dtype, dev)
+            if progress and (k + 1) % 100 == 0:
+                progress(f"{k + 1} adapters written")
+        with open(done, "w") as f:
+            f.write(json.dumps(o.__dict__ | {"targets": list(o.targets)}))
+    counts = write_input(os.path.join(root, "input.parquet"), o)
+    return dict(seconds=time.perf_counter() - t0, distinct_adapters_used=len(counts))
+
+
+def h2d_bandwidth(nbytes: int) -> float | None:
+    """Host (pinned) to device copy rate in bytes/s, median of 5 (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / sorted(times)[2]
+
+
+def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> dict:
+    from .job import JobOptions, run_job
+
+    ws = write_workspace(root, o, progress)
+    adapter_file = os.path.join(root, "adapters", "a0000", "adapter_model.safetensors")
+    adapter_bytes = os.path.getsize(adapter_file)
+    runs = []
+    for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):
+        out = os.path.join(root, f"out-{name}")
+        if os.path.exists(out):
+            import shutil
+
+            shutil.rmtree(out)
+        if progress:
+            progress(f"running {name} ({slots} slots)")
+        summary = run_job(JobOptions(
+            input=os.path.join(root, "input.parquet"), output=out, base=os.path.join(root, "base"),
+            adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
+            max_new_tokens=o.max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
+            max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name == "all-resident",
+            gpu_memory_utilization=o.gpu_memory_utilization))
+        with open(os.path.join(out, "_metrics.json")) as f:
+            m = json.load(f)["metrics"]
+        lat = m["histograms"]["adapter_load_latency_seconds"]
+        count = sum(h["count"] for h in lat.values())
+        runs.append(dict(name=name, slots=slots, wall_s=summary.wall_s, job_tokens_per_s=summary.tokens_per_s,
+                         tokens_per_s=m["tokens_per_s"], error_rows=summary.error_rows,
+                         loads=sum(m["adapter_loads"].values()),
+                         mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
+    bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
+    limited, full = runs
+    return dict(options=o.__dict__ | {"targets": list(o.targets)}, workspace=ws, adapter_bytes=adapter_bytes,
+                h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None, runs=runs,
+                throughput_ratio=limited["tokens_per_s"] / full["tokens_per_s"] if full["tokens_per_s"] else None,
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() and o.device == "cuda" else "cpu")
