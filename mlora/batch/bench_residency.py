@@ -60,6 +60,7 @@ class ResidencyBenchOptions:
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    runs: tuple[str, ...] = ("limited", "all-resident")
 
 
 def module_shapes(p: dict) -> dict[str, tuple[int, int]]:
@@ -210,6 +211,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     adapter_bytes = os.path.getsize(adapter_file)
     runs = []
     for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):
+        if name not in o.runs:
+            continue
         out = os.path.join(root, f"out-{name}")
         if os.path.exists(out):
             import shutil
@@ -229,11 +232,15 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
         count = sum(h["count"] for h in lat.values())
         runs.append(dict(name=name, slots=slots, wall_s=summary.wall_s, job_tokens_per_s=summary.tokens_per_s,
                          tokens_per_s=m["tokens_per_s"], error_rows=summary.error_rows,
+                         errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
                          loads=sum(m["adapter_loads"].values()),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
-    limited, full = runs
-    return dict(options=o.__dict__ | {"targets": list(o.targets)}, workspace=ws, adapter_bytes=adapter_bytes,
-                h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None, runs=runs,
-                throughput_ratio=limited["tokens_per_s"] / full["tokens_per_s"] if full["tokens_per_s"] else None,
+    by = {r["name"]: r for r in runs}
+    ratio = None
+    if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
+        ratio = by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
+    return dict(options=o.__dict__ | {"targets": list(o.targets), "runs": list(o.runs)}, workspace=ws,
+                adapter_bytes=adapter_bytes, h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None,
+                runs=runs, throughput_ratio=ratio,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() and o.device == "cuda" else "cpu")

@@ -311,7 +311,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
             bank.close()  # prefetch threads
     summary.wall_s = time.perf_counter() - t0
     summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
-    summary.engine = dict(engine.stats)
+    summary.engine = dict(engine.stats, kv_blocks=engine.num_blocks)
     summary.bank = {k: v for k, v in bank.stats.as_dict().items() if k != "load_seconds"} if bank is not None else {}
     metrics.write_prometheus(opts.output)
     sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
@@ -383,6 +383,7 @@ def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
     if opts.kv_cache_gb:
         return fit(opts.kv_cache_gb * 2**30)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. load temporaries) count as free
         free, total = torch.cuda.mem_get_info(device)
         return fit(free - (1 - opts.gpu_memory_utilization) * total)
     per_seq = -(-config.max_position_embeddings // opts.block_size)

@@ -205,6 +205,7 @@ def bench_residency(
     device: str = typer.Option("cuda", "--device"),
     dtype: str = typer.Option("bfloat16", "--dtype"),
     seed: int = typer.Option(0, "--seed"),
+    runs: str = typer.Option("limited,all-resident", "--runs", help="Which runs: limited, all-resident or both."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -216,7 +217,7 @@ def bench_residency(
                                  targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
-                                 seed=seed)
+                                 seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()))
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
     text = json.dumps(results, indent=2)
     if out:
@@ -231,12 +232,12 @@ def bench_residency(
                 "mean load ms", "error rows"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
-        m, lat, pp = r["metrics"], r["mean_load_s"], r["metrics"]["prefetch_precision"]
-        table.add_row(r["name"], str(r["slots"]), f"{r['tokens_per_s']:.0f}", f"{m['load_amplification']:.3f}",
+        m, lat, pp, amp = r["metrics"], r["mean_load_s"], r["metrics"]["prefetch_precision"], r["metrics"]["load_amplification"]
+        table.add_row(r["name"], str(r["slots"]), f"{r['tokens_per_s']:.0f}", "-" if amp is None else f"{amp:.3f}",
                       str(r["loads"]), str(sum(m["evictions"].values())), "-" if pp is None else f"{pp:.2f}",
                       "-" if lat is None else f"{lat * 1e3:.1f}", str(r["error_rows"]))
     con.print(table)
-    floor = results["cold_load_floor_s"]
-    con.print(f"throughput ratio (limited / all resident): {results['throughput_ratio']:.3f}; one adapter "
+    floor, ratio = results["cold_load_floor_s"], results["throughput_ratio"]
+    con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "
               f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
               + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))
