@@ -316,8 +316,8 @@ def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
 
 def test_a_cold_adapter_is_not_starved_by_hot_work(env):
     """0x09I: one slot; a cold-adapter row arrives first, then a stream of rows of the
-    resident adapter. Hot rows may overtake it only until it has waited max_wait
-    iterations; then it runs."""
+    resident adapter. Hot rows may overtake it only until max_wait of them were
+    admitted after it arrived; then it runs."""
     from mlora.batch.bank import SlotBank
     from mlora.batch.catalog import load_catalog
     from mlora.batch.engine import Engine, Request

@@ -264,6 +264,22 @@ def test_victim_ranking_is_lru_among_eligible_only():
     res.audit()
 
 
+def test_victims_that_queued_work_still_needs_go_last():
+    res = paged(12, {"x": 4, "y": 4, "z": 4, "w": 4, "v": 4})
+    for k in "xyz":
+        res.load(k)  # x is the least recently used
+    res.wanted = frozenset({"x", "z"})  # waiting rows still name x and z
+    res.load("w")
+    assert res.resolve("y") is None and res.resolve("x") is not None  # y: not wanted, so first despite LRU x
+    res.wanted = frozenset({"x", "z", "w"})  # every resident adapter wanted: plain LRU among them
+    res.load("v")
+    assert res.resolve("x") is None and res.resolve("z") is not None and res.resolve("w") is not None
+    res.pin("z")
+    res.wanted = frozenset()
+    assert [e.key for e in res._eligible(set())] == ["w", "v"]  # the hint never makes a pinned slot eligible
+    res.audit()
+
+
 # ---- one-field mutations: publication, generations, rollback, ledger ---------------------------
 
 

@@ -3,7 +3,7 @@
 Owns the lifetime of requests inside the engine (spec 0x01C request state and
 0x03 iteration state): admission (arrival order, bounded by ``max_num_seqs``,
 the KV cache and the adapter slot bank; a row whose adapter cannot get a slot
-is overtaken by rows of running adapters for at most ``max_wait`` iterations),
+is overtaken by at most ``max_wait`` later rows),
 the mixed prefill/decode iteration plan of
 spec 0x03A-0x03C (chunked prefill under a ``max_batch_tokens`` budget,
 phase-major packing: prefill rows first, then decode rows, with
@@ -71,7 +71,7 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     admitted: int = 0  # admission counter (preemption picks the latest)
-    arrival: int = 0  # engine iteration when the request arrived (kept across preemption)
+    arrival: int = 0  # admissions before the request arrived (kept across preemption)
     lease: str | None = None  # the bank lease on its adapter while running (spec 0x07H)
     text: str | None = None
 
@@ -144,7 +144,7 @@ class Engine:
             self.graphs = DecodeGraphs(model, self.kv, bank, max_num_seqs, scratch_slot=num_blocks * block_size)
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
-        self.max_wait = max_wait  # iterations a row may be overtaken before it blocks admission
+        self.max_wait = max_wait  # later rows that may be admitted before a waiting row blocks admission
         # cold adapters of the waiting rows whose host images are built ahead, in the background
         self.prefetch_depth = prefetch_depth if hasattr(bank, "prefetch") else 0
         self._prefetch_seen = (0, 0)
@@ -163,7 +163,7 @@ class Engine:
         if err:
             return Result(req.row, req.id, req.adapter, [], "error", len(req.prompt_ids), *err)
         self.waiting.append(Sequence(req, row_key(self.sampling.seed, req.id), list(req.prompt_ids),
-                                     arrival=self.stats["iterations"]))
+                                     arrival=self._admissions))
         return None
 
     def _reject(self, req: Request) -> tuple[str, str] | None:
@@ -201,6 +201,8 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
+        if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need
+            self.bank.want({s.req.adapter for s in self.waiting if s.req.adapter is not None}, self.pinned)
         if self.prefetch_depth:
             self._prefetch()
         t0 = time.perf_counter()
@@ -299,8 +301,8 @@ class Engine:
         # adapter is load-eligible, not executable). Rows whose adapter needs no load
         # (base, running or resident in the bank) go first, each class in arrival
         # order; a row whose adapter cannot get a slot now is skipped. Once any waiting
-        # row has waited max_wait iterations, strict arrival order applies and nobody
-        # may overtake an aged row that does not fit (0x09I: no starvation).
+        # row has seen max_wait later rows admitted, strict arrival order applies and
+        # nobody may overtake an aged row that does not fit (0x09I: no starvation).
         if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             budget = self._admit(chosen, budget)
         if not chosen:
@@ -321,7 +323,7 @@ class Engine:
 
     def _admit(self, chosen: list, budget: int) -> int:
         """Admit waiting sequences into ``chosen``; returns the budget left."""
-        now = self.stats["iterations"]
+        now = self._admissions  # a row's wait is the number of rows admitted since it arrived
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
         resident = set(getattr(self.bank, "resident", {}))
 

@@ -267,6 +267,7 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
         max_batch_tokens=opts.max_batch_tokens, sampling=sampling, stop_strings=tuple(opts.stop),
         detokenize=tokenizer.decode if tokenizer else None, device=device, dtype=dtype,
         cuda_graphs=opts.cuda_graphs and device.type == "cuda", prefetch_depth=opts.prefetch_adapters,
+        max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
     )
 
     summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,

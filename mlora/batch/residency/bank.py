@@ -161,6 +161,12 @@ class ResidencyBank(SlotTensors):
             started += self.prefetcher.request(key)
         return started
 
+    def want(self, adapter_ids, pinned: dict[str, PinnedAdapter]) -> None:
+        """The adapters queued rows still name: eviction takes the others first (LRU within
+        each class). A ranking hint only: eligibility (0x04F) is unchanged."""
+        self.residency.wanted = frozenset(pinned[a].semantic_sha256 for a in adapter_ids
+                                          if a in pinned and pinned[a].semantic_sha256)
+
     def source_tier(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> str:
         """Where a load of ``adapter_id`` would copy from now: "device" (published),
         "host" (its verified image is in the host cache) or "disk"."""

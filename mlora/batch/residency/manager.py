@@ -250,6 +250,8 @@ class Residency:
         self.stats = ResidencyStats()
         self.trace: list[str] | None = [] if trace else None
         self._live: list[Entry] = []  # every generation not absent
+        # keys that queued work still needs (set by the scheduler): ranked last among eviction victims
+        self.wanted: frozenset[str] = frozenset()
         self._txns: dict[str, Txn] = {}
         self._leases: dict[str, Entry] = {}
         self._lease_handles: dict[str, Handle] = {}
@@ -347,7 +349,8 @@ class Residency:
     def _eligible(self, exclude: set) -> list[Entry]:
         live = self.live_generations()
         cands = [e for e in self._live if e not in exclude and e.slot is not None and not self.ineligible(e, live)]
-        cands.sort(key=lambda e: (e.last_touch, -len(e.pages), e.key))  # LRU, then larger, then identity
+        # among eligible slots only: adapters no queued row needs first, then LRU, then larger, then identity
+        cands.sort(key=lambda e: (e.key in self.wanted, e.last_touch, -len(e.pages), e.key))
         return cands
 
     def _choose_victims(self, pages_needed: int, slots_needed: int, exclude: set, demand: Demand | None = None,
