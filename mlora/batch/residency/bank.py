@@ -75,6 +75,7 @@ class ResidencyBank(SlotTensors):
             tensors.update({f"A.{g}": (self.A[g], 1), f"B.{g}": (self.B[g], 1),
                             f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
+        self._view_shapes = {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()}
         host = HostCache(host_cache_bytes, pin=self.device.type == "cuda")
         self.residency = Residency(storage, pool, host, copier=copier or copier_for(self.device), faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
@@ -230,8 +231,10 @@ class ResidencyBank(SlotTensors):
             targets.add((layer, group))
         for g in self.groups:
             pieces += [Piece(f"ranks.{g}", (), ranks[g]), Piece(f"scales.{g}", (), scales[g])]
-        return HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
-                            meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
+        art = HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
+                           meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
+        art.view_checks(self._view_shapes)  # here, on the prefetch thread when prefetched, not at validation
+        return art
 
     def _check_meta(self, views: dict[str, torch.Tensor], name: str) -> None:
         """Ranks within [0, R]; scales finite, and zero wherever the rank is zero."""

@@ -38,9 +38,11 @@ class HostArtifact:
 
     ``digest`` is the artifact identity a handle carries; ``pieces`` are the
     only bytes transferred (everything else in the slot is zeroed on the
-    device first); ``image_sha256`` hashes the pieces (validation re-hashes
-    what landed); ``nonzeros`` counts non-zero elements per view, so a stale
-    value left in a padded tail is caught by one exact integer comparison."""
+    device first); ``view_checks`` gives the expected per-view statistics the
+    fast validation compares on the device; ``image_sha256`` hashes the pieces
+    and ``nonzeros`` counts non-zero elements per view (``reference()``: the
+    exact diagnosis of a failed validation re-hashes what landed and catches a
+    stale value in a padded tail by one integer comparison)."""
 
     key: str
     digest: str
@@ -50,14 +52,20 @@ class HostArtifact:
     meta: dict = field(default_factory=dict)
     image_sha256: str = ""
     nonzeros: dict[str, int] = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)  # view shapes -> expected view_stats (see view_checks)
 
     def __post_init__(self):
         self.name = self.name or self.key
+
+    def reference(self) -> tuple[str, dict[str, int]]:
+        """(``image_sha256``, ``nonzeros``), computed on first use: only a failed fast
+        validation needs them."""
         if not self.image_sha256:
             self.image_sha256 = pieces_sha256((p.view, p.index, p.src) for p in self.pieces)
         if not self.nonzeros:
             for p in self.pieces:
                 self.nonzeros[p.view] = self.nonzeros.get(p.view, 0) + int(torch.count_nonzero(p.src))
+        return self.image_sha256, self.nonzeros
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +75,47 @@ class HostArtifact:
         """The same artifact in page-locked memory (for asynchronous host-to-device copies)."""
         pieces = [Piece(p.view, p.index, p.src.pin_memory()) for p in self.pieces]
         return HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
-                            dict(self.nonzeros))
+                            dict(self.nonzeros), dict(self.checks))
+
+    def view_checks(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, tuple[int, ...]]:
+        """Expected :func:`view_stats` of every destination view once this artifact landed
+        in a zeroed slot whose views have ``shapes`` (name -> (shape, dtype)): computed on
+        the host from an image of each view (zeros, then the pieces), cached per layout."""
+        key = tuple(sorted((n, tuple(sh), str(dt)) for n, (sh, dt) in shapes.items()))
+        if key not in self.checks:
+            out = {}
+            for name, (shape, dtype) in shapes.items():
+                image = torch.zeros(shape, dtype=dtype)
+                for p in self.pieces:
+                    if p.view == name:
+                        image[p.index] = p.src
+                out[name] = tuple(view_stats(image).tolist())
+            self.checks[key] = out
+        return self.checks[key]
+
+
+CHECK_MODULUS = 65521  # position weights 1 .. 65521
+
+
+def view_stats(t: torch.Tensor) -> torch.Tensor:
+    """int64 [4] on ``t``'s device: (all finite, non-zero count, sum of the bytes read as
+    16-bit words, sum of word x ((position mod 65521) + 1)). Exact integer arithmetic:
+    |word| <= 2^15 and weights <= 2^16, so the sums stay below 2^63 for views of up to
+    2^31 words. The same bytes give the same four numbers on every device; a landed
+    view whose numbers equal its host image's is accepted without reading it back."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # e.g. a one-element column slice "contiguous" with stride > 1
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    finite = torch.isfinite(flat).all() if flat.is_floating_point() else torch.ones((), dtype=torch.bool, device=t.device)
+    nonzero = torch.count_nonzero(flat)
+    raw = flat.view(torch.uint8)
+    if raw.numel() % 2:
+        raw = torch.cat((raw, raw.new_zeros(1)))
+    words = raw.view(torch.int16).to(torch.int64)
+    if words.numel() > 2**31:
+        raise ValueError("view_stats: a view of more than 2^31 words could overflow the weighted sum")
+    weights = torch.arange(words.numel(), dtype=torch.int64, device=t.device).remainder_(CHECK_MODULUS).add_(1)
+    return torch.stack((finite.to(torch.int64), nonzero.to(torch.int64), words.sum(), (words * weights).sum()))
 
 
 def pieces_sha256(pieces) -> str:

@@ -1,0 +1,82 @@
+"""Fast load validation: per-view statistics compared on the device against the host image."""
+
+import pytest
+import torch
+
+import mlora.batch.residency.storage as storage_mod
+from mlora.batch.residency.errors import ValidationError
+from mlora.batch.residency.host import HostArtifact, Piece, view_stats
+from mlora.batch.residency.storage import SlotStorage, validate_landed
+
+
+def test_view_stats_depend_on_the_bytes_not_the_layout():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 10, generator=g).to(torch.bfloat16)
+    assert torch.equal(view_stats(t.t().contiguous().t()), view_stats(t))  # non-contiguous copy, same values
+    s = view_stats(t).tolist()
+    assert s[0] == 1 and s[1] == int(torch.count_nonzero(t))
+    u = t.clone()
+    u[2, 3] = -u[2, 3]
+    assert view_stats(u).tolist()[2:] != s[2:]  # one word changed
+    w = t.clone().reshape(-1)
+    w[[4, 9]] = w[[9, 4]]
+    assert view_stats(w.reshape(6, 10)).tolist()[3] != s[3]  # two words swapped: the weighted sum sees it
+    nan = t.clone()
+    nan[0, 0] = float("nan")
+    assert view_stats(nan).tolist()[0] == 0
+    assert view_stats(torch.tensor([[3, 0], [0, 7]], dtype=torch.int32)).tolist()[:2] == [1, 2]
+
+
+def _slot(dtype=torch.float32):
+    A = torch.zeros(3, 2, 4, 5, dtype=dtype)  # 3 slots of [2, 4, 5]
+    ranks = torch.zeros(3, 2, dtype=torch.int32)
+    return SlotStorage({"A": (A, 0), "ranks": (ranks, 0)}), A, ranks
+
+
+def _artifact():
+    g = torch.Generator().manual_seed(1)
+    return HostArtifact("k", "k", [Piece("A", (0, slice(0, 2)), torch.randn(2, 5, generator=g) + 3),
+                                   Piece("A", (1, slice(0, 3)), torch.randn(3, 5, generator=g) - 3),
+                                   Piece("ranks", (), torch.tensor([2, 3], dtype=torch.int32))])
+
+
+def _land(storage, art, slot=1):
+    views = storage.views(slot, [])
+    for p in art.pieces:
+        views[p.view][p.index].copy_(p.src)
+    return views
+
+
+def test_a_correct_load_is_accepted_without_reading_it_back(monkeypatch):
+    storage, _, _ = _slot()
+    art = _artifact()
+    views = _land(storage, art)
+
+    def no_readback(*a, **k):
+        raise AssertionError("the fast path must not re-hash the landed bytes")
+
+    monkeypatch.setattr(storage_mod, "pieces_sha256", no_readback)
+    validate_landed(storage, views, art)
+    assert art.image_sha256 == ""  # the exact reference was never needed
+
+
+@pytest.mark.parametrize("poke, code", [
+    (lambda v: v["A"][0, 3].fill_(1.0), "E_VALIDATE_TAIL"),  # stale values in a padded rank row
+    (lambda v: v["A"][0, 1, 2].mul_(2.0), "E_VALIDATE_DIGEST"),  # a landed factor value changed
+    (lambda v: v["A"][1, 0, 0].fill_(0.0), "E_VALIDATE_DIGEST"),  # part of the copy missing
+    (lambda v: v["A"][0, 0, 0].fill_(float("nan")), "E_VALIDATE_NONFINITE"),
+])
+def test_a_wrong_load_fails_with_the_exact_code(poke, code):
+    storage, _, _ = _slot()
+    art = _artifact()
+    views = _land(storage, art)
+    poke(views)
+    with pytest.raises(ValidationError) as e:
+        validate_landed(storage, views, art)
+    assert e.value.code == code
+
+
+def test_view_stats_of_a_strided_one_element_column():
+    t = torch.arange(12, dtype=torch.int32).reshape(4, 3)[:, :1]  # "contiguous" by shape, stride 3
+    assert view_stats(t).tolist()[:3] == [1, 3, 0 + 3 + 6 + 9]
+    assert view_stats(t[:1]).tolist()[:3] == [1, 0, 0]
