@@ -28,6 +28,7 @@ from ..lora_tools.manifest import base_identity, load_base
 from . import render
 from .batch_run import batch_run
 from .bench import bench_app
+from .compress import compress
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
 
@@ -40,6 +41,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.command("batch-run")(batch_run)
+app.command("compress")(compress)
 out = Console(soft_wrap=True)
 if not out.is_terminal and "COLUMNS" not in os.environ:
     out.width = 140  # logs and pipes: no terminal to fit, keep tables on one line each

@@ -12,10 +12,13 @@ Owns the offline approximation of a collection of LoRA updates
 * :mod:`.ledger` - parameter counts and break-even collection size (0x06G3);
 * :mod:`.operator` - the reference three-stage runtime product (0x06G4);
 * :mod:`.collection` - adapter directories (validated with ``mlora.lora_tools``)
-  as ``{module: {member: FactoredDelta}}``, failing closed on any bad member.
+  as ``{module: {member: FactoredDelta}}``, failing closed on any bad member;
+* :mod:`.bundle` - the whole-collection pipeline behind ``mlora compress``
+  (per-module fits, the ``--max-error`` gate, immutable bundles with
+  collection identity, verified reading, export of a member as PEFT).
 
-Imports torch, ``mlora.lora_tools`` (collection loading) and itself; bundles,
-the CLI and serving build on these functions and are not here yet.
+Imports torch, ``mlora.lora_tools`` (collection loading, digests) and itself.
+Serving bundle members in ``batch-run`` is not built yet.
 """
 
 from .cluster import ClusterResult, auto_clusters, cluster, kmeans

@@ -1,0 +1,163 @@
+"""``mlora compress``: fit a collection bundle; ``compress inspect`` and ``compress export`` read one.
+
+Thin: parse options, call ``mlora.compress``, render. The first argument
+``inspect`` or ``export`` selects the sub-command (write ``./inspect`` for an
+adapter directory of that name).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+EXIT_INVALID, EXIT_USAGE = 1, 2
+
+
+def compress(
+    args: List[str] = typer.Argument(..., help="ADAPTER... (directories or directories of them), or "
+                                     "'inspect BUNDLE', or 'export BUNDLE ADAPTER_ID'."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The bundle to write (compress) or the "
+                                          "adapter directory to write (export). Never overwritten."),
+    method: str = typer.Option("jd-full", "--method", help="jd-full (orthonormal bases, R x R cores) or jd-diag."),
+    rank: int = typer.Option(16, "--rank", help="Shared rank R."),
+    clusters: str = typer.Option("1", "--clusters", help="Clusters per module: K, or 'auto' (smallest K meeting --max-error)."),
+    normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Fit unit-norm updates (norms restored in the cores)."),
+    iters: int = typer.Option(10, "--iters", min=1, help="Alternating sweeps per fit."),
+    tol: float = typer.Option(1e-6, "--tol", help="Stop a fit when the objective's relative change is at most this."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    max_error: float = typer.Option(0.6, "--max-error", help="Largest squared relative error any member may have at any module."),
+    seed: int = typer.Option(0, "--seed"),
+    base: Optional[Path] = typer.Option(None, "--base", exists=True, file_okay=False, help="Bind members to this measured base."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+) -> None:
+    """Compress a collection of LoRA adapters into shared bases plus per-adapter cores (JD-Full / JD-Diag)."""
+    err = Console(stderr=True)
+    if args[0] == "inspect":
+        if len(args) != 2:
+            _fail(err, "E_USAGE", "usage: mlora compress inspect BUNDLE [--json]", EXIT_USAGE)
+        return _inspect(args[1], json_out, err)
+    if args[0] == "export":
+        if len(args) != 3 or output is None:
+            _fail(err, "E_USAGE", "usage: mlora compress export BUNDLE ADAPTER_ID -o DIR", EXIT_USAGE)
+        return _export(args[1], args[2], str(output), json_out, err)
+    if output is None:
+        _fail(err, "E_USAGE", "give the bundle to write with -o BUNDLE", EXIT_USAGE)
+    import torch
+
+    from ..compress import CompressError
+    from ..compress.bundle import CompressOptions, compress as fit, write_bundle
+    from ..compress.collection import load_collection
+
+    k = "auto" if clusters == "auto" else _int(clusters, err)
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    opts = CompressOptions(method=method, rank=rank, clusters=k, normalize=normalize, iters=iters, tol=tol,
+                           max_error=max_error, seed=seed, device=dev)
+    show = not (quiet or json_out)
+    try:
+        col = load_collection(list(args), str(base) if base else None)
+        if show:
+            err.print(f"[dim]{len(col.members)} members, {len(col.modules)} modules; fitting {method} R={rank} "
+                      f"clusters={clusters} on {dev}[/dim]")
+        done = [0]
+
+        def progress(f):
+            done[0] += 1
+            if show:
+                worst = max(f.result.errors)
+                err.print(f"[dim]{done[0]:>4}/{len(col.modules)} {f.module}: K={f.result.K}, worst error {worst:.4f}[/dim]")
+
+        result = fit(col, opts, progress)
+        bad = result.offenders()
+        if bad:
+            if json_out:
+                sys.stdout.write(json.dumps({"ok": False, "code": "E_COMPRESS_MAX_ERROR", "max_error": max_error,
+                                             "offenders": [{"member": m, "module": mod, "error": _num(e)}
+                                                           for m, mod, e in bad]}) + "\n")
+            else:
+                t = Table(title=f"members over --max-error {max_error} (no bundle written)", title_justify="left")
+                for c in ("member", "module", "squared relative error"):
+                    t.add_column(c)
+                for m, mod, e in bad[:50]:
+                    t.add_row(m, mod, f"{e:.4f}")
+                if len(bad) > 50:
+                    t.add_row("...", f"{len(bad) - 50} more", "")
+                Console().print(t)
+            _fail(err, "E_COMPRESS_MAX_ERROR", f"{len(bad)} member/module error(s) exceed --max-error {max_error}; "
+                  "raise --rank or --clusters (or --clusters auto), or drop the outliers", EXIT_INVALID)
+        man = write_bundle(result, str(output))
+    except CompressError as exc:
+        _fail(err, exc.code, exc.message, EXIT_INVALID)
+    if json_out:
+        sys.stdout.write(json.dumps({"ok": True, "bundle": str(output), "bundle_sha256": man["bundle_sha256"],
+                                     "ledger": man["ledger"], "max_error_by_member": man["max_error_by_member"]}) + "\n")
+    else:
+        _print_summary(man, str(output))
+
+
+def _int(text: str, err: Console) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        _fail(err, "E_USAGE", f"--clusters takes an integer or 'auto', got {text!r}", EXIT_USAGE)
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+def _inspect(path: str, json_out: bool, err: Console) -> None:
+    from ..compress import CompressError
+    from ..compress.bundle import read_bundle
+
+    try:
+        b = read_bundle(path)
+    except CompressError as exc:
+        _fail(err, exc.code, exc.message, EXIT_INVALID)
+    if json_out:
+        sys.stdout.write(json.dumps(b.manifest) + "\n")
+        return
+    _print_summary(b.manifest, path)
+
+
+def _print_summary(man: dict, path: str) -> None:
+    con = Console()
+    o, led = man["options"], man["ledger"]
+    con.print(f"bundle {path}  sha256 {man['bundle_sha256']}")
+    con.print(f"{len(man['members'])} members, {len(man['modules'])} modules, {o['method']} R={o['rank']} "
+              f"clusters={o['clusters']} normalize={o['normalize']} seed={o['seed']}")
+    con.print(f"parameters: LoRA {led['lora_params']:,} -> bundle {led['payload_params']:,} "
+              f"(shared {led['shared_params']:,} + cores {led['core_params']:,}); "
+              f"break-even collection size {led['break_even_n']}")
+    t = Table(title="largest squared relative error per member (over its modules)", title_justify="left")
+    t.add_column("member")
+    t.add_column("error", justify="right")
+    for m, e in sorted(man["max_error_by_member"].items()):
+        t.add_row(m, e if isinstance(e, str) else f"{e:.4f}")
+    con.print(t)
+
+
+def _export(bundle_path: str, member: str, out: str, json_out: bool, err: Console) -> None:
+    from ..compress import CompressError
+    from ..compress.bundle import export_member, read_bundle
+
+    try:
+        info = export_member(read_bundle(bundle_path), member, out)
+    except CompressError as exc:
+        _fail(err, exc.code, exc.message, EXIT_INVALID)
+    if json_out:
+        sys.stdout.write(json.dumps(info) + "\n")
+    else:
+        Console().print(f"exported {member} ({info['modules']} modules, rank {info['rank']}) to {out}")
+
+
+def _fail(err: Console, code: str, message: str, exit_code: int):
+    err.print(f"[red]Error:[/red] {code}: {message}")
+    raise typer.Exit(exit_code)

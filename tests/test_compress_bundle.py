@@ -1,0 +1,189 @@
+"""`mlora compress`: bundles from adapter directories, the --max-error gate, immutability,
+tamper detection, and export round trips through `mlora validate` and PEFT."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import factory
+from mlora.compress.bundle import read_bundle
+from mlora.compress.collection import load_collection
+from mlora.compress.solvers import CompressError
+
+LAYERS, MODULES = 2, ("q_proj", "v_proj")
+
+
+def write_peft(path, factors, r, alpha, base_name="org/tiny-llama"):
+    """A PEFT adapter directory with exactly ``factors``: {module name: (A [r, in], B [out, r])}."""
+    os.makedirs(path)
+    tensors = {}
+    for module, (a, b) in factors.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.float().contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.float().contiguous()
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "target_modules": list(MODULES),
+           "base_model_name_or_path": base_name, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+           "use_dora": False, "lora_dropout": 0.0, "inference_mode": True}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("base") / "tiny")
+    factory.save_base(factory.tiny_model("llama", seed=0), path)
+    return path
+
+
+def _dims(base):
+    cfg = json.load(open(os.path.join(base, "config.json")))
+    h = cfg["hidden_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    return {"q_proj": (cfg["num_attention_heads"] * hd, h), "v_proj": (cfg["num_key_value_heads"] * hd, h)}
+
+
+def shared_collection(root, base, n=5, true_rank=3, r=4, seed=0, noise=0.0):
+    """n adapters whose updates share one rank-``true_rank`` basis per module (plus optional noise)."""
+    g = torch.Generator().manual_seed(seed)
+    dims = _dims(base)
+    basis = {(layer, m): (torch.randn(dims[m][0], true_rank, generator=g), torch.randn(dims[m][1], true_rank, generator=g))
+             for layer in range(LAYERS) for m in MODULES}
+    for i in range(n):
+        factors = {}
+        for layer in range(LAYERS):
+            for m in MODULES:
+                U0, V0 = basis[(layer, m)]
+                s = torch.randn(true_rank, true_rank, generator=g)
+                b = torch.zeros(dims[m][0], r)
+                a = torch.zeros(r, dims[m][1])
+                b[:, :true_rank] = U0 @ s
+                a[:true_rank] = V0.T
+                if noise:
+                    b += noise * torch.randn(b.shape, generator=g)
+                    a += noise * torch.randn(a.shape, generator=g)
+                factors[f"model.layers.{layer}.self_attn.{m}"] = (a, b)
+        write_peft(os.path.join(root, f"a{i}"), factors, r, 2 * r)
+    return os.path.join(root)
+
+
+def test_shared_bases_compress_to_near_zero_error_and_members_round_trip(tmp_path, base, run_cli):
+    src = shared_collection(str(tmp_path / "src"), base)
+    out = tmp_path / "bundle"
+    code, stdout, stderr = run_cli("compress", src, "-o", out, "--rank", 3, "--json", "--base", base)
+    assert code == 0, stderr
+    res = json.loads(stdout)
+    assert res["ok"] and max(res["max_error_by_member"].values()) < 1e-8
+    b = read_bundle(str(out))
+    assert b.member_ids() == [f"a{i}" for i in range(5)] and b.method == "jd-full"
+    assert all(os.stat(out / f).st_mode & 0o222 == 0 for f in os.listdir(out))  # read-only files
+    col = load_collection([src], base)
+    for module, per in col.modules.items():
+        for member, delta in per.items():
+            bb, aa = b.member_delta(member, module)
+            torch.testing.assert_close((bb @ aa).double(), delta.dense(), rtol=1e-4, atol=1e-4)
+    # inspect reads and verifies it
+    code, stdout, _ = run_cli("compress", "inspect", out, "--json")
+    assert code == 0 and json.loads(stdout)["bundle_sha256"] == res["bundle_sha256"]
+    # deterministic: the same inputs and seed give the same bundle identity
+    code, stdout, _ = run_cli("compress", src, "-o", tmp_path / "again", "--rank", 3, "--json", "--base", base)
+    assert json.loads(stdout)["bundle_sha256"] == res["bundle_sha256"]
+
+
+def test_the_gate_refuses_and_writes_nothing(tmp_path, base, run_cli):
+    src = shared_collection(str(tmp_path / "src"), base, true_rank=4, r=4, noise=0.5, seed=3)
+    out = tmp_path / "bundle"
+    code, stdout, stderr = run_cli("compress", src, "-o", out, "--rank", 1, "--max-error", 0.05, "--json")
+    assert code == 1 and "E_COMPRESS_MAX_ERROR" in stderr
+    res = json.loads(stdout)
+    assert not res["ok"] and res["offenders"] and all(o["error"] > 0.05 for o in res["offenders"])
+    assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temp left
+
+
+def test_clusters_auto_meets_the_bound_that_one_cluster_misses(tmp_path, base, run_cli):
+    # two groups of adapters with different shared bases: one rank-2 basis cannot hold both
+    root = tmp_path / "src"
+    shared_collection(str(root / "g1"), base, n=3, true_rank=2, r=2, seed=11)
+    shared_collection(str(root / "g2"), base, n=3, true_rank=2, r=2, seed=12)
+    for g in ("g1", "g2"):  # unique member ids across the two groups
+        for d in os.listdir(root / g):
+            os.rename(root / g / d, root / g / f"{g}-{d}")
+    code, _, _ = run_cli("compress", root / "g1", root / "g2", "-o", tmp_path / "one", "--rank", 2, "--max-error", 1e-6)
+    assert code == 1
+    code, stdout, stderr = run_cli("compress", root / "g1", root / "g2", "-o", tmp_path / "auto", "--rank", 2,
+                                   "--clusters", "auto", "--max-error", 1e-6, "--json")
+    assert code == 0, stderr
+    man = read_bundle(str(tmp_path / "auto")).manifest
+    assert max(man["max_error_by_member"].values()) <= 1e-6
+    for m in man["modules"].values():  # at least two clusters, and no cluster mixes the two groups
+        a = m["assignments"]
+        assert m["clusters"] >= 2
+        assert not {a[f"g1-a{i}"] for i in range(3)} & {a[f"g2-a{i}"] for i in range(3)}
+
+
+def test_existing_outputs_are_never_overwritten(tmp_path, base, run_cli):
+    src = shared_collection(str(tmp_path / "src"), base, n=2)
+    out = tmp_path / "bundle"
+    out.mkdir()
+    code, _, stderr = run_cli("compress", src, "-o", out, "--rank", 3)
+    assert code == 1 and "E_BUNDLE_EXISTS" in stderr and os.listdir(out) == []
+    code, _, _ = run_cli("compress", src, "-o", tmp_path / "b2", "--rank", 3)
+    assert code == 0
+    (tmp_path / "ex").mkdir()
+    code, _, stderr = run_cli("compress", "export", tmp_path / "b2", "a0", "-o", tmp_path / "ex")
+    assert code == 1 and "E_EXPORT_EXISTS" in stderr
+
+
+@pytest.mark.parametrize("damage, code", [
+    ("json", "E_BUNDLE_TAMPERED"), ("tensor", "E_BUNDLE_TAMPERED"), ("truncate", "E_BUNDLE_TAMPERED"),
+    ("missing", "E_BUNDLE_MISSING"),
+])
+def test_tampering_is_detected(tmp_path, base, run_cli, damage, code):
+    src = shared_collection(str(tmp_path / "src"), base, n=2)
+    out = tmp_path / "bundle"
+    assert run_cli("compress", src, "-o", out, "--rank", 3)[0] == 0
+    for f in os.listdir(out):
+        os.chmod(out / f, 0o644)
+    if damage == "json":
+        man = json.loads((out / "bundle.json").read_text())
+        man["options"]["max_error"] = 0.99
+        (out / "bundle.json").write_text(json.dumps(man))
+    elif damage == "tensor":
+        data = bytearray((out / "cores.safetensors").read_bytes())
+        data[-3] ^= 0x40  # a bit of the last core value
+        (out / "cores.safetensors").write_bytes(bytes(data))
+    elif damage == "truncate":
+        data = (out / "bases.safetensors").read_bytes()
+        (out / "bases.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        os.remove(out / "bases.safetensors")
+    with pytest.raises(CompressError) as e:
+        read_bundle(str(out))
+    assert e.value.code == code
+    rc, _, stderr = run_cli("compress", "inspect", out)
+    assert rc == 1 and code in stderr
+
+
+def test_export_is_a_peft_adapter_with_the_compressed_delta(tmp_path, base, run_cli):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    src = shared_collection(str(tmp_path / "src"), base, n=3, noise=0.05, seed=5)
+    assert run_cli("compress", src, "-o", tmp_path / "b", "--rank", 3, "--method", "jd-diag", "--max-error", 0.9)[0] == 0
+    code, stdout, stderr = run_cli("compress", "export", tmp_path / "b", "a1", "-o", tmp_path / "ex", "--json")
+    assert code == 0, stderr and json.loads(stdout)["modules"] == LAYERS * len(MODULES)
+    code, stdout, _ = run_cli("validate", tmp_path / "ex", "--base", base, "--json")
+    man = json.loads(stdout.splitlines()[0])
+    assert code == 0 and man["valid"] and man["servable"]
+    b = read_bundle(str(tmp_path / "b"))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "ex"))
+    for layer in range(LAYERS):
+        for m in MODULES:
+            module = f"model.layers.{layer}.self_attn.{m}"
+            got = peft.base_model.model.get_submodule(module).get_delta_weight("default")
+            bb, aa = b.member_delta("a1", module)
+            torch.testing.assert_close(got, bb @ aa, rtol=1e-5, atol=1e-6)
+    code, _, stderr = run_cli("compress", "export", tmp_path / "b", "nobody", "-o", tmp_path / "ex2")
+    assert code == 1 and "E_BUNDLE_MEMBER" in stderr
