@@ -187,3 +187,36 @@ def test_export_is_a_peft_adapter_with_the_compressed_delta(tmp_path, base, run_
             torch.testing.assert_close(got, bb @ aa, rtol=1e-5, atol=1e-6)
     code, _, stderr = run_cli("compress", "export", tmp_path / "b", "nobody", "-o", tmp_path / "ex2")
     assert code == 1 and "E_BUNDLE_MEMBER" in stderr
+
+
+def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_cli):
+    import pyarrow.parquet as pq
+
+    from conftest import DEMO
+
+    bundle = tmp_path / "bundle"
+    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    members = read_bundle(str(bundle)).member_ids()
+    for m in members:
+        assert run_cli("compress", "export", bundle, m, "-o", tmp_path / "ex" / m)[0] == 0
+    common = ("--base", os.path.join(DEMO, "base"), "--max-new-tokens", 8, "--device", "cpu", "--dtype", "float32", "-q")
+    prompts = os.path.join(DEMO, "prompts.parquet")
+    assert run_cli("batch-run", prompts, tmp_path / "from-bundle", "--adapters", bundle, *common)[0] == 0
+    assert run_cli("batch-run", prompts, tmp_path / "from-exports", "--adapters", tmp_path / "ex", *common)[0] == 0
+    a = pq.read_table(str(tmp_path / "from-bundle")).to_pydict()
+    b = pq.read_table(str(tmp_path / "from-exports")).to_pydict()
+    assert all(e is None for e in a["error_code"]) and set(a["adapter"]) >= set(members)
+    assert a["completion_token_ids"] == b["completion_token_ids"]  # the same float32 factors: the same tokens
+    sha = {r: s for r, s in zip(a["adapter"], a["adapter_sha256"]) if r}
+    assert len(set(sha.values())) == len(members)  # one identity per member
+
+    # a tampered bundle serves nothing: every member's rows fail closed with the bundle's code
+    for f in os.listdir(bundle):
+        os.chmod(bundle / f, 0o644)
+    data = bytearray((bundle / "bases.safetensors").read_bytes())
+    data[-5] ^= 0x10
+    (bundle / "bases.safetensors").write_bytes(bytes(data))
+    assert run_cli("batch-run", prompts, tmp_path / "tampered", "--adapters", bundle, *common)[0] == 0
+    t = pq.read_table(str(tmp_path / "tampered")).to_pydict()
+    codes = {c for r, c in zip(t["adapter"], t["error_code"]) if r and r != "__base__"}
+    assert codes == {"E_BUNDLE_TAMPERED"}

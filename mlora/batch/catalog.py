@@ -83,6 +83,7 @@ class CatalogEntry:
     id: str
     path: str  # absolute
     expected_artifact_sha256: str | None = None
+    bundle_member: str | None = None  # set: ``path`` is a collection bundle and this is the member's id there
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class PinnedAdapter:
     max_rank: int = 0
     modules: tuple[PinnedModule, ...] = ()
     findings: tuple[Finding, ...] = ()
+    bundle: str | None = None  # a collection bundle member (``mlora.batch.bundles``): the bundle directory
 
 
 class Catalog:
@@ -159,18 +161,23 @@ class Catalog:
         if reserved:
             raise ValueError(f"reserved ids {reserved} name the base model, not an adapter; do not pin them")
         base = load_base(base_dir)
-        known = sorted(i for i in ids if i in self.entries)
+        members = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is not None)
+        known = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is None)
         arts: dict[str, AdapterArtifact] = {i: _open(self.entries[i].path) for i in known}
         scan_adapters(list(arts.values()), workers)
         for art in arts.values():
             check_against_base(art, base)
-        if base_identity is None and arts:
+        if base_identity is None and (arts or members):
             base_identity = measure_base(base, workers)
         out = {i: PinnedAdapter(i, None, False, "E_ADAPTER_UNKNOWN", f"adapter {i!r} is not in the catalog: "
                                 f"add it to {self.source} or fix the row's adapter column")
                for i in ids if i not in self.entries}
         for i, art in arts.items():
             out[i] = _pin_one(self.entries[i], art, base_identity)
+        if members:
+            from .bundles import pin_members
+
+            out.update(pin_members([self.entries[i] for i in members], base_dir, base_identity))
         return out
 
 
@@ -179,7 +186,8 @@ def load_catalog(adapters_dir: str | None, catalog_file: str | None) -> Catalog:
 
     DIR: every sub-directory that holds adapter files (adapter_config.json,
     adapter_model.safetensors or .bin) is an adapter whose id is the directory
-    name; hidden directories are skipped. FILE: a JSON object mapping id to a
+    name; hidden directories are skipped. A DIR holding ``bundle.json`` is a
+    collection bundle (``mlora compress``): its members are the adapters. FILE: a JSON object mapping id to a
     path, or to ``{"path": ..., "artifact_sha256": ...}``; relative paths are
     resolved against the catalog file's directory. Paths are not opened here:
     :meth:`Catalog.pin` validates the adapters a job actually uses."""
@@ -194,6 +202,10 @@ def _from_dir(root: str) -> Catalog:
     if not os.path.isdir(root):
         raise CatalogError("E_CATALOG_NOT_FOUND", f"--adapters {root}: no such directory; pass the directory "
                            "that holds one sub-directory per adapter")
+    if os.path.exists(os.path.join(root, "bundle.json")):  # a collection bundle: its members are the adapters
+        from .bundles import bundle_entries
+
+        return Catalog(bundle_entries(root), root)
     entries = {}
     for name in sorted(os.listdir(root)):
         path = os.path.abspath(os.path.join(root, name))
@@ -350,6 +362,10 @@ def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tupl
     AdapterError (E_ADAPTER_MODULE_UNSUPPORTED) rather than being skipped."""
     if not pinned.ok:
         raise AdapterError(pinned.error_code or "E_ADAPTER_INVALID", pinned.error_message or "not servable", pinned.id)
+    if pinned.bundle is not None:
+        from .bundles import member_factors
+
+        return member_factors(pinned, dtype, device)
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     files: dict[str, int] = {}
     try:

@@ -1,0 +1,146 @@
+"""Serving collection-bundle members in a batch job (issue step 5, first version).
+
+Owns the catalog entries of a bundle passed as ``--adapters BUNDLE``, the
+pinning of its members, and the verified factors of a member. Must not know
+slots or the model beyond the base config's projection shapes.
+
+A member is served as the rank-R LoRA update it stands for: at each module
+it adapts, ``B' = U_c core_i`` [d_out, R] and ``A' = V_c^T`` [R, d_in] with
+scale 1, exactly the factors ``mlora compress export`` writes, so a member's
+output equals serving its exported adapter (bit for bit: the same float32
+products). The bundle is read and every digest verified at pin time (every
+job start; ``mlora.compress.bundle.read_bundle``); those verified tensors stay
+in memory, keyed by the bundle's digest, so a member is served with the bytes
+its identity was pinned with even if the files change later.
+
+Not built yet: the three-stage operator of spec 0x06G4 (one shared ``V_c``
+projection per cluster, the per-adapter core, one shared ``U_c`` expansion)
+and residency of bases and cores as separate objects. This version puts each
+member's materialised factors into an ordinary slot, which is correct but
+saves no GPU memory over the uncompressed adapters.
+
+Identity: ``artifact_sha256`` is the bundle's ``bundle_sha256``;
+``semantic_sha256`` hashes (bundle_sha256, member id, the job's base
+identity), so two members, or one member over two bases, never share a slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+from .catalog import AdapterChanged, AdapterError, CatalogEntry, PinnedAdapter, PinnedModule, TensorRef
+
+# (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
+_BUNDLES: dict[tuple[str, str], object] = {}
+
+
+def bundle_entries(root: str) -> dict[str, CatalogEntry]:
+    """One catalog entry per member of the bundle at ``root`` (ids from bundle.json, in order)."""
+    from .catalog import CatalogError
+
+    try:
+        with open(os.path.join(root, "bundle.json")) as f:
+            members = [m["id"] for m in json.load(f)["members"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CatalogError("E_CATALOG_INVALID", f"--adapters {root}: bundle.json cannot be read ({exc}); "
+                           "check it with `mlora compress inspect`") from None
+    path = os.path.abspath(root)
+    return {m: CatalogEntry(m, path, bundle_member=m) for m in members}
+
+
+def _verified(path: str):
+    """Read and verify the bundle now (every job start does), and keep it for the job's loads."""
+    from mlora.compress.bundle import read_bundle
+
+    b = read_bundle(path)
+    _BUNDLES[(path, b.manifest["bundle_sha256"])] = b
+    return b
+
+
+def _expected_shape(config, role: str) -> tuple[int, int] | None:
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.q_out, config.kv_out
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}.get(role)
+
+
+def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> dict[str, PinnedAdapter]:
+    """Pin bundle members: the bundle verified (a tampered bundle makes every member an
+    error), every module's shape checked against the base."""
+    from mlora.compress.solvers import CompressError
+
+    from .catalog import _unsupported_module
+    from .model import load_config
+
+    config = load_config(base_dir)
+    out: dict[str, PinnedAdapter] = {}
+    for e in entries:
+        def bad(code: str, message: str) -> PinnedAdapter:
+            return PinnedAdapter(e.id, e.path, False, code, message, bundle=e.path)
+
+        try:
+            b = _verified(e.path)
+        except CompressError as exc:
+            out[e.id] = bad(exc.code, f"bundle {e.path}: {exc.message}")
+            continue
+        man = b.manifest
+        R = int(man["options"]["rank"])
+        modules, problem = [], None
+        for name, mod in man["modules"].items():
+            if e.bundle_member not in mod["assignments"]:
+                continue
+            parts = name.split(".")
+            layer = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
+            role = parts[-1]
+            problem = _unsupported_module(name, "linear", role, layer)
+            shape = _expected_shape(config, role)
+            if problem is None and (layer >= config.num_layers or shape != (mod["d_out"], mod["d_in"])):
+                problem = (f"module {name} is [{mod['d_out']}, {mod['d_in']}] in the bundle, the base has "
+                           f"{'no such layer' if layer >= config.num_layers else list(shape)}")
+            if problem:
+                break
+            c = mod["assignments"][e.bundle_member]
+            core = f"{name}/{e.bundle_member}"
+            v = f"{name}/cluster{c}/V"
+            modules.append(PinnedModule(
+                name=name, layer=layer, role=role, rank=R, scale=1.0, d_in=mod["d_in"], d_out=mod["d_out"],
+                # the materialised factors: A' = V^T from the cluster's V, B' = U core from the member's core
+                a=TensorRef(v, e.path, 0, 4 * R * mod["d_in"], "F32", (R, mod["d_in"]), man["tensors"][v]),
+                b=TensorRef(core, e.path, 0, 4 * R * mod["d_out"], "F32", (mod["d_out"], R), man["tensors"][core]),
+            ))
+        if problem:
+            out[e.id] = bad("E_ADAPTER_MODULE_UNSUPPORTED", f"bundle member {e.id!r}: {problem}")
+            continue
+        if not modules:
+            out[e.id] = bad("E_ADAPTER_INVALID", f"bundle member {e.id!r} adapts no module")
+            continue
+        semantic = hashlib.sha256(json.dumps({"kind": "mlora-bundle-member", "bundle_sha256": man["bundle_sha256"],
+                                              "member": e.bundle_member, "base_sha256": base_identity.base_sha256},
+                                             sort_keys=True).encode()).hexdigest()
+        out[e.id] = PinnedAdapter(e.id, e.path, True, artifact_sha256=man["bundle_sha256"], semantic_sha256=semantic,
+                                  max_rank=R, modules=tuple(modules), bundle=e.path)
+    return out
+
+
+def member_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """(layer, role) -> (A' [R, d_in], B' [d_out, R], 1.0) of a pinned bundle member."""
+    b = _BUNDLES.get((pinned.bundle, pinned.artifact_sha256))
+    if b is None:  # pinned in another process: verify it again, it must still be the pinned bundle
+        try:
+            b = _verified(pinned.bundle)
+        except Exception as exc:
+            raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} cannot be read ({exc})") from None
+        if b.manifest["bundle_sha256"] != pinned.artifact_sha256:
+            raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} is not the bundle pinned at job start")
+    member = pinned.id if pinned.id in b.member_ids() else None
+    if member is None:
+        raise AdapterError("E_ADAPTER_UNKNOWN", f"{pinned.id!r} is not a member of {pinned.bundle}", pinned.id)
+    out = {}
+    for m in pinned.modules:
+        bb, aa = b.member_delta(member, m.name)
+        out[(m.layer, m.role)] = (aa.to(device=device, dtype=dtype), bb.to(device=device, dtype=dtype), 1.0)
+    return out
