@@ -110,3 +110,12 @@ def test_kernel_refuses_mismatched_shapes():
         paged_attention(q[..., :8].contiguous(), kv.k[0], kv.v[0], layout, 1.0)
     with pytest.raises(ValueError, match="cache is"):
         paged_attention(q.double(), kv.k[0], kv.v[0], layout, 1.0)
+
+
+def test_pad_tables():
+    from mlora.batch.paged_attention import pad_tables
+
+    got = pad_tables([[5, 6], [], [7, 8, 9]])
+    assert got.dtype.name == "int32" and got.tolist() == [[5, 6, 0], [0, 0, 0], [7, 8, 9]]
+    assert pad_tables([[1]], width=4).tolist() == [[1, 0, 0, 0]]
+    assert pad_tables([]).shape == (0, 1)

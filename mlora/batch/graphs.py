@@ -28,7 +28,7 @@ from mlora.kernels import empty_launch_plan, tile_capacity
 
 from .attention import AttentionMetadata
 from .bank import BankContext
-from .paged_attention import PagedLayout, TileList, decode_block_q
+from .paged_attention import PagedLayout, TileList, decode_block_q, pad_tables
 
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
 
@@ -123,8 +123,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(host[1], non_blocking=True)
         self.slot_mapping[:n].copy_(host[2], non_blocking=True)
         self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
-                                         non_blocking=True)
+        self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
             self.bank.context(torch.tensor(padded, dtype=torch.int32), static=self.launch[b])
