@@ -73,6 +73,7 @@ class Sequence:
     admitted: int = 0  # admission counter (preemption picks the latest)
     arrival: int = 0  # admissions before the request arrived (kept across preemption)
     lease: str | None = None  # the bank lease on its adapter while running (spec 0x07H)
+    is_running: bool = False  # in Engine.running (kept in step with it: O(1) membership)
     text: str | None = None
 
     @property
@@ -289,14 +290,14 @@ class Engine:
         for seq in sorted(self.running, key=lambda s: s.pending != 1):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted by an earlier reservation in this loop
+            if not seq.is_running:  # preempted by an earlier reservation in this loop
                 continue
             n = min(seq.pending, budget)
             if not self._reserve(seq, n):
                 break  # cache full even after preemption: the rest waits for the next iteration
             chosen.append((seq, n))
             budget -= n
-        chosen = [(s, n) for s, n in chosen if s in self.running]  # drop preempted ones
+        chosen = [(s, n) for s, n in chosen if s.is_running]  # drop preempted ones
         # admit waiting sequences while seats, KV and budget allow (spec 0x09B: a cold
         # adapter is load-eligible, not executable). Rows whose adapter needs no load
         # (base, running or resident in the bank) go first, each class in arrival
@@ -354,6 +355,7 @@ class Engine:
             self._admissions += 1
             seq.admitted = self._admissions
             self.running.append(seq)
+            seq.is_running = True
             seq.blocks += self.allocator.allocate(blocks)
             chosen.append((seq, n))
             budget -= n
@@ -390,6 +392,7 @@ class Engine:
             self.bank.release(seq.lease)
             seq.lease = None
         self.running.remove(seq)
+        seq.is_running = False
         self.allocator.free(seq.blocks)
         seq.blocks = []
 
@@ -411,7 +414,7 @@ class Engine:
             slots_map += [seq.blocks[p // bs] * bs + p % bs for p in range(p0, p0 + n)]
             starts.append(starts[-1] + n)
             ctx.append(p0 + n)
-            tables.append(list(seq.blocks))
+            tables.append(seq.blocks)  # read within this invocation only
             row_adapters += [seq.req.adapter] * n
         for b, s in enumerate(plan.sample):
             if s:
