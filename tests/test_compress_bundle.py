@@ -220,3 +220,29 @@ def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_
     t = pq.read_table(str(tmp_path / "tampered")).to_pydict()
     codes = {c for r, c in zip(t["adapter"], t["error_code"]) if r and r != "__base__"}
     assert codes == {"E_BUNDLE_TAMPERED"}
+
+
+def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
+    from conftest import DEMO
+
+    from mlora.batch.catalog import load_catalog, load_factors
+
+    bundle = tmp_path / "bundle"
+    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    cat = tmp_path / "catalog.json"
+    cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"},
+                               "ghost": {"path": "bundle", "member": "nobody"},
+                               "plain": os.path.join(DEMO, "adapters", "spell")}))
+    pinned = load_catalog(None, str(cat)).pin({"up", "ghost", "plain"}, os.path.join(DEMO, "base"))
+    assert pinned["up"].ok and pinned["up"].bundle_member == "upper" and pinned["plain"].ok
+    assert not pinned["ghost"].ok and pinned["ghost"].error_code == "E_ADAPTER_UNKNOWN"
+    b = read_bundle(str(bundle))
+    factors = load_factors(pinned["up"], torch.float32, "cpu")
+    module = pinned["up"].modules[0]
+    a, bb, scale = factors[(module.layer, module.role)]
+    want_b, want_a = b.member_delta("upper", module.name)
+    assert scale == 1.0 and torch.equal(a, want_a) and torch.equal(bb, want_b)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"x": {"path": "bundle", "member": "upper", "artifact_sha256": "0" * 64}}))
+    with pytest.raises(Exception, match="E_CATALOG_INVALID"):
+        load_catalog(None, str(bad))

@@ -80,7 +80,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
     out: dict[str, PinnedAdapter] = {}
     for e in entries:
         def bad(code: str, message: str) -> PinnedAdapter:
-            return PinnedAdapter(e.id, e.path, False, code, message, bundle=e.path)
+            return PinnedAdapter(e.id, e.path, False, code, message, bundle=e.path, bundle_member=e.bundle_member)
 
         try:
             b = _verified(e.path)
@@ -88,6 +88,10 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
             out[e.id] = bad(exc.code, f"bundle {e.path}: {exc.message}")
             continue
         man = b.manifest
+        if e.bundle_member not in b.member_ids():
+            out[e.id] = bad("E_ADAPTER_UNKNOWN", f"{e.bundle_member!r} is not a member of the bundle {e.path}; "
+                            f"members: {', '.join(b.member_ids())}")
+            continue
         R = int(man["options"]["rank"])
         modules, problem = [], None
         for name, mod in man["modules"].items():
@@ -122,7 +126,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
                                               "member": e.bundle_member, "base_sha256": base_identity.base_sha256},
                                              sort_keys=True).encode()).hexdigest()
         out[e.id] = PinnedAdapter(e.id, e.path, True, artifact_sha256=man["bundle_sha256"], semantic_sha256=semantic,
-                                  max_rank=R, modules=tuple(modules), bundle=e.path)
+                                  max_rank=R, modules=tuple(modules), bundle=e.path, bundle_member=e.bundle_member)
     return out
 
 
@@ -136,9 +140,9 @@ def member_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tu
             raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} cannot be read ({exc})") from None
         if b.manifest["bundle_sha256"] != pinned.artifact_sha256:
             raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} is not the bundle pinned at job start")
-    member = pinned.id if pinned.id in b.member_ids() else None
-    if member is None:
-        raise AdapterError("E_ADAPTER_UNKNOWN", f"{pinned.id!r} is not a member of {pinned.bundle}", pinned.id)
+    member = pinned.bundle_member
+    if member not in b.member_ids():
+        raise AdapterError("E_ADAPTER_UNKNOWN", f"{member!r} is not a member of {pinned.bundle}", pinned.id)
     out = {}
     for m in pinned.modules:
         bb, aa = b.member_delta(member, m.name)

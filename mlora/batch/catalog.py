@@ -127,6 +127,7 @@ class PinnedAdapter:
     modules: tuple[PinnedModule, ...] = ()
     findings: tuple[Finding, ...] = ()
     bundle: str | None = None  # a collection bundle member (``mlora.batch.bundles``): the bundle directory
+    bundle_member: str | None = None  # ... and the member's id in that bundle
 
 
 class Catalog:
@@ -188,7 +189,7 @@ def load_catalog(adapters_dir: str | None, catalog_file: str | None) -> Catalog:
     adapter_model.safetensors or .bin) is an adapter whose id is the directory
     name; hidden directories are skipped. A DIR holding ``bundle.json`` is a
     collection bundle (``mlora compress``): its members are the adapters. FILE: a JSON object mapping id to a
-    path, or to ``{"path": ..., "artifact_sha256": ...}``; relative paths are
+    path, to ``{"path": ..., "artifact_sha256": ...}`` or to ``{"path": BUNDLE, "member": ID}``; relative paths are
     resolved against the catalog file's directory. Paths are not opened here:
     :meth:`Catalog.pin` validates the adapters a job actually uses."""
     if (adapters_dir is None) == (catalog_file is None):
@@ -242,30 +243,33 @@ def _from_file(file: str) -> Catalog:
     entries = {}
     for adapter_id, value in doc.items():
         _check_id(adapter_id, file)
-        path, expected = _entry_fields(adapter_id, value, file)
+        path, expected, member = _entry_fields(adapter_id, value, file)
         path = os.path.join(here, os.path.expanduser(path))  # an absolute path stays as it is
-        entries[adapter_id] = CatalogEntry(adapter_id, os.path.normpath(path), expected)
+        entries[adapter_id] = CatalogEntry(adapter_id, os.path.normpath(path), expected, member)
     return Catalog(entries, file)
 
 
-def _entry_fields(adapter_id: str, value: object, file: str) -> tuple[str, str | None]:
+def _entry_fields(adapter_id: str, value: object, file: str) -> tuple[str, str | None, str | None]:
     where = f"--catalog {file}, entry {adapter_id!r}"
     if isinstance(value, str):
         value = {"path": value}
     if not isinstance(value, dict):
         raise CatalogError("E_CATALOG_INVALID", f"{where}: expected a path string or "
-                           "{\"path\": ..., \"artifact_sha256\": ...}")
-    unknown = sorted(set(value) - {"path", "artifact_sha256"})
+                           "{\"path\": ..., \"artifact_sha256\": ...} or {\"path\": BUNDLE, \"member\": ID}")
+    unknown = sorted(set(value) - {"path", "artifact_sha256", "member"})
     if unknown:
-        raise CatalogError("E_CATALOG_INVALID", f"{where}: unknown keys {unknown}; only \"path\" and "
-                           "\"artifact_sha256\" are read")
-    path, expected = value.get("path"), value.get("artifact_sha256")
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: unknown keys {unknown}; only \"path\", "
+                           "\"artifact_sha256\" and \"member\" are read")
+    path, expected, member = value.get("path"), value.get("artifact_sha256"), value.get("member")
+    if member is not None and (not isinstance(member, str) or not member or expected is not None):
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: \"member\" names a member of the bundle at \"path\" "
+                           "(a non-empty string; a bundle member has no \"artifact_sha256\" of its own)")
     if not isinstance(path, str) or not path:
         raise CatalogError("E_CATALOG_INVALID", f"{where}: \"path\" must be a non-empty string")
     if expected is not None and not (isinstance(expected, str) and _SHA256_RE.match(expected)):
         raise CatalogError("E_CATALOG_INVALID", f"{where}: \"artifact_sha256\" must be 64 lower-case hex digits, "
                            "as `mlora hash` prints it")
-    return path, expected
+    return path, expected, member
 
 
 def _check_id(adapter_id: str, where: str) -> None:
