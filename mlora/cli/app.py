@@ -29,6 +29,7 @@ from . import render
 from .batch_run import batch_run
 from .bench import bench_app
 from .compress import compress
+from .release import merge, release_app, unmerge
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
 
@@ -42,6 +43,9 @@ app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 app.command("batch-run")(batch_run)
 app.command("compress")(compress)
+app.command("merge")(merge)
+app.command("unmerge")(unmerge)
+app.add_typer(release_app, name="release")
 out = Console(soft_wrap=True)
 if not out.is_terminal and "COLUMNS" not in os.environ:
     out.width = 140  # logs and pipes: no terminal to fit, keep tables on one line each

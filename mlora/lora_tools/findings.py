@@ -50,7 +50,7 @@ CODES: dict[str, tuple[str, str]] = {
     "E_TARGET_NOT_IN_BASE": (ERROR, "the adapter targets a module the base does not have; is it for another base model?"),
     "E_BASE_SHAPE_MISMATCH": (ERROR, "the factor shapes do not fit the base weight; the adapter was trained on another base"),
     # valid PEFT, not servable by mlora
-    "U_DORA": (UNSERVABLE, "DoRA (use_dora) is not served by mlora; merge it with `mlora merge` or retrain without DoRA"),
+    "U_DORA": (UNSERVABLE, "DoRA (use_dora) is not served or merged by mlora yet; retrain without DoRA, or merge it with PEFT's merge_and_unload"),
     "U_LORA_BIAS": (UNSERVABLE, "lora_bias adds a bias to lora_B; mlora does not serve it"),
     "U_BIAS": (UNSERVABLE, "bias != \"none\" trains base biases; mlora serves the unchanged base only"),
     "U_MODULES_TO_SAVE": (UNSERVABLE, "modules_to_save replaces whole base modules; ship a merged release instead"),

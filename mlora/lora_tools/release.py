@@ -1,0 +1,469 @@
+"""Immutable merged releases: ``mlora merge``, ``mlora unmerge``, ``mlora release verify`` (spec 0x07A-0x07D).
+
+Owns the release format and the three operations on it. Merging creates a
+new base revision; arithmetic unmerge is a convenience that never claims to
+be an exact rollback (the clean base is the rollback source, 0x07C).
+
+**Merge.** ``W' = W + sum_k w_k * s_k * B_k A_k`` in the given adapter order,
+computed in ``compute_dtype`` (float32) from the base tensor, rounded once to
+the output dtype (``auto``: the base tensor's own). Streaming: tensors are
+read one at a time from the base's safetensors files and written straight
+into the output files through a streaming safetensors writer, so peak memory
+is about the largest tensor plus the adapters' factors, never the model.
+Every adapter is validated with step 1's code against the base; refused with
+``E_MERGE_UNSUPPORTED`` (naming the finding): invalid adapters, DoRA,
+lora_bias, trained biases, aLoRA (which cannot be merged: its activation
+depends on the request, spec 0x08G) and every other unservable variant;
+LoRA on a tied ``lm_head`` (``E_MERGE_TIED``: merging would change the
+input embedding too). ``safe``: a non-finite merged value anywhere stops
+the merge and nothing is written (PEFT's ``safe_merge``, whole model).
+
+**Release directory** (written into a hidden temporary sibling, renamed into
+place; an existing path is never overwritten; files read-only): the base's
+file layout (same shard names and index; tokenizer, generation and other
+files copied; ``config.json`` with the output dtype) plus ``release.json``::
+
+    schema_version, kind ("merge" | "arithmetic-unmerge"), parent (base identity,
+    or the parent release's digest), adapters (ordered: id, path, weight,
+    artifact/semantic digests), dtypes (compute, output), files {name: bytes},
+    tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
+    release_sha256 (sha256 of the canonical JSON of all the rest)
+
+Tensor digests are the same as adapters' (canonical dtype/shape prefix +
+bytes). ``verify`` re-hashes everything: a flipped byte, a truncated or
+removed file or an edited release.json are caught (``E_RELEASE_TAMPERED``,
+``E_RELEASE_TRUNCATED``, ``E_RELEASE_MISSING``), and with a base, the parent
+identity is checked (``E_RELEASE_PARENT``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from .base import BaseCheckpoint, BaseCheckpointError
+from .safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
+
+RELEASE_FILE = "release.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ST = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+      "BOOL": torch.bool}
+ST_NAME = {v: k for k, v in ST.items()}
+
+
+class ReleaseError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass
+class MergeAdapter:
+    path: str
+    weight: float = 1.0
+
+
+# ---------------------------------------------------------------- bytes and digests
+
+
+def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tensor:
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), nbytes, offset)
+    if len(data) != nbytes:
+        raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
+    return torch.frombuffer(bytearray(data), dtype=ST[dtype]).reshape(tuple(shape)) if nbytes else \
+        torch.empty(tuple(shape), dtype=ST[dtype])
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _canonical(obj) -> bytes:
+    """The bytes release_sha256 hashes: sorted keys, no whitespace, ASCII (floats as Python's repr)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def tensor_sha256(dtype: str, shape, data: bytes) -> str:
+    return hashlib.sha256(tensor_digest_prefix(dtype, list(shape)) + data).hexdigest()
+
+
+class StreamingSafetensors:
+    """Writes one safetensors file tensor by tensor: the header (all names, dtypes,
+    shapes, offsets) first, then each tensor's bytes in name order; returns digests."""
+
+    def __init__(self, path: str, specs: dict[str, tuple[str, tuple[int, ...]]]):
+        self.path, self.order = path, sorted(specs)
+        header, at = {}, 0
+        for name in self.order:
+            dtype, shape = specs[name]
+            size = torch.empty((), dtype=ST[dtype]).element_size()
+            for d in shape:
+                size *= d
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + size]}
+            at += size
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.specs, self.sizes = specs, {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                                         if k != "__metadata__"}
+        self.f = open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+        self.next = 0
+        self.digests: dict[str, str] = {}
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if name != self.order[self.next]:
+            raise AssertionError(f"tensors must be written in name order: expected {self.order[self.next]}, got {name}")
+        dtype, shape = self.specs[name]
+        if tuple(t.shape) != tuple(shape) or ST_NAME[t.dtype] != dtype:
+            raise AssertionError(f"{name}: {tuple(t.shape)} {t.dtype} does not match its header")
+        data = _bytes(t)
+        self.f.write(data)
+        self.digests[name] = tensor_sha256(dtype, shape, data)
+        self.next += 1
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ---------------------------------------------------------------- adapters
+
+
+def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None):
+    """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]."""
+    from .adapter import check_against_base, open_adapter, scan_adapters
+    from .manifest import build_manifest
+
+    arts = [open_adapter(a.path) for a in adapters]
+    scan_adapters(arts, workers)
+    for art in arts:
+        check_against_base(art, base)
+    identity = base.identity(workers)
+    out = []
+    for a, art in zip(adapters, arts):
+        man = build_manifest(art, identity)
+        bad = next((f for f in art.findings if f.severity in ("error", "unservable")), None)
+        if bad is not None or not man["valid"]:
+            why = f"{bad.code}: {bad.message}" if bad else "not a valid adapter"
+            raise ReleaseError("E_MERGE_UNSUPPORTED", f"adapter {art.name!r} cannot be merged by mlora ({why})")
+        factors = {}
+        for rec in art.modules:
+            if rec.kind != "linear":
+                raise ReleaseError("E_MERGE_UNSUPPORTED", f"adapter {art.name!r}: {rec.name} is not a linear module")
+            if rec.name + ".weight" not in base.tensors:
+                raise ReleaseError("E_MERGE_TIED", f"adapter {art.name!r} adapts {rec.name}, whose weight is tied to "
+                                   "another tensor in the base (not stored): merging would change both; untie it or "
+                                   "serve the adapter live")
+            factors[rec.name] = (_factor(rec.a, rec.a_sha256, art.name), _factor(rec.b, rec.b_sha256, art.name),
+                                 float(rec.scale))
+        out.append((a, art, man, factors))
+    return out, identity
+
+
+def _factor(t, digest: str | None, name: str) -> torch.Tensor:
+    from .adapter import MemTensor
+
+    if isinstance(t, MemTensor):
+        data = t.data
+    else:
+        with open(t.path, "rb") as f:
+            data = os.pread(f.fileno(), t.nbytes, t.offset)
+    if tensor_sha256(t.dtype, t.shape, data) != digest:
+        raise ReleaseError("E_MERGE_ADAPTER_CHANGED", f"adapter {name!r}: {t.name} changed since it was validated")
+    return torch.frombuffer(bytearray(data), dtype=ST[t.dtype]).reshape(tuple(t.shape))
+
+
+# ---------------------------------------------------------------- writing a release
+
+
+def _layout(base: BaseCheckpoint) -> dict[str, list[str]]:
+    """file -> tensor names, as in the base."""
+    files: dict[str, list[str]] = {}
+    for name, info in base.tensors.items():
+        files.setdefault(os.path.basename(info.path), []).append(name)
+    return files
+
+
+def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of, manifest: dict, config_dtype: str | None,
+                   safe: bool) -> dict:
+    """The common writer of merge and unmerge: every tensor of ``tensors`` (name -> TensorInfo-like)
+    produced by ``produce(name)``, in the source's file layout, plus copied side files."""
+    out = os.path.abspath(out)
+    if os.path.lexists(out):
+        raise ReleaseError("E_RELEASE_EXISTS", f"{out} exists; releases are immutable: choose a new path")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        files: dict[str, list[str]] = {}
+        for name, info in tensors.items():
+            files.setdefault(os.path.basename(info.path), []).append(name)
+        records = {}
+        for file, names in sorted(files.items()):
+            specs = {n: (out_dtype_of(n), tuple(tensors[n].shape)) for n in names}
+            w = StreamingSafetensors(os.path.join(tmp, file), specs)
+            try:
+                for n in w.order:
+                    t = produce(n)
+                    if safe and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise ReleaseError("E_MERGE_NONFINITE", f"{n}: the merged weights are not finite in "
+                                           f"{specs[n][0]} (--safe); nothing was written")
+                    w.write(n, t)
+            finally:
+                w.close()
+            for n in names:
+                records[n] = {"file": file, "dtype": specs[n][0], "shape": list(specs[n][1]), "sha256": w.digests[n]}
+        if len(files) > 1 or os.path.exists(os.path.join(src_dir, "model.safetensors.index.json")):
+            index = {"metadata": {"total_size": sum(os.path.getsize(os.path.join(tmp, f)) for f in files)},
+                     "weight_map": {n: r["file"] for n, r in sorted(records.items())}}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        for entry in sorted(os.listdir(src_dir)):
+            full = os.path.join(src_dir, entry)
+            if (entry in files or entry in (RELEASE_FILE, "model.safetensors.index.json") or entry.startswith(".")
+                    or not os.path.isfile(full)):
+                continue
+            shutil.copyfile(full, os.path.join(tmp, entry))
+        if config_dtype is not None and os.path.exists(os.path.join(tmp, "config.json")):
+            with open(os.path.join(tmp, "config.json")) as f:
+                cfg = json.load(f)
+            for key in ("torch_dtype", "dtype"):
+                if key in cfg or key == "dtype":
+                    cfg[key] = config_dtype
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=2)
+        manifest = dict(manifest, schema_version=1, tensors=records,
+                        files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
+        manifest["release_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.write("\n")
+        for entry in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, entry), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        os.chmod(tmp, 0o755)
+        if os.path.lexists(out):
+            raise ReleaseError("E_RELEASE_EXISTS", f"{out} appeared while writing; releases are immutable")
+        os.rename(tmp, out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
+          compute_dtype: str = "float32", safe: bool = False, workers: int | None = None) -> dict:
+    """Merge ``adapters`` (in order) into the base at ``base_dir``; write the release ``out``; return release.json."""
+    if not adapters:
+        raise ReleaseError("E_MERGE_USAGE", "name at least one --adapter")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ReleaseError("E_MERGE_USAGE", f"--dtype must be auto or one of {', '.join(DTYPES)}")
+    if compute_dtype not in ("float32", "float64"):
+        raise ReleaseError("E_MERGE_USAGE", "--compute-dtype must be float32 or float64")
+    if os.path.lexists(out):
+        raise ReleaseError("E_RELEASE_EXISTS", f"{os.path.abspath(out)} exists; releases are immutable: choose a new path")
+    try:
+        base = BaseCheckpoint(base_dir)
+    except BaseCheckpointError as exc:
+        raise ReleaseError("E_BASE_INVALID", str(exc)) from None
+    loaded, identity = _load_adapters(base, adapters, workers)
+    cdt = torch.float64 if compute_dtype == "float64" else torch.float32
+    deltas: dict[str, list] = {}
+    for a, art, man, factors in loaded:
+        for module, (A, B, s) in factors.items():
+            deltas.setdefault(module + ".weight", []).append((a.weight * s, A, B))
+
+    def out_dtype_of(name: str) -> str:
+        info = base.tensors[name]
+        if dtype == "auto" or ST[info.dtype] not in (torch.float32, torch.float16, torch.bfloat16):
+            return info.dtype
+        return ST_NAME[DTYPES[dtype]]
+
+    def produce(name: str) -> torch.Tensor:
+        info = base.tensors[name]
+        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        target = ST[out_dtype_of(name)]
+        if name not in deltas:
+            return t.to(target)
+        w = t.to(cdt)
+        for coef, A, B in deltas[name]:
+            w += coef * (B.to(cdt) @ A.to(cdt))
+        return w.to(target)
+
+    manifest = {
+        "kind": "merge",
+        "parent": {"kind": "base", **identity.to_json()},
+        "adapters": [{"id": art.name, "path": os.path.abspath(a.path), "weight": a.weight,
+                      "artifact_sha256": man["artifact_sha256"], "semantic_sha256": man["semantic_sha256"]}
+                     for a, art, man, _ in loaded],
+        "dtypes": {"compute": compute_dtype, "output": dtype},
+        "changed": sorted(deltas),
+    }
+    return _write_release(base_dir, out, base.tensors, produce, out_dtype_of, manifest,
+                          None if dtype == "auto" else dtype, safe)
+
+
+# ---------------------------------------------------------------- verify
+
+
+def read_release(path: str) -> dict:
+    """release.json, its own digest checked."""
+    try:
+        with open(os.path.join(path, RELEASE_FILE)) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        raise ReleaseError("E_RELEASE_MISSING", f"{path} has no {RELEASE_FILE}: not an mlora release") from None
+    except (OSError, ValueError) as exc:
+        raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} cannot be read ({exc})") from None
+    body = {k: v for k, v in man.items() if k != "release_sha256"}
+    if not isinstance(man, dict) or hashlib.sha256(_canonical(body)).hexdigest() != man.get("release_sha256"):
+        raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} does not hash to its release_sha256: edited")
+    return man
+
+
+def verify(path: str, base_dir: str | None = None, workers: int | None = None) -> dict:
+    """Re-hash every tensor of the release against release.json; with ``base_dir``, check
+    the parent identity (merge releases). Raises ReleaseError on the first problem."""
+    man = read_release(path)
+    for file, size in man["files"].items():
+        full = os.path.join(path, file)
+        if file == RELEASE_FILE:
+            continue
+        if not os.path.exists(full):
+            raise ReleaseError("E_RELEASE_MISSING", f"{file} is missing from {path}")
+        if os.path.getsize(full) != size:
+            code = "E_RELEASE_TRUNCATED" if os.path.getsize(full) < size else "E_RELEASE_TAMPERED"
+            raise ReleaseError(code, f"{file} is {os.path.getsize(full)} bytes, release.json says {size}")
+    headers = {}
+    for name, rec in sorted(man["tensors"].items()):
+        file = os.path.join(path, rec["file"])
+        if file not in headers:
+            try:
+                headers[file] = read_header(file)
+            except SafetensorsError as exc:
+                raise ReleaseError("E_RELEASE_TRUNCATED" if "TRUNCATED" in exc.code else "E_RELEASE_TAMPERED",
+                                   f"{rec['file']}: {exc}") from None
+        info = headers[file].tensors.get(name)
+        if info is None:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"{rec['file']} lacks tensor {name!r}")
+        with open(file, "rb") as f:
+            data = os.pread(f.fileno(), info.nbytes, info.offset)
+        if tensor_sha256(info.dtype, info.shape, data) != rec["sha256"]:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"tensor {name!r} in {rec['file']} does not match its digest")
+    extra = sorted(set(sum((list(h.tensors) for h in headers.values()), [])) - set(man["tensors"]))
+    if extra:
+        raise ReleaseError("E_RELEASE_TAMPERED", f"tensors not named by release.json: {extra[:5]}")
+    result = {"release": path, "release_sha256": man["release_sha256"], "kind": man["kind"],
+              "tensors": len(man["tensors"]), "ok": True}
+    if base_dir is not None and man["parent"].get("kind") == "base":
+        measured = BaseCheckpoint(base_dir).identity(workers).base_sha256
+        if measured != man["parent"]["base_sha256"]:
+            raise ReleaseError("E_RELEASE_PARENT", f"the release was merged into base {man['parent']['base_sha256']}, "
+                               f"{base_dir} is {measured}")
+        result["parent_checked"] = True
+    return result
+
+
+# ---------------------------------------------------------------- unmerge
+
+
+def _ordered_ints(t: torch.Tensor) -> torch.Tensor:
+    """Float bits mapped to integers whose order is the floats' order (for ULP distances)."""
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+            torch.float64: torch.int64}[t.dtype]
+    i = t.contiguous().view(bits).to(torch.int64)
+    lo = torch.iinfo(bits).min
+    return torch.where(i < 0, lo - i, i)
+
+
+def unmerge(release_dir: str, out: str, adapter_ids: list[str] | None = None, base_dir: str | None = None,
+            compute_dtype: str = "float32") -> tuple[dict, dict | None]:
+    """Subtract the named adapters (default: all) of a merge release, in reverse merge order,
+    into a new release of kind ``arithmetic-unmerge``. With ``base_dir``, also returns the
+    drift against the clean base. Never an exact rollback: the clean base is."""
+    man = verify(release_dir)
+    if man["kind"] != "merge":
+        raise ReleaseError("E_UNMERGE_KIND", f"{release_dir} is an {man['kind']} release; unmerge a merge release")
+    rel = read_release(release_dir)
+    merged = rel["adapters"]
+    ids = [a["id"] for a in merged] if not adapter_ids else list(adapter_ids)
+    unknown = [i for i in ids if i not in [a["id"] for a in merged]]
+    if unknown:
+        raise ReleaseError("E_UNMERGE_ADAPTER", f"{unknown} were not merged into {release_dir}; it holds "
+                           f"{[a['id'] for a in merged]}")
+    try:
+        source = BaseCheckpoint(release_dir)
+    except BaseCheckpointError as exc:
+        raise ReleaseError("E_RELEASE_TAMPERED", str(exc)) from None
+    removing = [a for a in reversed(merged) if a["id"] in ids]
+    loaded, _ = _load_adapters(source, [MergeAdapter(a["path"], a["weight"]) for a in removing])
+    for (ma, art, m, _f), rec in zip(loaded, removing):
+        if m["artifact_sha256"] != rec["artifact_sha256"]:
+            raise ReleaseError("E_UNMERGE_ADAPTER_CHANGED", f"adapter {rec['id']!r} at {rec['path']} is not the "
+                               "adapter that was merged (artifact digest differs)")
+    cdt = torch.float64 if compute_dtype == "float64" else torch.float32
+    deltas: dict[str, list] = {}
+    for a, art, _m, factors in loaded:
+        for module, (A, B, s) in factors.items():
+            deltas.setdefault(module + ".weight", []).append((a.weight * s, A, B))
+
+    def produce(name: str) -> torch.Tensor:
+        info = source.tensors[name]
+        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        if name not in deltas:
+            return t
+        w = t.to(cdt)
+        for coef, A, B in deltas[name]:  # reverse merge order
+            w -= coef * (B.to(cdt) @ A.to(cdt))
+        return w.to(t.dtype)
+
+    manifest = {
+        "kind": "arithmetic-unmerge",
+        "parent": {"kind": "release", "release_sha256": rel["release_sha256"],
+                   "base_sha256": rel["parent"].get("base_sha256")},
+        "adapters": [dict(a, removed=True) for a in removing],
+        "dtypes": {"compute": compute_dtype, "output": "auto"},
+        "changed": sorted(deltas),
+        "exact_rollback": "the clean base; arithmetic unmerge is not exact",
+    }
+    new = _write_release(release_dir, out, source.tensors, produce, lambda n: source.tensors[n].dtype, manifest,
+                         None, False)
+    drift = None
+    if base_dir is not None:
+        drift = drift_report(out, base_dir)
+    return new, drift
+
+
+def drift_report(release_dir: str, base_dir: str) -> dict:
+    """Tensors and elements of the release that differ from the clean base, max abs, max ULP."""
+    rel, base = BaseCheckpoint(release_dir), BaseCheckpoint(base_dir)
+    tensors = elements = 0
+    max_abs, max_ulp = 0.0, 0
+    for name, info in sorted(base.tensors.items()):
+        other = rel.tensors.get(name)
+        if other is None:
+            raise ReleaseError("E_RELEASE_PARENT", f"{name} is in the base but not in {release_dir}")
+        a = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        b = _read(other.path, other.offset, other.nbytes, other.dtype, other.shape)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            raise ReleaseError("E_RELEASE_PARENT", f"{name}: {a.dtype} {tuple(a.shape)} in the base, "
+                               f"{b.dtype} {tuple(b.shape)} in the release")
+        diff = a != b
+        n = int(diff.sum())
+        if n:
+            tensors += 1
+            elements += n
+            if a.is_floating_point():
+                max_abs = max(max_abs, float((a.double() - b.double()).abs().max()))
+                max_ulp = max(max_ulp, int((_ordered_ints(a) - _ordered_ints(b)).abs().max()))
+    return {"tensors_differing": tensors, "elements_differing": elements, "max_abs": max_abs, "max_ulp": max_ulp,
+            "exact": tensors == 0, "note": "exact rollback is the clean base; this measured the arithmetic unmerge"}

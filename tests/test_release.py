@@ -1,0 +1,231 @@
+"""`mlora merge`, `mlora unmerge`, `mlora release verify` (spec 0x07A-0x07D)."""
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import factory
+from conftest import DEMO
+from mlora.lora_tools import release as release_mod
+from mlora.lora_tools.release import ReleaseError, verify
+
+SPECS = {
+    "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=31),
+    "pattern": dict(r=6, lora_alpha=6, rank_pattern={"v_proj": 3}, alpha_pattern={"v_proj": 9},
+                    target_modules=["q_proj", "v_proj", "down_proj"], seed=32),
+    "rslora": dict(r=2, lora_alpha=4, use_rslora=True, target_modules="all-linear", seed=33),
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release")
+    base = str(root / "base")
+    factory.save_base(factory.tiny_model("llama", seed=0), base)
+    refs = factory.make_adapters(str(root / "adapters"), base, SPECS)
+    return root, base, refs
+
+
+def _weights(path):
+    out = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def test_merge_equals_peft_merge_and_unload(workspace, tmp_path, run_cli):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, base, _ = workspace
+    for name in SPECS:
+        out = tmp_path / name
+        code, stdout, stderr = run_cli("merge", "--base", base, "--adapter", root / "adapters" / name, "-o", out, "--json")
+        assert code == 0, stderr
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(root / "adapters" / name))
+        want = peft.merge_and_unload().state_dict()
+        got = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()  # transformers loads the release
+        assert set(got) == set(want)
+        for k in want:
+            assert (got[k] - want[k]).abs().max() <= 1e-6, (name, k)
+        assert json.loads(stdout)["changed"] > 0
+        assert verify(str(out), base)["ok"]
+
+
+def test_two_adapters_with_weights_in_order_and_bf16_within_one_ulp(workspace, tmp_path, run_cli):
+    root, base, refs = workspace
+    out = tmp_path / "two"
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "--weight", 0.5,
+                              "--adapter", root / "adapters" / "pattern", "--weight", -1.5, "-o", out,
+                              "--dtype", "bfloat16")
+    assert code == 0, stderr
+    got, base_w = _weights(out), _weights(base)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16"
+    for k, w in base_w.items():
+        want = w.double()
+        module = k[: -len(".weight")]
+        for name, coef in (("plain", 0.5), ("pattern", -1.5)):
+            sub = refs[name].base_model.model
+            try:
+                layer = sub.get_submodule(module)
+            except AttributeError:
+                continue
+            if hasattr(layer, "get_delta_weight"):
+                want = want + coef * layer.get_delta_weight("default").double()
+        g = got[k]
+        assert g.dtype == torch.bfloat16
+        ref = want.to(torch.bfloat16)  # the correctly rounded merge
+        ulp = (release_mod._ordered_ints(g) - release_mod._ordered_ints(ref)).abs().max()
+        assert int(ulp) <= 1, k
+
+
+def test_merged_release_generates_the_live_adapters_tokens(tmp_path, run_cli):
+    rel = tmp_path / "rel"
+    assert run_cli("merge", "--base", os.path.join(DEMO, "base"), "--adapter", os.path.join(DEMO, "adapters", "upper"),
+                   "-o", rel)[0] == 0
+    prompts = pq.read_table(os.path.join(DEMO, "prompts.parquet")).to_pydict()
+    rows = [i for i, a in enumerate(prompts["adapter"]) if a == "upper"]
+    live = tmp_path / "live.parquet"
+    merged = tmp_path / "merged.parquet"
+    pq.write_table(pa.table({"id": [prompts["id"][i] for i in rows], "prompt": [prompts["prompt"][i] for i in rows],
+                             "adapter": ["upper"] * len(rows)}), live)
+    pq.write_table(pa.table({"id": [prompts["id"][i] for i in rows], "prompt": [prompts["prompt"][i] for i in rows],
+                             "adapter": pa.array([None] * len(rows), pa.string())}), merged)
+    common = ("--max-new-tokens", 12, "--device", "cpu", "--dtype", "float32", "-q")
+    assert run_cli("batch-run", live, tmp_path / "out-live", "--base", os.path.join(DEMO, "base"), "--adapters",
+                   os.path.join(DEMO, "adapters"), *common)[0] == 0
+    assert run_cli("batch-run", merged, tmp_path / "out-merged", "--base", rel, "--adapters",
+                   os.path.join(DEMO, "adapters"), *common)[0] == 0
+    a = pq.read_table(str(tmp_path / "out-live")).to_pydict()
+    b = pq.read_table(str(tmp_path / "out-merged")).to_pydict()
+    assert a["completion_token_ids"] == b["completion_token_ids"] and any(a["completion_token_ids"])
+
+
+def _fp16_fixture(tmp_path):
+    """Spec 0x07C: a binary16 base weight 2048 and an adapter adding exactly 1 there."""
+    model = factory.tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = 2048.0
+    base = str(tmp_path / "base16")
+    model.half().save_pretrained(base, safe_serialization=True)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    a = torch.zeros(1, w.shape[1])
+    b = torch.zeros(w.shape[0], 1)
+    a[0, 0], b[0, 0] = 1.0, 1.0
+    adapter = tmp_path / "plus-one"
+    adapter.mkdir()
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b},
+              str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"],
+        "layers_to_transform": [0], "base_model_name_or_path": "org/tiny-llama", "bias": "none"}))
+    return base, str(adapter)
+
+
+def test_binary16_merge_then_unmerge_drifts_and_says_so(tmp_path, run_cli):
+    base, adapter = _fp16_fixture(tmp_path)
+    rel, back = tmp_path / "rel", tmp_path / "back"
+    assert run_cli("merge", "--base", base, "--adapter", adapter, "-o", rel)[0] == 0
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert float(_weights(rel)[key][0, 0]) == 2048.0  # 2048 + 1 rounds back to 2048 in binary16
+    code, stdout, stderr = run_cli("unmerge", "--release", rel, "-o", back, "--base", base, "--json")
+    assert code == 0, stderr
+    assert float(_weights(back)[key][0, 0]) == 2047.0  # the arithmetic inverse is not the base
+    drift = json.loads(stdout)["drift"]
+    assert drift == {"tensors_differing": 1, "elements_differing": 1, "max_abs": 1.0, "max_ulp": 1, "exact": False,
+                     "note": drift["note"]} and "clean base" in drift["note"]
+    man = json.loads((back / "release.json").read_text())
+    assert man["kind"] == "arithmetic-unmerge" and "not exact" in man["exact_rollback"]
+    code, stdout, _ = run_cli("unmerge", "--release", rel, "-o", tmp_path / "back2", "--base", base)
+    assert "not an exact rollback" in stdout
+
+
+def test_safe_refuses_an_overflowing_merge_and_writes_nothing(tmp_path, run_cli):
+    base, adapter = _fp16_fixture(tmp_path)
+    cfg = json.loads(open(os.path.join(adapter, "adapter_config.json")).read())
+    cfg["lora_alpha"] = 100000  # scale 1e5: 2048 + 1e5 overflows binary16 (max 65504)
+    open(os.path.join(adapter, "adapter_config.json"), "w").write(json.dumps(cfg))
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", adapter, "-o", tmp_path / "rel", "--safe")
+    assert code == 1 and "E_MERGE_NONFINITE" in stderr
+    assert not (tmp_path / "rel").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    code, _, _ = run_cli("merge", "--base", base, "--adapter", adapter, "-o", tmp_path / "rel")
+    assert code == 0 and torch.isinf(_weights(tmp_path / "rel")["model.layers.0.self_attn.q_proj.weight"]).any()
+
+
+@pytest.mark.parametrize("damage, code", [
+    ("flip", "E_RELEASE_TAMPERED"), ("truncate", "E_RELEASE_TRUNCATED"), ("remove", "E_RELEASE_MISSING"),
+    ("edit", "E_RELEASE_TAMPERED"),
+])
+def test_verify_catches_damage(workspace, tmp_path, run_cli, damage, code):
+    root, base, _ = workspace
+    rel = tmp_path / "rel"
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", rel)[0] == 0
+    assert run_cli("release", "verify", rel, "--base", base)[0] == 0
+    for f in os.listdir(rel):
+        os.chmod(rel / f, 0o644)
+    shard = rel / "model.safetensors"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "remove":
+        shard.unlink()
+    else:
+        man = json.loads((rel / "release.json").read_text())
+        man["adapters"][0]["weight"] = 2.0
+        (rel / "release.json").write_text(json.dumps(man))
+    rc, stdout, stderr = run_cli("release", "verify", rel, "--json")
+    assert rc == 1 and json.loads(stdout)["code"] == code and code in stderr
+
+
+def test_merge_refuses_existing_output_and_a_wrong_parent(workspace, tmp_path, run_cli):
+    root, base, _ = workspace
+    (tmp_path / "taken").mkdir()
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", tmp_path / "taken")
+    assert code == 1 and "E_RELEASE_EXISTS" in stderr and os.listdir(tmp_path / "taken") == []
+    rel = tmp_path / "rel"
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", rel)[0] == 0
+    with pytest.raises(ReleaseError) as e:
+        verify(str(rel), os.path.join(DEMO, "base"))
+    assert e.value.code == "E_RELEASE_PARENT"
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "--weight", 1,
+                              "--weight", 2, "-o", tmp_path / "x")
+    assert code == 2 and "E_USAGE" in stderr
+
+
+def test_an_interrupted_merge_leaves_nothing_behind(workspace, tmp_path, monkeypatch):
+    root, base, _ = workspace
+    calls = {"n": 0}
+    real = release_mod.StreamingSafetensors.write
+
+    def dying(self, name, t):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # as Ctrl-C would, mid-file
+        real(self, name, t)
+
+    monkeypatch.setattr(release_mod.StreamingSafetensors, "write", dying)
+    with pytest.raises(KeyboardInterrupt):
+        release_mod.merge(base, [release_mod.MergeAdapter(str(root / "adapters" / "plain"))], str(tmp_path / "rel"))
+    assert os.listdir(tmp_path) == []  # no release, no temporary directory
+
+
+def test_unmergeable_adapters_are_refused_by_name(workspace, tmp_path, run_cli):
+    root, base, _ = workspace
+    dora = factory.copy_adapter(str(root / "adapters" / "plain"), str(tmp_path / "dora"))
+    cfg = factory.read_config(dora)
+    cfg["use_dora"] = True
+    factory.write_config(dora, cfg)
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", dora, "-o", tmp_path / "rel")
+    assert code == 1 and "E_MERGE_UNSUPPORTED" in stderr and "DORA" in stderr.upper()
+    assert not (tmp_path / "rel").exists()
