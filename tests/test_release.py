@@ -206,15 +206,15 @@ def test_merge_refuses_existing_output_and_a_wrong_parent(workspace, tmp_path, r
 def test_an_interrupted_merge_leaves_nothing_behind(workspace, tmp_path, monkeypatch):
     root, base, _ = workspace
     calls = {"n": 0}
-    real = release_mod.StreamingSafetensors.write
+    real = release_mod.StreamingSafetensors._advance
 
-    def dying(self, name, t):
+    def dying(self, name):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt  # as Ctrl-C would, mid-file
-        real(self, name, t)
+        return real(self, name)
 
-    monkeypatch.setattr(release_mod.StreamingSafetensors, "write", dying)
+    monkeypatch.setattr(release_mod.StreamingSafetensors, "_advance", dying)
     with pytest.raises(KeyboardInterrupt):
         release_mod.merge(base, [release_mod.MergeAdapter(str(root / "adapters" / "plain"))], str(tmp_path / "rel"))
     assert os.listdir(tmp_path) == []  # no release, no temporary directory

@@ -146,6 +146,7 @@ class BaseCheckpoint:
                 raise BaseCheckpointError(f"{self.path}: {scan}")
             info = self.tensors[name]
             records.append({"name": name, "dtype": info.dtype, "shape": list(info.shape), "sha256": scan.sha256})
+        self.tensor_digests = {r["name"]: r["sha256"] for r in records}  # reused by release.merge
         weights = digest({"tensors": records})
         config = digest(
             canonicalize_floats({k: v for k, v in self.config.items() if k not in PROVENANCE_CONFIG_KEYS})

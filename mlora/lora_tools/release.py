@@ -75,12 +75,17 @@ class MergeAdapter:
 
 
 def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tensor:
-    with open(path, "rb") as f:
-        data = os.pread(f.fileno(), nbytes, offset)
-    if len(data) != nbytes:
-        raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
-    return torch.frombuffer(bytearray(data), dtype=ST[dtype]).reshape(tuple(shape)) if nbytes else \
-        torch.empty(tuple(shape), dtype=ST[dtype])
+    """One tensor read straight into its own buffer (one copy from the page cache)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        view, done = memoryview(buf.numpy()), 0
+        with open(path, "rb") as f:
+            while done < nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if n <= 0:
+                    raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
+                done += n
+    return buf.view(ST[dtype]).reshape(tuple(shape))
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -93,15 +98,22 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def tensor_sha256(dtype: str, shape, data: bytes) -> str:
-    return hashlib.sha256(tensor_digest_prefix(dtype, list(shape)) + data).hexdigest()
+def tensor_sha256(dtype: str, shape, data) -> str:
+    h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
+    h.update(data)
+    return h.hexdigest()
 
 
 class StreamingSafetensors:
     """Writes one safetensors file tensor by tensor: the header (all names, dtypes,
-    shapes, offsets) first, then each tensor's bytes in name order; returns digests."""
+    shapes, offsets) first, then each tensor's bytes in name order. A written
+    tensor is hashed on a helper thread while the caller prepares the next one
+    (at most one in flight); a tensor copied unchanged from another file moves
+    kernel-side (``copy_file_range``) with its known digest. ``digests`` after close."""
 
     def __init__(self, path: str, specs: dict[str, tuple[str, tuple[int, ...]]]):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.path, self.order = path, sorted(specs)
         header, at = {}, 0
         for name in self.order:
@@ -114,26 +126,72 @@ class StreamingSafetensors:
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.specs, self.sizes = specs, {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
-                                         if k != "__metadata__"}
+        self.specs = specs
+        self.sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
         self.f = open(path, "wb")
         self.f.write(len(raw).to_bytes(8, "little") + raw)
         self.next = 0
         self.digests: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlora-release-hash")
+        self._pending = None
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def _advance(self, name: str) -> tuple[str, tuple[int, ...]]:
         if name != self.order[self.next]:
             raise AssertionError(f"tensors must be written in name order: expected {self.order[self.next]}, got {name}")
-        dtype, shape = self.specs[name]
+        self.next += 1
+        return self.specs[name]
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            name, fut = self._pending
+            self.digests[name] = fut.result()
+            self._pending = None
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        dtype, shape = self._advance(name)
         if tuple(t.shape) != tuple(shape) or ST_NAME[t.dtype] != dtype:
             raise AssertionError(f"{name}: {tuple(t.shape)} {t.dtype} does not match its header")
-        data = _bytes(t)
-        self.f.write(data)
-        self.digests[name] = tensor_sha256(dtype, shape, data)
-        self.next += 1
+        t = t.detach().to("cpu").contiguous()
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        self.f.write(view)
+        self._settle()  # the previous tensor's digest; then this one's on the helper thread
+
+        def digest(view=view, keep=t):
+            h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
+            h.update(view)
+            return h.hexdigest()
+
+        self._pending = (name, self._pool.submit(digest))
+
+    def copy(self, name: str, src: str, offset: int, nbytes: int, sha256: str) -> None:
+        """Append ``nbytes`` of ``src`` at ``offset`` unchanged (its digest is known)."""
+        self._advance(name)
+        if nbytes != self.sizes[name]:
+            raise AssertionError(f"{name}: {nbytes} bytes to copy, the header holds {self.sizes[name]}")
+        self.f.flush()
+        with open(src, "rb") as fin:
+            done = 0
+            while done < nbytes:
+                try:
+                    n = os.copy_file_range(fin.fileno(), self.f.fileno(), nbytes - done, offset + done)
+                except (AttributeError, OSError):
+                    n = 0
+                if n <= 0:  # no kernel-side copy here: read and write
+                    data = os.pread(fin.fileno(), nbytes - done, offset + done)
+                    if not data:
+                        raise ReleaseError("E_RELEASE_TRUNCATED", f"{src}: tensor {name!r} ends early")
+                    os.write(self.f.fileno(), data)
+                    n = len(data)
+                done += n
+        self.f.seek(0, os.SEEK_END)
+        self.digests[name] = sha256
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self._settle()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.f.close()
 
 
 # ---------------------------------------------------------------- adapters
@@ -215,6 +273,9 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
             try:
                 for n in w.order:
                     t = produce(n)
+                    if isinstance(t, tuple):  # ("copy", path, offset, nbytes, sha256): unchanged bytes
+                        w.copy(n, *t[1:])
+                        continue
                     if safe and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         raise ReleaseError("E_MERGE_NONFINITE", f"{n}: the merged weights are not finite in "
                                            f"{specs[n][0]} (--safe); nothing was written")
@@ -260,6 +321,23 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         raise
 
 
+CHUNK_ELEMENTS = 1 << 20  # rows of a weight merged together: about 4 MiB of float32, cache-sized
+
+
+def _merged(t: torch.Tensor, deltas: list, cdt: torch.dtype, target: torch.dtype, sign: float = 1.0) -> torch.Tensor:
+    """``t + sign * sum_k coef_k * B_k A_k`` computed in ``cdt`` and rounded once to ``target``,
+    a block of rows at a time (the float32 copy of a block stays in cache)."""
+    out = torch.empty(t.shape, dtype=target)
+    factors = [(sign * coef, B.to(cdt), A.to(cdt)) for coef, A, B in deltas]
+    rows = max(1, CHUNK_ELEMENTS // max(t.shape[1], 1))
+    for r0 in range(0, t.shape[0], rows):
+        w = t[r0 : r0 + rows].to(cdt)
+        for coef, B, A in factors:
+            w.addmm_(B[r0 : r0 + rows], A, alpha=coef)
+        out[r0 : r0 + rows] = w
+    return out
+
+
 def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
           compute_dtype: str = "float32", safe: bool = False, workers: int | None = None) -> dict:
     """Merge ``adapters`` (in order) into the base at ``base_dir``; write the release ``out``; return release.json."""
@@ -288,16 +366,17 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
             return info.dtype
         return ST_NAME[DTYPES[dtype]]
 
-    def produce(name: str) -> torch.Tensor:
+    known = getattr(base, "tensor_digests", {})
+
+    def produce(name: str):
         info = base.tensors[name]
-        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
         target = ST[out_dtype_of(name)]
+        if name not in deltas and ST[info.dtype] == target and name in known:
+            return ("copy", info.path, info.offset, info.nbytes, known[name])  # unchanged: no decode, no re-hash
+        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
         if name not in deltas:
             return t.to(target)
-        w = t.to(cdt)
-        for coef, A, B in deltas[name]:
-            w += coef * (B.to(cdt) @ A.to(cdt))
-        return w.to(target)
+        return _merged(t, deltas[name], cdt, target)
 
     manifest = {
         "kind": "merge",
@@ -421,10 +500,7 @@ def unmerge(release_dir: str, out: str, adapter_ids: list[str] | None = None, ba
         t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
         if name not in deltas:
             return t
-        w = t.to(cdt)
-        for coef, A, B in deltas[name]:  # reverse merge order
-            w -= coef * (B.to(cdt) @ A.to(cdt))
-        return w.to(t.dtype)
+        return _merged(t, deltas[name], cdt, t.dtype, sign=-1.0)  # deltas are in reverse merge order
 
     manifest = {
         "kind": "arithmetic-unmerge",
