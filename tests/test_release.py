@@ -229,3 +229,20 @@ def test_unmergeable_adapters_are_refused_by_name(workspace, tmp_path, run_cli):
     code, _, stderr = run_cli("merge", "--base", base, "--adapter", dora, "-o", tmp_path / "rel")
     assert code == 1 and "E_MERGE_UNSUPPORTED" in stderr and "DORA" in stderr.upper()
     assert not (tmp_path / "rel").exists()
+
+
+def test_spec_0x07B1_live_and_merged_outputs_are_equal():
+    """The old rank-two adapter (s = 1/2) and the new logical-rank-one adapter in a physical
+    rank-two slot (s = 1/4, zero second row of A and column of B) over W of 0x07B1."""
+    W = torch.tensor([[2.0, -1.0, 0.0], [1.0, 3.0, -2.0]])
+    old = (0.5, torch.tensor([[1.0, 4.0, 1.0], [-1.0, 2.0, 2.0]]), torch.eye(2))  # s B A = Delta_o
+    new = (0.25, torch.tensor([[2.0, -1.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
+    for (s, A, B), x, y in ((old, [1.0, 2.0, -1.0], [4.0, 9.5]), (new, [2.0, 0.0, 1.0], [5.0, 3.0])):
+        x = torch.tensor(x)
+        live = W @ x + s * (B @ (A @ x))
+        merged = release_mod._merged(W, [(s, A, B)], torch.float32, torch.float32) @ x
+        assert live.tolist() == y and merged.tolist() == y
+    delta_o = release_mod._merged(torch.zeros(2, 3), [(old[0], old[1], old[2])], torch.float32, torch.float32)
+    assert delta_o.tolist() == [[0.5, 2.0, 0.5], [-0.5, 1.0, 1.0]]
+    delta_n = release_mod._merged(torch.zeros(2, 3), [(new[0], new[1], new[2])], torch.float32, torch.float32)
+    assert delta_n.tolist() == [[0.5, -0.25, 0.0], [1.5, -0.75, 0.0]]

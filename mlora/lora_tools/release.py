@@ -331,7 +331,7 @@ def _merged(t: torch.Tensor, deltas: list, cdt: torch.dtype, target: torch.dtype
     factors = [(sign * coef, B.to(cdt), A.to(cdt)) for coef, A, B in deltas]
     rows = max(1, CHUNK_ELEMENTS // max(t.shape[1], 1))
     for r0 in range(0, t.shape[0], rows):
-        w = t[r0 : r0 + rows].to(cdt)
+        w = t[r0 : r0 + rows].to(cdt, copy=True)  # never modify t in place
         for coef, B, A in factors:
             w.addmm_(B[r0 : r0 + rows], A, alpha=coef)
         out[r0 : r0 + rows] = w
