@@ -246,3 +246,19 @@ def test_spec_0x07B1_live_and_merged_outputs_are_equal():
     assert delta_o.tolist() == [[0.5, 2.0, 0.5], [-0.5, 1.0, 1.0]]
     delta_n = release_mod._merged(torch.zeros(2, 3), [(new[0], new[1], new[2])], torch.float32, torch.float32)
     assert delta_n.tolist() == [[0.5, -0.25, 0.0], [1.5, -0.75, 0.0]]
+
+
+def test_a_killed_merges_temporary_is_removed_by_the_next_write(workspace, tmp_path, run_cli):
+    """SIGKILL runs no cleanup: the hidden temporary stays, never renamed into place; the
+    next write of that release removes it (its process is gone)."""
+    import subprocess
+
+    root, base, _ = workspace
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".rel.tmp-{dead.pid}-abc"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert not (tmp_path / "rel").exists()
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", tmp_path / "rel")[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["rel"] and verify(str(tmp_path / "rel"))["ok"]

@@ -261,7 +261,8 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         raise ReleaseError("E_RELEASE_EXISTS", f"{out} exists; releases are immutable: choose a new path")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    _remove_stale_temporaries(parent, os.path.basename(out))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{os.getpid()}-", dir=parent)
     try:
         files: dict[str, list[str]] = {}
         for name, info in tensors.items():
@@ -336,6 +337,27 @@ def _merged(t: torch.Tensor, deltas: list, cdt: torch.dtype, target: torch.dtype
             w.addmm_(B[r0 : r0 + rows], A, alpha=coef)
         out[r0 : r0 + rows] = w
     return out
+
+
+def _remove_stale_temporaries(parent: str, name: str) -> None:
+    """Temporary directories of earlier writes of ``name`` whose process is gone (killed
+    with SIGKILL, the machine lost power): never renamed into place, removed now."""
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(parent):
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            alive = int(pid) != os.getpid()  # our own pid: a previous write of this process
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+        if not alive:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
