@@ -162,7 +162,7 @@ def test_safe_refuses_an_overflowing_merge_and_writes_nothing(tmp_path, run_cli)
 
 @pytest.mark.parametrize("damage, code", [
     ("flip", "E_RELEASE_TAMPERED"), ("truncate", "E_RELEASE_TRUNCATED"), ("remove", "E_RELEASE_MISSING"),
-    ("edit", "E_RELEASE_TAMPERED"),
+    ("edit", "E_RELEASE_TAMPERED"), ("config", "E_RELEASE_TAMPERED"),
 ])
 def test_verify_catches_damage(workspace, tmp_path, run_cli, damage, code):
     root, base, _ = workspace
@@ -180,6 +180,9 @@ def test_verify_catches_damage(workspace, tmp_path, run_cli, damage, code):
         shard.write_bytes(shard.read_bytes()[:-100])
     elif damage == "remove":
         shard.unlink()
+    elif damage == "config":  # same size, one character changed
+        text = (rel / "config.json").read_text()
+        (rel / "config.json").write_text(text.replace("silu", "gelu"))
     else:
         man = json.loads((rel / "release.json").read_text())
         man["adapters"][0]["weight"] = 2.0

@@ -26,6 +26,7 @@ files copied; ``config.json`` with the output dtype) plus ``release.json``::
     schema_version, kind ("merge" | "arithmetic-unmerge"), parent (base identity,
     or the parent release's digest), adapters (ordered: id, path, weight,
     artifact/semantic digests), dtypes (compute, output), files {name: bytes},
+    file_sha256 {name: sha256} (every file that is not a weight shard),
     tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
     release_sha256 (sha256 of the canonical JSON of all the rest)
 
@@ -304,7 +305,12 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
                     cfg[key] = config_dtype
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(cfg, f, indent=2)
-        manifest = dict(manifest, schema_version=1, tensors=records,
+        side = {}  # every file that is not a weight shard: hashed whole (tokenizer, configs, index)
+        for f in sorted(os.listdir(tmp)):
+            if f not in files:
+                with open(os.path.join(tmp, f), "rb") as fh:
+                    side[f] = hashlib.sha256(fh.read()).hexdigest()
+        manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side,
                         files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
         manifest["release_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
@@ -444,6 +450,10 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
         if os.path.getsize(full) != size:
             code = "E_RELEASE_TRUNCATED" if os.path.getsize(full) < size else "E_RELEASE_TAMPERED"
             raise ReleaseError(code, f"{file} is {os.path.getsize(full)} bytes, release.json says {size}")
+    for file, digest in man.get("file_sha256", {}).items():
+        with open(os.path.join(path, file), "rb") as fh:
+            if hashlib.sha256(fh.read()).hexdigest() != digest:
+                raise ReleaseError("E_RELEASE_TAMPERED", f"{file} does not match its digest in release.json")
     headers = {}
     for name, rec in sorted(man["tensors"].items()):
         file = os.path.join(path, rec["file"])
