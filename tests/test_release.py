@@ -265,3 +265,24 @@ def test_a_killed_merges_temporary_is_removed_by_the_next_write(workspace, tmp_p
     assert not (tmp_path / "rel").exists()
     assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", tmp_path / "rel")[0] == 0
     assert sorted(os.listdir(tmp_path)) == ["rel"] and verify(str(tmp_path / "rel"))["ok"]
+
+
+def test_lora_on_a_tied_lm_head_is_refused(tmp_path, run_cli):
+    from transformers import AutoModelForCausalLM
+
+    base = str(tmp_path / "tied")
+    config = factory.tiny_config("llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    factory.save_base(AutoModelForCausalLM.from_config(config), base)
+
+    head = tmp_path / "head"  # written by hand: PEFT saves extra tensors for tied heads (refused on their own)
+    head.mkdir()
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.randn(2, config.hidden_size),
+               "base_model.model.lm_head.lora_B.weight": torch.randn(config.vocab_size, 2)},
+              str(head / "adapter_model.safetensors"))
+    (head / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 4, "target_modules": ["lm_head"],
+        "base_model_name_or_path": "org/tiny-llama", "bias": "none"}))
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", tmp_path / "head", "-o", tmp_path / "rel")
+    assert code == 1 and "E_MERGE_TIED" in stderr and not (tmp_path / "rel").exists()
