@@ -29,6 +29,7 @@ def merge(
     compute_dtype: str = typer.Option("float32", "--compute-dtype", help="float32 or float64."),
     safe: bool = typer.Option(False, "--safe", help="Refuse (write nothing) if any merged value is not finite."),
     json_out: bool = typer.Option(False, "--json", help="Print release.json's summary as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar on stderr."),
 ) -> None:
     """Merge adapters into a new, immutable base revision: W' = W + sum_k w_k s_k B_k A_k."""
     from ..lora_tools.release import MergeAdapter, ReleaseError, merge as do_merge
@@ -39,8 +40,16 @@ def merge(
         _fail(err, "E_USAGE", f"{len(weights)} --weight for {len(adapter)} --adapter: give one per adapter or none",
               EXIT_USAGE)
     pairs = [MergeAdapter(str(a), weights[i] if weights else 1.0) for i, a in enumerate(adapter)]
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    total = sum(f.stat().st_size for f in base.iterdir() if f.suffix == ".safetensors")
+    bar = Progress(TextColumn("[bold]merge"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=err,
+                   disable=quiet or json_out or not err.is_terminal)
+    task = bar.add_task("tensors", total=total)
     try:
-        man = do_merge(str(base), pairs, str(output), dtype=dtype, compute_dtype=compute_dtype, safe=safe)
+        with bar:
+            man = do_merge(str(base), pairs, str(output), dtype=dtype, compute_dtype=compute_dtype, safe=safe,
+                           progress=lambda name, nbytes: bar.advance(task, nbytes))
     except ReleaseError as exc:
         _fail(err, exc.code, exc.message)
     _report(man, str(output), json_out)

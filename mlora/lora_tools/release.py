@@ -254,7 +254,7 @@ def _layout(base: BaseCheckpoint) -> dict[str, list[str]]:
 
 
 def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of, manifest: dict, config_dtype: str | None,
-                   safe: bool) -> dict:
+                   safe: bool, progress=None) -> dict:
     """The common writer of merge and unmerge: every tensor of ``tensors`` (name -> TensorInfo-like)
     produced by ``produce(name)``, in the source's file layout, plus copied side files."""
     out = os.path.abspath(out)
@@ -274,6 +274,8 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
             w = StreamingSafetensors(os.path.join(tmp, file), specs)
             try:
                 for n in w.order:
+                    if progress:
+                        progress(n, tensors[n].nbytes)
                     t = produce(n)
                     if isinstance(t, tuple):  # ("copy", path, offset, nbytes, sha256): unchanged bytes
                         w.copy(n, *t[1:])
@@ -367,8 +369,9 @@ def _remove_stale_temporaries(parent: str, name: str) -> None:
 
 
 def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
-          compute_dtype: str = "float32", safe: bool = False, workers: int | None = None) -> dict:
-    """Merge ``adapters`` (in order) into the base at ``base_dir``; write the release ``out``; return release.json."""
+          compute_dtype: str = "float32", safe: bool = False, workers: int | None = None, progress=None) -> dict:
+    """Merge ``adapters`` (in order) into the base at ``base_dir``; write the release ``out``; return release.json.
+    ``progress(tensor_name, nbytes)`` is called before each tensor is written."""
     if not adapters:
         raise ReleaseError("E_MERGE_USAGE", "name at least one --adapter")
     if dtype != "auto" and dtype not in DTYPES:
@@ -416,7 +419,7 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
         "changed": sorted(deltas),
     }
     return _write_release(base_dir, out, base.tensors, produce, out_dtype_of, manifest,
-                          None if dtype == "auto" else dtype, safe)
+                          None if dtype == "auto" else dtype, safe, progress)
 
 
 # ---------------------------------------------------------------- verify
