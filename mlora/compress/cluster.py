@@ -143,8 +143,12 @@ def cluster(
     """Fit K clusters of shared rank R over one module's collection (spec 0x06G6).
 
     The initial assignment is k-means on the cores of one joint fit of rank
-    ``init_rank`` (default R; for JD-Full at most ``min(d_in, d_out)``), the
-    cores taken in the fitted (normalised) units. ``iters``, ``tol``,
+    ``init_rank`` (for JD-Full at most ``min(d_in, d_out)``), the cores taken
+    in the fitted (normalised) units. Without ``init_rank`` (and K > 1) two
+    starts are run, joint ranks R and K * R (the union of K rank-R cluster
+    subspaces), and the result with the lower final objective is kept: either
+    start alone can settle in a mis-grouped local minimum that the other
+    avoids. ``iters``, ``tol``,
     ``normalize``, ``seed``, ``device`` and ``solver_options`` (e.g.
     ``{"eigensolver": "krylov"}`` for JD-Full, ``{"restarts": 2}`` for
     JD-Diag) go to every fit. K = 1 is one joint fit.
@@ -155,6 +159,11 @@ def cluster(
     n = len(factors)
     if not 1 <= K <= n:
         raise CompressError("E_COMPRESS_CLUSTERS", f"need 1 <= clusters <= {n} adapters, got {K}")
+    if init_rank is None and K > 1:
+        starts = list(dict.fromkeys((R, K * R)))
+        results = [cluster(factors, R, K, method, seed=seed, iters=iters, tol=tol, normalize=normalize, rounds=rounds,
+                           init_rank=r0, solver_options=solver_options, device=device) for r0 in starts]
+        return min(results, key=lambda res: res.objective[-1])  # ties: the first (rank R) start
     solve = _SOLVERS[method]
     fit_args = dict(iters=iters, tol=tol, normalize=normalize, seed=seed, device=device, **(solver_options or {}))
 
