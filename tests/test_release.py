@@ -286,3 +286,22 @@ def test_lora_on_a_tied_lm_head_is_refused(tmp_path, run_cli):
         "base_model_name_or_path": "org/tiny-llama", "bias": "none"}))
     code, _, stderr = run_cli("merge", "--base", base, "--adapter", tmp_path / "head", "-o", tmp_path / "rel")
     assert code == 1 and "E_MERGE_TIED" in stderr and not (tmp_path / "rel").exists()
+
+
+def test_bf16_base_merge_is_within_one_ulp_of_peft(tmp_path, run_cli):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = str(tmp_path / "base-bf16")
+    factory.tiny_model("llama", seed=0).to(torch.bfloat16).save_pretrained(base, safe_serialization=True)
+    factory.make_adapter(str(tmp_path / "ad"), base_model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=3)
+    assert run_cli("merge", "--base", base, "--adapter", tmp_path / "ad", "-o", tmp_path / "rel")[0] == 0
+    got = _weights(tmp_path / "rel")
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), str(tmp_path / "ad"))
+    want = peft.merge_and_unload().state_dict()
+    assert set(got) <= set(want)
+    for k, g in got.items():
+        assert g.dtype == torch.bfloat16
+        ulp = (release_mod._ordered_ints(g) - release_mod._ordered_ints(want[k].to(torch.bfloat16))).abs().max()
+        assert int(ulp) <= 1, k
