@@ -57,6 +57,10 @@ def compress(
     from ..compress.collection import load_collection
 
     k = "auto" if clusters == "auto" else _int(clusters, err)
+    if device not in ("auto", "cpu", "cuda"):
+        _fail(err, "E_USAGE", f"--device must be auto, cpu or cuda, got {device!r}", EXIT_USAGE)
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail(err, "E_USAGE", "--device cuda: no CUDA device here; use --device cpu (or auto)", EXIT_USAGE)
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     opts = CompressOptions(method=method, rank=rank, clusters=k, normalize=normalize, iters=iters, tol=tol,
                            max_error=max_error, seed=seed, device=dev)
