@@ -213,6 +213,9 @@ def bench_residency(
     from ..batch.bench_residency import ResidencyBenchOptions, run_residency_bench
 
     err = Console(stderr=True)
+    if device == "cuda" and not __import__("torch").cuda.is_available():
+        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
+        raise typer.Exit(1)
     opts = ResidencyBenchOptions(preset=preset, adapters=adapters, rank=rank,
                                  targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
