@@ -70,3 +70,20 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     assert got == tokens("all-resident")
     again = run_residency_bench(str(tmp_path), o)  # the workspace is reused, outputs replaced
     assert again["runs"][0]["error_rows"] == 0
+
+
+def test_mixed_floor_counts_causal_pairs_and_the_sampled_head():
+    from mlora.batch.bench import layer_params, mixed_floor
+
+    c = preset_config("tiny", "float32")
+    ceil = Ceilings(copy_bytes_per_s=1e30, matmul_flops_per_s=1.0)  # compute-bound: floor_s = flops
+    one = mixed_floor(c, torch.float32, [(4, 4)], sampled=1, lora_rows=0, distinct=0, rank=4, ceil=ceil)
+    # a 4-token prompt: 4 * 5 / 2 = 10 query-key pairs
+    want = 2 * 4 * c.num_layers * layer_params(c) + 4 * 10 * c.num_heads * c.head_dim * c.num_layers \
+        + 2 * c.vocab_size * c.hidden_size
+    assert one["flops"] == want and one["bound"] == "compute" and one["rows"] == 4
+    chunk = mixed_floor(c, torch.float32, [(2, 6)], sampled=0, lora_rows=2, distinct=1, rank=4, ceil=ceil)
+    # the second chunk of a 6-token prompt: rows at positions 4 and 5 see 5 + 6 keys
+    want = 2 * 2 * c.num_layers * layer_params(c) + 4 * 11 * c.num_heads * c.head_dim * c.num_layers \
+        + 2 * 2 * adapter_bytes(c, 4, 1)
+    assert chunk["flops"] == want

@@ -31,7 +31,9 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 * Reported per scenario: generated tokens per second over the whole job (wall
   clock, prefill included), and for decode-only iterations the median time,
   the median floor and the median of time / floor, overall and at full batch
-  (at least 90 % of ``max_num_seqs`` running).
+  (at least 90 % of ``max_num_seqs`` running). Iterations with prefill chunks
+  are summed: their time against the sum of their floors (:func:`mixed_floor`:
+  causal attention counted per query-key pair), usually compute-bound.
 """
 
 from __future__ import annotations
@@ -202,6 +204,28 @@ def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tok
     return dict(bytes=total, flops=flops, floor_s=max(t_bytes, t_flops), bound="memory" if t_bytes >= t_flops else "compute")
 
 
+def mixed_floor(config: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]], sampled: int, lora_rows: int,
+                distinct: int, rank: int, ceil: Ceilings) -> dict:
+    """Floor of an iteration with prefill chunks: ``seqs`` = (new rows n, context after it c)
+    per sequence. flops = 2 * rows * layer weights + causal attention (4 * heads * head_dim *
+    layers per query-key pair) + LM head on the sampled rows + LoRA; bytes as for decode
+    (weights, distinct adapters, K/V read, activations)."""
+    c = config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = sum(n for n, _ in seqs)
+    pairs = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)
+    flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
+        + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)
+    kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
+    weights = (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) * itemsize
+    per_row_act = c.num_layers * (4 * c.hidden_size + 2 * c.q_out + 2 * c.kv_out + 3 * c.intermediate_size) * itemsize
+    total = weights + distinct * adapter_bytes(c, rank, itemsize) + sum(ctx for _, ctx in seqs) * kv_per_token \
+        + rows * per_row_act
+    t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
+    return dict(rows=rows, flops=flops, bytes=total, floor_s=max(t_bytes, t_flops),
+                bound="memory" if t_bytes >= t_flops else "compute")
+
+
 def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: int, max_new: int, seed: int):
     rng = random.Random(seed)  # prompts: the same for every adapter count
     pick = random.Random(seed + 1)  # adapters
@@ -247,7 +271,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     for r in _requests(o, model.config, n_adapters, o.rows, o.max_new_tokens, o.seed):
         if eng.add(r) is not None:
             raise RuntimeError(f"bench row {r.row} was refused; lower --prompt-max or --max-new-tokens")
-    decode = []
+    decode, mixed = [], []
     _sync(dev)
     t_start = time.perf_counter()
     while eng.has_work():
@@ -256,7 +280,14 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         eng.step()
         seconds = time.perf_counter() - t0
         plan = eng.last_plan
-        if plan is None or plan.doff:
+        if plan is None:
+            continue
+        if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
+            seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
+            lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.req.adapter is not None)
+            distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+            f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
+            mixed.append(dict(seconds=seconds, **f))
             continue
         ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
         distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
@@ -279,6 +310,9 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     result = dict(adapters=n_adapters, rows=o.rows, generated_tokens=generated, wall_s=wall,
                   tokens_per_s=generated / wall, iterations=eng.stats["iterations"],
                   prefill_tokens=eng.stats["prefill_tokens"], decode=summary(decode), decode_full_batch=summary(full),
+                  prefill=dict(iterations=len(mixed), seconds=sum(m["seconds"] for m in mixed),
+                               floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
+                               ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
                   adapter_bytes=adapter_bytes(model.config, o.rank, itemsize))
     if progress:
         progress(result)

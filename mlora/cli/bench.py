@@ -171,7 +171,7 @@ def _print_batch_table(r: dict) -> None:
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
                   f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
     for col in ("adapters", "tok/s", "vs base", "decode iters", "rows (median)", "decode ms", "floor ms", "x floor",
-                "full-batch ms", "full floor ms", "full x floor"):
+                "full-batch ms", "full floor ms", "full x floor", "prefill s", "prefill floor s", "prefill x floor"):
         table.add_column(col, justify="right")
     for s in r["scenarios"]:
         d, f = s["decode"] or {}, s["decode_full_batch"] or {}
@@ -183,7 +183,9 @@ def _print_batch_table(r: dict) -> None:
                       "-" if s["tokens_per_s_vs_base"] is None else f"{s['tokens_per_s_vs_base']:.2f}",
                       str(d.get("iterations", 0)), str(d.get("median_rows", "-")), ms(d.get("median_s")),
                       ms(d.get("median_floor_s")), f"{d['median_ratio']:.2f}" if d else "-", ms(f.get("median_s")),
-                      ms(f.get("median_floor_s")), f"{f['median_ratio']:.2f}" if f else "-")
+                      ms(f.get("median_floor_s")), f"{f['median_ratio']:.2f}" if f else "-",
+                      f"{s['prefill']['seconds']:.2f}", f"{s['prefill']['floor_s']:.2f}",
+                      "-" if s["prefill"]["ratio"] is None else f"{s['prefill']['ratio']:.2f}")
     con.print(table)
 
 
