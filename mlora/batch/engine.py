@@ -202,10 +202,6 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
-        if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need
-            self.bank.want({s.req.adapter for s in self.waiting if s.req.adapter is not None}, self.pinned)
-        if self.prefetch_depth:
-            self._prefetch()
         t0 = time.perf_counter()
         try:
             logits = self._forward(plan)
@@ -213,6 +209,12 @@ class Engine:
             if self.metrics:
                 self.metrics.adapter_load(0, time.perf_counter() - t0, ok=False, tier_from="disk")
             return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
+        # host work for later iterations, done while the device runs this one (the sampled
+        # tokens are read in _advance): eviction ranking and prefetch of coming adapters
+        if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need
+            self.bank.want({s.req.adapter for s in self.waiting if s.req.adapter is not None}, self.pinned)
+        if self.prefetch_depth:
+            self._prefetch()
         done = self._advance(plan, logits)
         if self.metrics:
             self._record_iteration(plan, time.perf_counter() - t0)
