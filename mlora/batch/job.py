@@ -246,7 +246,6 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
     from .residency import ResidencyBank
 
     model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
-    num_slots = len(good) if opts.max_gpu_adapters is None else max(1, min(len(good), opts.max_gpu_adapters))
     max_rank = max((p.max_rank for p in good.values()), default=0)
     bank = None
     if good:
@@ -254,6 +253,8 @@ def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype,
         # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
         used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
         shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
+        num_slots = _num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
+                                                                           max(max_rank, 1), dtype), device)
         bank = ResidencyBank(config.num_layers, shapes, max(num_slots, 1), max(max_rank, 1), dtype, device,
                              host_cache_bytes=host_bytes, prefetch_workers=1 if opts.prefetch_adapters else 0)
     if opts.preload_adapters and bank is not None:
@@ -372,6 +373,23 @@ def _requests(batch, opts: JobOptions, tokenizer, vocab_size: int, kept: dict):
                 continue
             ids = tokenizer.encode(text)
         yield Request(row, rid, list(ids), adapter, mnt)
+
+
+ADAPTER_MEMORY_SHARE = 0.25  # of the usable free GPU memory, for adapter slots when --max-gpu-adapters is not given
+
+
+def _num_slots(opts: JobOptions, adapters: int, slot_bytes: int, device) -> int:
+    """GPU adapter slots: ``--max-gpu-adapters`` (at most one per adapter), else on CUDA as
+    many as fit in a quarter of the usable free memory (the rest is the KV cache's; the
+    residency engine swaps adapters through the slots), else (CPU) one per adapter."""
+    if opts.max_gpu_adapters is not None:
+        return max(1, min(adapters, opts.max_gpu_adapters))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        usable = max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
+        return max(1, min(adapters, int(ADAPTER_MEMORY_SHARE * usable // max(slot_bytes, 1))))
+    return max(1, adapters)
 
 
 def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
