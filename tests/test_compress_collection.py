@@ -95,6 +95,8 @@ def test_bytes_changed_after_validation_are_refused(coll, tmp_path, monkeypatch)
         factory.save_tensors(member, t)
 
     monkeypatch.setattr(mod, "scan_adapters", scan_then_change)
+    col = load_collection([member], base)  # factors are read when their module is fitted
     with pytest.raises(CompressError) as exc:
-        load_collection([member], base)
+        for module in col.modules:
+            col.factors(module)
     assert exc.value.code == "E_COMPRESS_MEMBER_CHANGED"

@@ -5,9 +5,10 @@ for ``mlora compress`` (spec 0x06G5: conversion is offline and fails closed).
 Every member is validated with step 1's code (``mlora.lora_tools``), against
 the base when one is given; any member that is invalid or not servable, a
 duplicate member id, or members bound to different bases stop the load with a
-named error (no partial collection). Factors are read once more after the
-scan and must hash to the scanned digests (``E_COMPRESS_MEMBER_CHANGED``
-otherwise), so what is compressed is exactly what was validated.
+named error (no partial collection). Factors are read again when their
+module is fitted (one module at a time) and must hash to the scanned digests
+(``E_COMPRESS_MEMBER_CHANGED`` otherwise), so what is compressed is exactly
+what was validated.
 
 ``Delta = scale * B @ A`` with PEFT's ``lora_A`` as A [r, d_in], ``lora_B`` as
 B [d_out, r] and the semantic scale of the member's config (alpha / r,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -42,15 +44,46 @@ class Member:
 
 @dataclass
 class Collection:
+    """Validated members and, per module, where each member's factors lie. Factors are
+    read (and re-hashed) only when a module is asked for: ``modules[module]`` or
+    :meth:`factors`, so a whole-collection fit holds one module's factors at a time
+    (memory O(n r d) per module, spec 0x06G5), not the collection's."""
+
     base_sha256: str
     members: list[Member]
-    modules: dict[str, dict[str, FactoredDelta]] = field(default_factory=dict)  # module -> member id -> delta
+    refs: dict[str, dict[str, tuple]] = field(default_factory=dict)  # module -> member id -> (a, a_sha, b, b_sha, scale)
+    dtype: torch.dtype = torch.float64
+
+    @property
+    def modules(self) -> "Mapping[str, dict[str, FactoredDelta]]":
+        """module -> member id -> delta, read on access (not cached)."""
+        return _Modules(self)
+
+    def read(self, module: str) -> dict[str, FactoredDelta]:
+        return {member: FactoredDelta(_read(a, a_sha, member, self.dtype), _read(b, b_sha, member, self.dtype), scale)
+                for member, (a, a_sha, b, b_sha, scale) in self.refs.get(module, {}).items()}
 
     def factors(self, module: str) -> tuple[list[str], list[FactoredDelta]]:
         """Member ids and their deltas at ``module``, in member order."""
-        per = self.modules.get(module, {})
+        per = self.read(module)
         ids = [m.id for m in self.members if m.id in per]
         return ids, [per[i] for i in ids]
+
+
+class _Modules(Mapping):
+    def __init__(self, col: Collection):
+        self.col = col
+
+    def __getitem__(self, module: str) -> dict[str, FactoredDelta]:
+        if module not in self.col.refs:
+            raise KeyError(module)
+        return self.col.read(module)
+
+    def __iter__(self):
+        return iter(self.col.refs)
+
+    def __len__(self) -> int:
+        return len(self.col.refs)
 
 
 def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: torch.dtype = torch.float64,
@@ -88,12 +121,10 @@ def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: tor
     if len(bases) > 1:
         raise CompressError("E_COMPRESS_BASE_MISMATCH", "members are bound to different bases; a collection "
                             "shares one base (pass --base to bind them all to the measured base)")
-    col = Collection(next(iter(bases)) if bases else "", members)
+    col = Collection(next(iter(bases)) if bases else "", members, dtype=dtype)
     for art in arts:
         for rec in art.modules:
-            a = _read(rec.a, rec.a_sha256, art.name, dtype)
-            b = _read(rec.b, rec.b_sha256, art.name, dtype)
-            col.modules.setdefault(rec.name, {})[art.name] = FactoredDelta(a, b, float(rec.scale))
+            col.refs.setdefault(rec.name, {})[art.name] = (rec.a, rec.a_sha256, rec.b, rec.b_sha256, float(rec.scale))
     return col
 
 
