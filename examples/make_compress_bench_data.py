@@ -1,10 +1,12 @@
 """Synthetic collection for the step-5 CPU compression benchmark (BENCHMARKS.md).
 
     python examples/make_compress_bench_data.py OUT [--adapters 100] [--rank 16] [--shared-rank 24] [--noise 0.05]
+        [--shape demo|mistral-7b]
 
-Writes OUT/adapter-NNN/ in PEFT layout for the demo base's shape
-(examples/demo/base: hidden 128, intermediate 256, 4 layers, 4 heads, 2 KV
-heads, head_dim 32), rank ``--rank`` on all seven projections. Every
+Writes OUT/adapter-NNN/ in PEFT layout, rank ``--rank``: ``demo`` is the demo
+base's shape (examples/demo/base: hidden 128, intermediate 256, 4 layers,
+4 heads, 2 KV heads, head_dim 32) on all seven projections; ``mistral-7b``
+is Mistral-7B's q/k/v (32 layers; 1,000 adapters are about 19 GB). Every
 adapter's update at a module lies mostly in a per-module subspace of rank
 ``--shared-rank`` shared by the collection (B = U0 S_i, A = V0^T mixed per
 adapter), plus independent noise of relative size ``--noise``: a collection
@@ -20,10 +22,18 @@ import os
 import torch
 from safetensors.torch import save_file
 
-HIDDEN, INTER, LAYERS, Q, KV = 128, 256, 4, 128, 64
-MODULES = {"self_attn.q_proj": (Q, HIDDEN), "self_attn.k_proj": (KV, HIDDEN), "self_attn.v_proj": (KV, HIDDEN),
-           "self_attn.o_proj": (HIDDEN, Q), "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN),
-           "mlp.down_proj": (HIDDEN, INTER)}
+SHAPES = {  # hidden, intermediate, layers, q_out, kv_out, modules
+    "demo": (128, 256, 4, 128, 64, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "mistral-7b": (4096, 14336, 32, 4096, 1024, ("q_proj", "k_proj", "v_proj")),  # the step-5 GPU benchmark
+}
+
+
+def modules_of(shape: str) -> dict[str, tuple[int, int]]:
+    hidden, inter, _, q, kv, mods = SHAPES[shape]
+    every = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+             "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+             "mlp.down_proj": (hidden, inter)}
+    return {k: v for k, v in every.items() if k.split(".")[-1] in mods}
 
 
 def main() -> None:
@@ -33,7 +43,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--shared-rank", type=int, default=24)
     ap.add_argument("--noise", type=float, default=0.05)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     args = ap.parse_args()
+    LAYERS, MODULES = SHAPES[args.shape][2], modules_of(args.shape)
     g = torch.Generator().manual_seed(0)
     r, k = args.rank, args.shared_rank
     bases = {(layer, m): (torch.randn(o, k, generator=g), torch.randn(i, k, generator=g))
@@ -54,7 +66,7 @@ def main() -> None:
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
-               "target_modules": sorted(m.split(".")[-1] for m in MODULES), "base_model_name_or_path": "mlora-demo/base",
+               "target_modules": sorted(m.split(".")[-1] for m in MODULES), "base_model_name_or_path": f"mlora-bench/{args.shape}",
                "bias": "none", "use_rslora": False, "use_dora": False, "lora_dropout": 0.0, "inference_mode": True}
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(cfg, f, indent=1)

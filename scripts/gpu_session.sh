@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh quick      GPU-only tests + demo check + bench batch (about 6 min)
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
+#   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
 export PYTHONPATH=.
@@ -28,5 +29,14 @@ case "${1:-quick}" in
   resident)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --runs all-resident \
       --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
+    ;;
+  compress)
+    [ -d /tmp/cb7/adapters ] || timeout 200 python examples/make_compress_bench_data.py /tmp/cb7/adapters --adapters 1000 \
+      --shape mistral-7b --shared-rank 48
+    rm -rf /tmp/cb7/bundle
+    /usr/bin/time -f "compress wall %e s, peak RSS %M KB" timeout 380 python -m mlora compress /tmp/cb7/adapters \
+      -o /tmp/cb7/bundle --rank 64 --clusters 8 --device cuda --max-error 0.6 --json > "$OUT/compress-h200.json" \
+      2> "$OUT/compress-h200.err"
+    tail -2 "$OUT/compress-h200.err"; head -c 600 "$OUT/compress-h200.json"; echo
     ;;
 esac
