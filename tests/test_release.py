@@ -305,3 +305,20 @@ def test_bf16_base_merge_is_within_one_ulp_of_peft(tmp_path, run_cli):
         assert g.dtype == torch.bfloat16
         ulp = (release_mod._ordered_ints(g) - release_mod._ordered_ints(want[k].to(torch.bfloat16))).abs().max()
         assert int(ulp) <= 1, k
+
+
+def test_unmerging_one_of_two_adapters_leaves_the_other(workspace, tmp_path, run_cli):
+    root, base, _ = workspace
+    both, only, back = tmp_path / "both", tmp_path / "only", tmp_path / "back"
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "--adapter",
+                   root / "adapters" / "pattern", "-o", both)[0] == 0
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "pattern", "-o", only)[0] == 0
+    code, _, stderr = run_cli("unmerge", "--release", both, "--adapter", "plain", "-o", back)
+    assert code == 0, stderr
+    man = json.loads((back / "release.json").read_text())
+    assert [a["id"] for a in man["adapters"]] == ["plain"] and man["parent"]["kind"] == "release"
+    got, want = _weights(back), _weights(only)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-6
+    code, _, stderr = run_cli("unmerge", "--release", both, "--adapter", "nobody", "-o", tmp_path / "x")
+    assert code == 1 and "E_UNMERGE_ADAPTER" in stderr
+    assert verify(str(back))["kind"] == "arithmetic-unmerge"
