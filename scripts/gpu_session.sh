@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh quick      GPU-only tests + demo check + bench batch (about 6 min)
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
+#   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -21,6 +22,12 @@ case "${1:-quick}" in
       echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-$dt" | tail -1)"
     done
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,1,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    ;;
+  peft)  # the transformers + PEFT baseline of step 7 (fewer rows: it is slow), 8 and 64 adapters
+    for n in 8 64; do
+      timeout 280 python -m mlora bench peft --rows 128 --adapters $n --batch-size 64 --json --out "$OUT/peft-$n.json" \
+        2>/dev/null | tail -1
+    done
     ;;
   residency)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \

@@ -87,3 +87,24 @@ def test_mixed_floor_counts_causal_pairs_and_the_sampled_head():
     want = 2 * 2 * c.num_layers * layer_params(c) + 4 * 11 * c.num_heads * c.head_dim * c.num_layers \
         + 2 * 2 * adapter_bytes(c, 4, 1)
     assert chunk["flops"] == want
+
+
+def test_peft_baseline_runs_the_same_job(run_cli):
+    code, stdout, stderr = run_cli("bench", "peft", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+                                   "--rows", 5, "--adapters", 2, "--batch-size", 2, "--prompt-min", 3, "--prompt-max", 9,
+                                   "--max-new-tokens", 4, "--json")
+    assert code == 0, stderr
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["rows"] == 5 and r["generated_tokens"] == 5 * 4 and r["tokens_per_s"] > 0
+
+
+def test_peft_baseline_adapters_change_the_output():
+    from mlora.batch.bench_peft import add_adapters, hf_model
+
+    model = add_adapters(hf_model("tiny", torch.float32, "cpu"), 2, 4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    outs = {}
+    for name in ("__base__", "bench-0", "bench-1"):
+        with torch.no_grad():
+            outs[name] = model(input_ids=ids, adapter_names=[name]).logits
+    assert not torch.allclose(outs["__base__"], outs["bench-0"]) and not torch.allclose(outs["bench-0"], outs["bench-1"])

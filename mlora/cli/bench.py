@@ -246,3 +246,41 @@ def bench_residency(
     con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "
               f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
               + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))
+
+
+@bench_app.command("peft")
+def bench_peft(
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    rows: int = typer.Option(512, "--rows", min=1),
+    adapters: int = typer.Option(8, "--adapters", min=0, help="Distinct adapters (0 = base only)."),
+    rank: int = typer.Option(16, "--rank", min=1),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Rows per generate() call (use the largest that fits)."),
+    prompt_min: int = typer.Option(128, "--prompt-min", min=1),
+    prompt_max: int = typer.Option(1024, "--prompt-max", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    device: str = typer.Option("cuda", "--device"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
+) -> None:
+    """The same synthetic job as `bench batch` through transformers + PEFT (generate with adapter_names)."""
+    from ..batch.bench import BatchBenchOptions
+    from ..batch.bench_peft import run_peft_baseline
+
+    err = Console(stderr=True)
+    if device == "cuda" and not __import__("torch").cuda.is_available():
+        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
+        raise typer.Exit(1)
+    opts = BatchBenchOptions(preset=preset, rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
+                             max_new_tokens=max_new_tokens, device=device, dtype=dtype, seed=seed)
+    r = run_peft_baseline(opts, adapters, batch_size,
+                          progress=None if json_out else (lambda d, t: err.print(f"[dim]{d}/{t} rows[/dim]")))
+    text = json.dumps(r)
+    if out:
+        out.write_text(text + "\n")
+    if json_out:
+        sys.stdout.write(text + "\n")
+    else:
+        Console().print(f"transformers + PEFT, {adapters} adapters, batch {batch_size}: {r['tokens_per_s']:.1f} "
+                        f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")

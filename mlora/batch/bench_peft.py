@@ -1,0 +1,93 @@
+"""The transformers + PEFT baseline of ``mlora bench batch`` (issue step 7: "against the obvious alternative").
+
+Runs the same synthetic job as :mod:`mlora.batch.bench` (same prompts, same
+adapter assignment, ``max_new_tokens`` per row with EOS ignored) through
+Hugging Face transformers and PEFT's mixed-adapter batch inference:
+``model.generate(..., adapter_names=[...])`` with one adapter name per row
+(``"__base__"`` for base rows), greedy, left-padded batches of ``batch_size``
+rows in input order. The model has the preset's shape and random weights made
+on the device; the ``n`` adapters are random rank-``rank`` LoRA on all seven
+projections (``lora_B`` non-zero so every adapter changes the output).
+
+Reported: generated tokens per second over the whole job (wall clock). The
+batch size is the caller's: the largest that fits is found by trying (the
+issue's "largest batch that fits"); an out-of-memory batch raises.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .bench import BatchBenchOptions, PRESETS, _requests, preset_config
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def hf_model(preset: str, dtype: torch.dtype, device, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    p = PRESETS[preset]
+    cfg = LlamaConfig(vocab_size=p["vocab_size"], hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+                      num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
+                      num_key_value_heads=p["num_kv_heads"], head_dim=p["head_dim"], rope_theta=p["rope_theta"],
+                      max_position_embeddings=p["max_position_embeddings"], tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def add_adapters(model, n: int, rank: int, seed: int = 0):
+    """``n`` random LoRA adapters named ``bench-0 .. bench-{n-1}`` (PeftModel), or the model itself for n = 0."""
+    if n == 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
+    peft = get_peft_model(model, config, adapter_name="bench-0")
+    for i in range(1, n):
+        peft.add_adapter(f"bench-{i}", config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:  # PEFT initialises B to zero: make every adapter matter
+                p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+    return peft.eval()
+
+
+def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, progress=None) -> dict:
+    """Generated tokens/s of the synthetic job through transformers + PEFT."""
+    dev = torch.device(o.device)
+    dtype = getattr(torch, o.dtype)
+    config = preset_config(o.preset, o.dtype)
+    model = add_adapters(hf_model(o.preset, dtype, dev, o.seed), n_adapters, o.rank, o.seed)
+    reqs = _requests(o, config, n_adapters, o.rows, o.max_new_tokens, o.seed)
+    generated = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start : start + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=o.max_new_tokens,
+                      do_sample=False, pad_token_id=0)  # no EOS id: every row runs to max_new_tokens
+        if n_adapters:
+            kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
+        with torch.no_grad():
+            out = model.generate(**kwargs)
+        generated += (out.shape[1] - width) * len(batch)
+        if progress:
+            progress(start + len(batch), len(reqs))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return dict(adapters=n_adapters, rows=len(reqs), batch_size=batch_size, generated_tokens=generated, wall_s=wall,
+                tokens_per_s=generated / wall)
