@@ -22,6 +22,7 @@ case "${1:-quick}" in
       echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-$dt" | tail -1)"
     done
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,1,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
     ;;
   peft)  # the transformers + PEFT baseline of step 7 (fewer rows: it is slow), 8 and 64 adapters
     for n in 8 64; do
