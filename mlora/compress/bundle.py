@@ -6,8 +6,9 @@ solvers: one fit per module (JD-Full or JD-Diag, optionally clustered), the
 ``--max-error`` gate, the parameter ledger, and the export of one member as a
 standard PEFT adapter. Serving bundles in ``batch-run`` is not built yet.
 
-A bundle is a directory, written into a temporary sibling and renamed into
-place (an existing path is never overwritten), its files read-only::
+A bundle is a directory, written through ``mlora.lora_tools.atomic`` (a
+temporary sibling renamed into place; an existing path is never overwritten),
+its files read-only::
 
     bundle.json          format, schema_version, base identity, members in order with
                          their digests, options (method, R, clusters, normalisation,
@@ -32,13 +33,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import stat
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.safetensors_io import tensor_digest_prefix
 
 from .cluster import ClusterResult, auto_clusters, cluster
@@ -234,38 +233,34 @@ def _ledger_json(ledger) -> dict:
     return {k: (str(v) if not isinstance(v, (int, str, type(None))) else v) for k, v in asdict(ledger).items()}
 
 
+def _bundle_exists(path: str, during: bool) -> CompressError:
+    return CompressError("E_BUNDLE_EXISTS", f"{path} {'appeared while writing' if during else 'exists'}; "
+                         "bundles are immutable: choose a new path")
+
+
+def _export_exists(path: str, during: bool) -> CompressError:
+    return CompressError("E_EXPORT_EXISTS", f"{path} {'appeared while writing' if during else 'exists'}; "
+                         "choose a new directory")
+
+
 def write_bundle(c: Compressed, out: str) -> dict:
     """Write the bundle to ``out`` atomically; returns bundle.json's content.
     Refuses an existing ``out`` (E_BUNDLE_EXISTS) and a bundle over the gate (E_COMPRESS_MAX_ERROR)."""
     from safetensors.torch import save_file
 
-    out = os.path.abspath(out)
-    if os.path.lexists(out):
-        raise CompressError("E_BUNDLE_EXISTS", f"{out} exists; bundles are immutable: choose a new path")
+    out = check_new(out, _bundle_exists)
     bad = c.offenders()
     if bad:
         raise CompressError("E_COMPRESS_MAX_ERROR", f"{len(bad)} member/module error(s) exceed --max-error "
                             f"{c.options.max_error}; no bundle written")
     bases, cores = bundle_tensors(c)
     man = bundle_manifest(c, bases, cores)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with atomic_directory(out, _bundle_exists) as tmp:
         save_file(bases, os.path.join(tmp, "bases.safetensors"), metadata={"format": "pt"})
         save_file(cores, os.path.join(tmp, "cores.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "bundle.json"), "w") as f:
             json.dump(man, f, indent=1, sort_keys=True)
             f.write("\n")
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-        os.chmod(tmp, 0o755)
-        if os.path.lexists(out):
-            raise CompressError("E_BUNDLE_EXISTS", f"{out} appeared while writing; bundles are immutable")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return man
 
 
@@ -345,9 +340,7 @@ def export_member(bundle: Bundle, member: str, out: str) -> dict:
     if member not in bundle.member_ids():
         raise CompressError("E_BUNDLE_MEMBER", f"{member!r} is not a member of {bundle.path}; members: "
                             f"{', '.join(bundle.member_ids())}")
-    out = os.path.abspath(out)
-    if os.path.lexists(out):
-        raise CompressError("E_EXPORT_EXISTS", f"{out} exists; choose a new directory")
+    out = check_new(out, _export_exists)
     R = int(bundle.manifest["options"]["rank"])
     tensors, targets = {}, []
     for module in bundle.manifest["modules"]:
@@ -365,17 +358,9 @@ def export_member(bundle: Bundle, member: str, out: str) -> dict:
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "lora_dropout": 0.0,
         "inference_mode": True,
     }
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with atomic_directory(out, _export_exists, read_only=False) as tmp:
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=1)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"member": member, "modules": len(targets), "rank": R, "path": out,
             "bundle_sha256": bundle.manifest["bundle_sha256"]}

@@ -43,12 +43,11 @@ import hashlib
 import json
 import os
 import shutil
-import stat
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
+from .atomic import atomic_directory, check_new
 from .base import BaseCheckpoint, BaseCheckpointError
 from .safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
 
@@ -87,11 +86,6 @@ def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tenso
                     raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
                 done += n
     return buf.view(ST[dtype]).reshape(tuple(shape))
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _canonical(obj) -> bytes:
@@ -245,26 +239,11 @@ def _factor(t, digest: str | None, name: str) -> torch.Tensor:
 # ---------------------------------------------------------------- writing a release
 
 
-def _layout(base: BaseCheckpoint) -> dict[str, list[str]]:
-    """file -> tensor names, as in the base."""
-    files: dict[str, list[str]] = {}
-    for name, info in base.tensors.items():
-        files.setdefault(os.path.basename(info.path), []).append(name)
-    return files
-
-
 def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of, manifest: dict, config_dtype: str | None,
                    safe: bool, progress=None) -> dict:
     """The common writer of merge and unmerge: every tensor of ``tensors`` (name -> TensorInfo-like)
     produced by ``produce(name)``, in the source's file layout, plus copied side files."""
-    out = os.path.abspath(out)
-    if os.path.lexists(out):
-        raise ReleaseError("E_RELEASE_EXISTS", f"{out} exists; releases are immutable: choose a new path")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale_temporaries(parent, os.path.basename(out))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{os.getpid()}-", dir=parent)
-    try:
+    with atomic_directory(out, _release_exists) as tmp:
         files: dict[str, list[str]] = {}
         for name, info in tensors.items():
             files.setdefault(os.path.basename(info.path), []).append(name)
@@ -318,16 +297,7 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
-        for entry in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, entry), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-        os.chmod(tmp, 0o755)
-        if os.path.lexists(out):
-            raise ReleaseError("E_RELEASE_EXISTS", f"{out} appeared while writing; releases are immutable")
-        os.rename(tmp, out)
-        return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return manifest
 
 
 CHUNK_ELEMENTS = 1 << 20  # rows of a weight merged together: about 4 MiB of float32, cache-sized
@@ -347,25 +317,9 @@ def _merged(t: torch.Tensor, deltas: list, cdt: torch.dtype, target: torch.dtype
     return out
 
 
-def _remove_stale_temporaries(parent: str, name: str) -> None:
-    """Temporary directories of earlier writes of ``name`` whose process is gone (killed
-    with SIGKILL, the machine lost power): never renamed into place, removed now."""
-    prefix = f".{name}.tmp-"
-    for entry in os.listdir(parent):
-        if not entry.startswith(prefix):
-            continue
-        pid = entry[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            alive = int(pid) != os.getpid()  # our own pid: a previous write of this process
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            alive = True
-        if not alive:
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+def _release_exists(path: str, during: bool) -> ReleaseError:
+    return ReleaseError("E_RELEASE_EXISTS", f"{path} {'appeared while writing' if during else 'exists'}; "
+                        "releases are immutable: choose a new path")
 
 
 def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
@@ -378,8 +332,7 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
         raise ReleaseError("E_MERGE_USAGE", f"--dtype must be auto or one of {', '.join(DTYPES)}")
     if compute_dtype not in ("float32", "float64"):
         raise ReleaseError("E_MERGE_USAGE", "--compute-dtype must be float32 or float64")
-    if os.path.lexists(out):
-        raise ReleaseError("E_RELEASE_EXISTS", f"{os.path.abspath(out)} exists; releases are immutable: choose a new path")
+    check_new(out, _release_exists)
     try:
         base = BaseCheckpoint(base_dir)
     except BaseCheckpointError as exc:
