@@ -49,6 +49,7 @@ from .bank import SlotBank
 from .catalog import PinnedAdapter
 from .engine import Engine, Request
 from .kvcache import KVCache
+from .lora import config_role_shapes
 from .model import DecoderLayer, DecoderModel, ModelConfig
 
 PRESETS: dict[str, dict] = {
@@ -133,17 +134,13 @@ def random_bank(model: DecoderModel, n: int, rank: int, seed: int) -> tuple[Slot
 
 def adapter_bytes(config: ModelConfig, rank: int, itemsize: int) -> int:
     """Bytes of one adapter's factors at true rank on every linear module."""
-    c = config
-    per_layer = 0
-    for d_in, d_out in ((c.hidden_size, c.q_out), (c.hidden_size, c.kv_out), (c.hidden_size, c.kv_out),
-                        (c.q_out, c.hidden_size), (c.hidden_size, c.intermediate_size),
-                        (c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size)):
-        per_layer += rank * (d_in + d_out)
-    return per_layer * c.num_layers * itemsize
+    per_layer = sum(rank * (d_out + d_in) for d_out, d_in in config_role_shapes(config).values())
+    return per_layer * config.num_layers * itemsize
 
 
 def layer_params(c: ModelConfig) -> int:
-    return (c.q_out + 2 * c.kv_out) * c.hidden_size + c.hidden_size * c.q_out + 3 * c.hidden_size * c.intermediate_size
+    """Weights of one layer's seven projections."""
+    return sum(d_out * d_in for d_out, d_in in config_role_shapes(c).values())
 
 
 @dataclass

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench import PRESETS
+from .lora import group_shapes, role_shapes
 
 HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -65,10 +66,8 @@ class ResidencyBenchOptions:
 
 def module_shapes(p: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of every linear module of one layer of preset ``p``."""
-    h, i = p["hidden_size"], p["intermediate_size"]
-    q, kv = p["num_heads"] * p["head_dim"], p["num_kv_heads"] * p["head_dim"]
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    return role_shapes(group_shapes(p["hidden_size"], p["intermediate_size"], p["num_heads"], p["num_kv_heads"],
+                                    p["head_dim"]))
 
 
 def write_base(path: str, preset: str, dtype: torch.dtype, seed: int, device: str = "cpu", layers_per_shard: int = 4) -> None:

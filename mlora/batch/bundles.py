@@ -33,6 +33,7 @@ import os
 import torch
 
 from .catalog import AdapterChanged, AdapterError, CatalogEntry, PinnedAdapter, PinnedModule, TensorRef
+from .lora import config_role_shapes
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
 _BUNDLES: dict[tuple[str, str], object] = {}
@@ -61,13 +62,6 @@ def _verified(path: str):
     return b
 
 
-def _expected_shape(config, role: str) -> tuple[int, int] | None:
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.q_out, config.kv_out
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
-            "up_proj": (i, h), "down_proj": (h, i)}.get(role)
-
-
 def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> dict[str, PinnedAdapter]:
     """Pin bundle members: the bundle verified (a tampered bundle makes every member an
     error), every module's shape checked against the base."""
@@ -77,6 +71,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
     from .model import load_config
 
     config = load_config(base_dir)
+    expected = config_role_shapes(config)
     out: dict[str, PinnedAdapter] = {}
     for e in entries:
         def bad(code: str, message: str) -> PinnedAdapter:
@@ -101,7 +96,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
             layer = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
             role = parts[-1]
             problem = _unsupported_module(name, "linear", role, layer)
-            shape = _expected_shape(config, role)
+            shape = expected.get(role)
             if problem is None and (layer >= config.num_layers or shape != (mod["d_out"], mod["d_in"])):
                 problem = (f"module {name} is [{mod['d_out']}, {mod['d_in']}] in the bundle, the base has "
                            f"{'no such layer' if layer >= config.num_layers else list(shape)}")

@@ -46,6 +46,17 @@ def group_shapes(hidden: int, intermediate: int, num_heads: int, num_kv_heads: i
     }
 
 
+def role_shapes(shapes: dict[str, tuple[int, tuple[int, ...]]]) -> dict[str, tuple[int, int]]:
+    """role -> (d_out, d_in) of every target module of :func:`group_shapes`' groups."""
+    return {role: (widths[j], d_in) for g, (d_in, widths) in shapes.items() for j, role in enumerate(GROUPS[g])}
+
+
+def config_role_shapes(config) -> dict[str, tuple[int, int]]:
+    """role -> (d_out, d_in) for a ``mlora.batch.model.ModelConfig``."""
+    c = config
+    return role_shapes(group_shapes(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim))
+
+
 class LoraContext(Protocol):
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
