@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .render import fail as _fail
+
 EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 1, 2, 3
 
 
@@ -136,8 +138,3 @@ def _runtime(err: Console, exc: BaseException):
     code = getattr(exc, "code", None) or "E_RUNTIME"
     _fail(err, code, f"{type(exc).__name__}: {exc}. Committed shards are kept: rerun with --resume "
           "(set MLORA_DEBUG=1 for a traceback)", EXIT_RUNTIME)
-
-
-def _fail(err: Console, code: str, message: str, exit_code: int):
-    err.print(f"Error: {code}: {message}", markup=False, highlight=False)
-    raise typer.Exit(exit_code)

@@ -75,14 +75,26 @@ def bench_kernels(
     except RuntimeError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
-    text = json.dumps(results, indent=2)
+    if not _save(results, out, json_out):
+        _print_kernel_tables(results)
+    if not results["summary"]["all_correct"]:
+        raise typer.Exit(1)
+
+
+def _save(results: dict, out: Optional[Path], json_out: bool, indent: int | None = 2) -> bool:
+    """Write ``results`` to ``--out`` if given; with ``--json`` print them on stdout and return True
+    (the caller then prints no tables)."""
+    text = json.dumps(results, indent=indent)
     if out:
         out.write_text(text + "\n")
     if json_out:
         sys.stdout.write(text + "\n")
-    else:
-        _print_kernel_tables(results)
-    if not results["summary"]["all_correct"]:
+    return json_out
+
+
+def _require_cuda(err: Console, device: str) -> None:
+    if device == "cuda" and not __import__("torch").cuda.is_available():
+        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
         raise typer.Exit(1)
 
 
@@ -135,9 +147,7 @@ def bench_batch(
         counts = tuple(int(a) for a in adapters.split(","))
     except ValueError:
         raise typer.BadParameter("--adapters takes comma-separated integers, e.g. 0,1,8,64")
-    if device == "cuda" and not __import__("torch").cuda.is_available():
-        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
-        raise typer.Exit(1)
+    _require_cuda(err, device)
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
@@ -154,12 +164,7 @@ def bench_batch(
     except ValueError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
-    text = json.dumps(results, indent=2)
-    if out:
-        out.write_text(text + "\n")
-    if json_out:
-        sys.stdout.write(text + "\n")
-    else:
+    if not _save(results, out, json_out):
         _print_batch_table(results)
 
 
@@ -215,20 +220,14 @@ def bench_residency(
     from ..batch.bench_residency import ResidencyBenchOptions, run_residency_bench
 
     err = Console(stderr=True)
-    if device == "cuda" and not __import__("torch").cuda.is_available():
-        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
-        raise typer.Exit(1)
+    _require_cuda(err, device)
     opts = ResidencyBenchOptions(preset=preset, adapters=adapters, rank=rank,
                                  targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()))
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
-    text = json.dumps(results, indent=2)
-    if out:
-        out.write_text(text + "\n")
-    if json_out:
-        sys.stdout.write(text + "\n")
+    if _save(results, out, json_out):
         return
     con = Console()
     table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, {targets}), Zipf({zipf}), {rows} rows",
@@ -269,18 +268,11 @@ def bench_peft(
     from ..batch.bench_peft import run_peft_baseline
 
     err = Console(stderr=True)
-    if device == "cuda" and not __import__("torch").cuda.is_available():
-        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
-        raise typer.Exit(1)
+    _require_cuda(err, device)
     opts = BatchBenchOptions(preset=preset, rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
                              max_new_tokens=max_new_tokens, device=device, dtype=dtype, seed=seed)
     r = run_peft_baseline(opts, adapters, batch_size,
                           progress=None if json_out else (lambda d, t: err.print(f"[dim]{d}/{t} rows[/dim]")))
-    text = json.dumps(r)
-    if out:
-        out.write_text(text + "\n")
-    if json_out:
-        sys.stdout.write(text + "\n")
-    else:
+    if not _save(r, out, json_out, indent=None):
         Console().print(f"transformers + PEFT, {adapters} adapters, batch {batch_size}: {r['tokens_per_s']:.1f} "
                         f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")

@@ -17,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .render import fail as _fail
+
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
 
@@ -160,8 +162,3 @@ def _export(bundle_path: str, member: str, out: str, json_out: bool, err: Consol
         sys.stdout.write(json.dumps(info) + "\n")
     else:
         Console().print(f"exported {member} ({info['modules']} modules, rank {info['rank']}) to {out}")
-
-
-def _fail(err: Console, code: str, message: str, exit_code: int):
-    err.print(f"[red]Error:[/red] {code}: {message}")
-    raise typer.Exit(exit_code)

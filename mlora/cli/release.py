@@ -10,14 +10,11 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-EXIT_INVALID, EXIT_USAGE = 1, 2
+from .render import fail as _fail
+
+EXIT_USAGE = 2
 
 release_app = typer.Typer(help="Immutable merged releases.", no_args_is_help=True)
-
-
-def _fail(err: Console, code: str, message: str, exit_code: int = EXIT_INVALID):
-    err.print(f"[red]Error:[/red] {code}: {message}")
-    raise typer.Exit(exit_code)
 
 
 def merge(

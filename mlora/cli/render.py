@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -72,3 +73,9 @@ def validation(console: Console, reports: list[AdapterReport], base: BaseIdentit
         console.print(ft)
     ok = sum(r.valid and r.servable for r in reports)
     console.print(f"{ok}/{len(reports)} adapter(s) valid and servable.")
+
+
+def fail(err: Console, code: str, message: str, exit_code: int = 1):
+    """Print ``Error: CODE: message`` on stderr (no markup: messages quote paths and lists) and exit."""
+    err.print(f"Error: {code}: {message}", markup=False, highlight=False)
+    raise typer.Exit(exit_code)
