@@ -385,11 +385,17 @@ def _num_slots(opts: JobOptions, adapters: int, slot_bytes: int, device) -> int:
     if opts.max_gpu_adapters is not None:
         return max(1, min(adapters, opts.max_gpu_adapters))
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        usable = max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
+        usable = _usable_gpu_bytes(opts, device)
         return max(1, min(adapters, int(ADAPTER_MEMORY_SHARE * usable // max(slot_bytes, 1))))
     return max(1, adapters)
+
+
+def _usable_gpu_bytes(opts: JobOptions, device) -> float:
+    """Free device memory that ``--gpu-memory-utilization`` lets the job take now
+    (blocks cached by the allocator, e.g. load temporaries, count as free)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
 
 
 def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
@@ -402,8 +408,6 @@ def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
     if opts.kv_cache_gb:
         return fit(opts.kv_cache_gb * 2**30)
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. load temporaries) count as free
-        free, total = torch.cuda.mem_get_info(device)
-        return fit(free - (1 - opts.gpu_memory_utilization) * total)
+        return fit(_usable_gpu_bytes(opts, device))
     per_seq = -(-config.max_position_embeddings // opts.block_size)
     return max(1, opts.max_num_seqs * per_seq)
