@@ -181,46 +181,45 @@ class _RecordingEngine(Engine):
         return self.last_plan
 
 
-def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tokens: int, distinct: int, rank: int,
-                 ceil: Ceilings) -> dict:
-    """Floor of one decode iteration (module docstring)."""
+def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: int, kv_tokens: int, sampled: int,
+                    lora_rows: int, distinct: int, rank: int, ceil: Ceilings) -> dict:
+    """Floor of one iteration of ``rows`` packed rows (module docstring): ``pairs`` causal
+    query-key pairs attended, ``kv_tokens`` cached tokens read, ``sampled`` rows through the
+    LM head, ``lora_rows`` rows through the LoRA branches of ``distinct`` adapters.
+    flops = 2 * rows * layer weights + 4 * heads * head_dim * layers per pair + LM head + LoRA;
+    bytes = weights (norms included) + distinct adapters at true rank + K/V read + each GEMM's
+    input and output rows + the logits of the sampled rows."""
     c = config
     itemsize = torch.empty((), dtype=dtype).element_size()
     weights = (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) * itemsize \
         + (2 * c.num_layers + 1) * c.hidden_size * itemsize
     kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
-    per_row_act = c.num_layers * (c.hidden_size + (c.q_out + 2 * c.kv_out) + c.q_out + c.hidden_size + c.hidden_size
-                                  + 2 * c.intermediate_size + c.intermediate_size + c.hidden_size) * itemsize
-    act = rows * (per_row_act + c.vocab_size * (itemsize + 4))
-    adapters = distinct * adapter_bytes(c, rank, itemsize)
-    total = weights + adapters + context_tokens * kv_per_token + act
-    lora_flops = 2 * rows * adapter_bytes(c, rank, 1) if distinct else 0
-    flops = 2 * rows * (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) \
-        + 4 * context_tokens * c.num_heads * c.head_dim * c.num_layers + lora_flops
+    per_row_act = c.num_layers * (4 * c.hidden_size + 2 * c.q_out + 2 * c.kv_out + 3 * c.intermediate_size) * itemsize
+    act = rows * per_row_act + sampled * c.vocab_size * (itemsize + 4)
+    total = weights + distinct * adapter_bytes(c, rank, itemsize) + kv_tokens * kv_per_token + act
+    flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
+        + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)
     t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
-    return dict(bytes=total, flops=flops, floor_s=max(t_bytes, t_flops), bound="memory" if t_bytes >= t_flops else "compute")
+    return dict(rows=rows, bytes=total, flops=flops, floor_s=max(t_bytes, t_flops),
+                bound="memory" if t_bytes >= t_flops else "compute")
+
+
+def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tokens: int, distinct: int, rank: int,
+                 ceil: Ceilings) -> dict:
+    """Floor of one decode iteration: every row one new token (attending to its whole
+    context) and sampled; LoRA on every row when any adapter is in the batch."""
+    return iteration_floor(config, dtype, rows, context_tokens, context_tokens, rows, rows if distinct else 0,
+                           distinct, rank, ceil)
 
 
 def mixed_floor(config: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]], sampled: int, lora_rows: int,
                 distinct: int, rank: int, ceil: Ceilings) -> dict:
     """Floor of an iteration with prefill chunks: ``seqs`` = (new rows n, context after it c)
-    per sequence. flops = 2 * rows * layer weights + causal attention (4 * heads * head_dim *
-    layers per query-key pair) + LM head on the sampled rows + LoRA; bytes as for decode
-    (weights, distinct adapters, K/V read, activations)."""
-    c = config
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    per sequence; row i of a chunk attends to the c - n + i + 1 keys up to its position."""
     rows = sum(n for n, _ in seqs)
     pairs = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)
-    flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
-        + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)
-    kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
-    weights = (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) * itemsize
-    per_row_act = c.num_layers * (4 * c.hidden_size + 2 * c.q_out + 2 * c.kv_out + 3 * c.intermediate_size) * itemsize
-    total = weights + distinct * adapter_bytes(c, rank, itemsize) + sum(ctx for _, ctx in seqs) * kv_per_token \
-        + rows * per_row_act
-    t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
-    return dict(rows=rows, flops=flops, bytes=total, floor_s=max(t_bytes, t_flops),
-                bound="memory" if t_bytes >= t_flops else "compute")
+    return iteration_floor(config, dtype, rows, pairs, sum(ctx for _, ctx in seqs), sampled, lora_rows, distinct,
+                           rank, ceil)
 
 
 def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: int, max_new: int, seed: int):
@@ -289,7 +288,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
         distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
         f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
-        decode.append(dict(rows=len(plan.seqs), context=ctx, distinct=distinct, seconds=seconds, **f))
+        decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, **f))  # f['rows']: running rows
     _sync(dev)
     wall = time.perf_counter() - t_start
     generated = eng.stats["generated_tokens"]
