@@ -274,7 +274,8 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
                                   max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch))
 
-    few, many, sync = run("few", 3), run("many", None), run("sync", 3, prefetch=0)
+    few, many = run("few", 3), run("many", None)
+    run("sync", 3, prefetch=0)
     a, b, c = _rows(tmp_path / "few"), _rows(tmp_path / "many"), _rows(tmp_path / "sync")
     assert len(a) == n and all(r["error_code"] is None for r in a.values())
     tokens = {k: r["completion_token_ids"] for k, r in a.items()}
