@@ -60,57 +60,73 @@ _CONFIGS: dict[tuple, dict] = {}
 
 
 @triton.jit
-def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
-    """(slot, grouped rows u, row mask, scheduler rows) of tile ``pid_t``."""
+def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, BLOCK_M: tl.constexpr):
+    """(valid, slot, grouped rows u, row mask, scheduler rows) of tile ``pid_t``.
+
+    The tile count and the tile's metadata are loaded together (one memory round
+    trip, not two: entries past ``num_tiles`` are in bounds, merely stale), then
+    the tile's rows."""
+    n_tiles = tl.load(num_tiles_ptr)
     slot = tl.load(tile_slot_ptr + pid_t)
     u0 = tl.load(tile_start_ptr + pid_t)
     u1 = tl.load(tile_end_ptr + pid_t)
+    valid = pid_t < n_tiles
     u = u0 + tl.arange(0, BLOCK_M)
-    m_ok = u < u1
+    m_ok = u < tl.where(valid, u1, u0)  # no rows for a tile past the count
     rows = tl.load(rows_ptr + u, mask=m_ok, other=0).to(tl.int64)
-    return slot, u.to(tl.int64), m_ok, rows
+    return valid, slot, u.to(tl.int64), m_ok, rows
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, zp_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
+    x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
     d_in, R, S, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
+        tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
-    if pid_t >= tl.load(num_tiles_ptr):
-        return
     pid_r = tl.program_id(1)
     j = pid_r // RANK_TILES
     r0 = (pid_r % RANK_TILES) * BLOCK_R
-    slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                                       BLOCK_M)
+    if not valid:
+        return
     rank = tl.load(ranks_ptr + j * S + slot)
     if r0 >= rank:
         return
+    cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
     if BLOCK_R > RANK_CLASS:  # narrow path for low-rank slots in a wide bank (mixed ranks)
         if rank <= RANK_CLASS:
-            _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT)
+                         BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT)
         else:
-            _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
+                         BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT)
     else:
-        _shrink_rows(x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+        _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
+                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT)
 
 
 @triton.jit
 def _shrink_rows(
-    x_ptr, a_ptr, zp_ptr, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+    x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank."""
+    """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank.
+
+    With ``SPLIT > 1`` the last of the tile's split programs to arrive (an
+    acquire-release counter) sums the ``SPLIT`` partials in the fixed order
+    0, 1, ... into partial 0 and resets the counter: the result does not depend
+    on which program arrives last, and the expand reads one z, not ``SPLIT``."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -126,92 +142,142 @@ def _shrink_rows(
             acc += tl.dot(xt, tl.trans(at))
         else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
-    zp = zp_ptr + tl.program_id(2) * stride_zk + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
-    tl.store(zp, acc, mask=m_ok[:, None] & r_ok[None, :])
+    zmask = m_ok[:, None] & r_ok[None, :]
+    z0 = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
+    tl.store(z0 + tl.program_id(2) * stride_zk, acc, mask=zmask)
+    if SPLIT > 1:
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            z = tl.load(z0, mask=zmask, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
+            for k in tl.static_range(1, SPLIT):
+                z += tl.load(z0 + k * stride_zk, mask=zmask, other=0.0, cache_modifier=".cg")
+            tl.store(z0, z, mask=zmask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
 
 
 @triton.jit
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    ranks_ptr, scales_ptr, col_meta_ptr,
-    R, S,
-    stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-    N_SLICES: tl.constexpr, SPLIT: tl.constexpr, GROUP_TILES: tl.constexpr,
+    ranks_ptr, scales_ptr,
+    R, S, G1, G2, G3, O1, O2, O3, O4,
+    stride_zu, stride_bs, stride_bn, stride_yt,
+    N_SLICES: tl.constexpr, GROUP_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One row tile x one group of GROUP_TILES column tiles of one slice: the
     tile's z (split partials summed once, in fixed order) stays in registers
-    while the group's columns stream B and y."""
+    while the group's columns stream B and y.
+
+    Slice metadata are scalars (no loads): ``G1..G3`` are the first column
+    groups of slices 1..3, ``O1..O4`` the first columns of slices 1..4 (O_n =
+    sum of widths). With ``USE_PDL`` the kernel is launched as a programmatic
+    dependent of the shrink: everything it reads that the shrink does not write
+    (plan, ranks, scales, B, the first y tile) is loaded before the grid-
+    dependency wait, z after it."""
     pid_t = tl.program_id(0)
-    if pid_t >= tl.load(num_tiles_ptr):
-        return
     pid_g = tl.program_id(1)
-    # col_meta = [first column group of slice 0..n, first column of slice 0..n]
     j = 0
-    for jj in tl.static_range(1, N_SLICES):
-        if pid_g >= tl.load(col_meta_ptr + jj):
-            j = jj
-    slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    g_lo = 0
+    n_lo = 0
+    n_hi = O1
+    if N_SLICES > 1:
+        if pid_g >= G1:
+            j, g_lo, n_lo, n_hi = 1, G1, O1, O2
+    if N_SLICES > 2:
+        if pid_g >= G2:
+            j, g_lo, n_lo, n_hi = 2, G2, O2, O3
+    if N_SLICES > 3:
+        if pid_g >= G3:
+            j, g_lo, n_lo, n_hi = 3, G3, O3, O4
+    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                                       BLOCK_M)
+    if not valid:
+        return
     rank = tl.load(ranks_ptr + j * S + slot)
     if rank == 0:
         return
-    n_lo = tl.load(col_meta_ptr + N_SLICES + 1 + j)
-    n_hi = tl.load(col_meta_ptr + N_SLICES + 2 + j)
-    n_first = n_lo + (pid_g - tl.load(col_meta_ptr + j)) * (GROUP_TILES * BLOCK_N)
+    scale = tl.load(scales_ptr + j * S + slot)
+    n_first = n_lo + (pid_g - g_lo) * (GROUP_TILES * BLOCK_N)
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
         if rank <= RANK_CLASS:
-            _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
-                            stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-                            SPLIT, GROUP_TILES, BLOCK_N, RANK_CLASS, NATIVE_DOT)
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                            stride_zu, stride_bs, stride_bn, stride_yt,
+                            GROUP_TILES, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL)
         else:
-            _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
-                            stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-                            SPLIT, GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT)
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                            stride_zu, stride_bs, stride_bn, stride_yt,
+                            GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
     else:
-        _expand_columns(zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
-                        stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-                        SPLIT, GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT)
+        _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                        stride_zu, stride_bs, stride_bn, stride_yt,
+                        GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
 
 
 @triton.jit
 def _expand_columns(
-    zp_ptr, b_ptr, y_ptr, scales_ptr, slot, u, m_ok, rows, rank, j, S, R, n_first, n_hi,
-    stride_zk, stride_zu, stride_bs, stride_bn, stride_yt,
-    SPLIT: tl.constexpr, GROUP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
+    stride_zu, stride_bs, stride_bn, stride_yt,
+    GROUP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """The expand of one tile over its column group, z and B BLOCK_R wide (>= rank)."""
+    """The expand of one tile over its column group, z and B BLOCK_R wide (>= rank).
+
+    Narrow z (BLOCK_R <= 32): column tile g+1's B and y are loaded while tile
+    g's dot and store run (register double buffering), and tile 0's before z
+    is available. Wide z: one tile at a time (two 64-wide B tiles in registers
+    spill), with only the plan metadata read before the wait."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank  # the true rank: z and B past it are never read
-    zmask = m_ok[:, None] & r_ok[None, :]
-    zaddr = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
-    z = tl.load(zaddr, mask=zmask, other=0.0)
-    for k in tl.static_range(1, SPLIT):  # fixed order: deterministic
-        z += tl.load(zaddr + k * stride_zk, mask=zmask, other=0.0)
-    z = z * tl.load(scales_ptr + j * S + slot)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    offs_n = n_first + tl.arange(0, BLOCK_N)
+    mask = m_ok[:, None] & (offs_n < n_hi)[None, :]
+    yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+    n_stop = tl.minimum(n_hi, n_first + GROUP_TILES * BLOCK_N)  # end of this program's columns
+    if BLOCK_R <= 32:
+        # y streams through once (evict_first); B stays cached for the slot's other tiles
+        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
+        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                     mask=(offs_n < n_hi)[:, None] & r_ok[None, :], other=0.0, eviction_policy="evict_last")
+    if USE_PDL:  # z is the shrink's output: wait for the shrink grid to finish and flush
+        tl.extra.cuda.gdc_wait()
+    zmask = m_ok[:, None] & r_ok[None, :]
+    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=zmask, other=0.0) * scale
     if NATIVE_DOT:
         zd = z.to(b_ptr.dtype.element_ty)
     else:
         zd = z
-    for g in range(0, GROUP_TILES):
-        offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_hi
-        yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-        # y streams through once: issue its load first (its latency overlaps B and the
-        # dot) and keep it out of L2's way; B stays cached for the slot's other tiles
-        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0, eviction_policy="evict_last")
-        if NATIVE_DOT:
-            acc = tl.dot(zd, tl.trans(bt))
-        else:
-            acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
+    if BLOCK_R <= 32:
+        for g in range(0, GROUP_TILES):
+            offs_n2 = offs_n + BLOCK_N
+            n_ok2 = offs_n2 < n_stop
+            mask2 = m_ok[:, None] & n_ok2[None, :]
+            yp2 = yp + BLOCK_N
+            old2 = tl.load(yp2, mask=mask2, other=0.0, eviction_policy="evict_first")
+            bt2 = tl.load(b_base + offs_n2[:, None] * stride_bn + offs_r[None, :], mask=n_ok2[:, None] & r_ok[None, :],
+                          other=0.0, eviction_policy="evict_last")
+            if NATIVE_DOT:
+                acc = tl.dot(zd, tl.trans(bt))
+            else:
+                acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+            tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
+            offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
+    else:
+        for g in range(0, GROUP_TILES):
+            offs = offs_n + g * BLOCK_N
+            n_ok = offs < n_stop
+            mk = m_ok[:, None] & n_ok[None, :]
+            yg = yp + g * BLOCK_N
+            old = tl.load(yg, mask=mk, other=0.0, eviction_policy="evict_first")
+            bt = tl.load(b_base + offs[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                         other=0.0, eviction_policy="evict_last")
+            if NATIVE_DOT:
+                acc = tl.dot(zd, tl.trans(bt))
+            else:
+                acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+            tl.store(yg, (old.to(tl.float32) + acc).to(old.dtype), mask=mk, eviction_policy="evict_first")
 
 
 # Plain-Python helpers: triton.cdiv / next_power_of_2 are JIT functions whose
@@ -241,8 +307,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
     rank_tiles = _cdiv(R, block_r)
     # split d_in until the shrink launch has about ``waves`` programs per SM,
-    # keeping chunks of at least 2 K-blocks
-    want = override.get("waves", 4) * _num_sms(device)
+    # keeping chunks of at least 2 K-blocks (2 per SM: measured on the H200,
+    # BENCHMARKS.md; more splits cost more partial traffic than they hide)
+    want = override.get("waves", 2) * _num_sms(device)
     have = tiles * n_slices * rank_tiles
     max_split = max(1, d_in // (2 * block_k))
     split = override.get("split") or max(1, min(max_split, _cdiv(want, have)))
@@ -252,26 +319,45 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
         shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
+        pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
+    # (narrow z is cheap to reload: many small programs balance best; a 64-wide
+    # z is worth streaming over a few tiles)
     col_tiles = sum(_cdiv(w, cfg["block_n"]) for w in widths)
     programs = tiles * col_tiles
-    cfg["group_tiles"] = override.get("group_tiles") or max(
-        1, min(8, programs // (override.get("expand_waves", 4) * _num_sms(device))))
+    waves = override.get("expand_waves", 16 if cfg["block_r_expand"] <= 32 else 4)
+    cfg["group_tiles"] = override.get("group_tiles") or max(1, min(8, programs // (waves * _num_sms(device))))
     cfg.update({k: v for k, v in override.items() if k in cfg and k not in ("split", "block_r", "block_k", "block_n")})
     return cfg
+
+
+MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arguments)
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None):
     """Shrink then expand over ``lp``; y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config`."""
+    entries of :func:`launch_config`. More than ``MAX_SLICES`` slices run as
+    several launch pairs of at most that many."""
     S, n, R, d_in = lora_a.shape
+    if n > MAX_SLICES:
+        off = 0
+        for j0 in range(0, n, MAX_SLICES):
+            ws = list(widths[j0 : j0 + MAX_SLICES])
+            add_lora_slices_triton(y[:, off : off + sum(ws)], x, lora_a[:, j0 : j0 + MAX_SLICES],
+                                   lora_b[:, off : off + sum(ws)], lp, ranks[j0 : j0 + MAX_SLICES],
+                                   scales[j0 : j0 + MAX_SLICES], ws, config)
+            off += sum(ws)
+        return y
     if x.stride(1) != 1:
         x = x.contiguous()
-    lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    if lora_a.stride(3) != 1:
+        lora_a = lora_a.contiguous()
+    if lora_b.stride(2) != 1:
+        lora_b = lora_b.contiguous()
     assert y.stride(1) == 1, "y must be row-major"
     native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
@@ -281,43 +367,78 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
         if config is None:
             _CONFIGS[key] = cfg
+    pdl = cfg["pdl"] and _pdl_supported(x.device)
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
+    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
-        x, lora_a, zp, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
+        x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         d_in, R, S, cfg["k_per_split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT=cfg["split"],
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
-    col_groups = [0]
-    col_offs = [0]
+    groups = [0]  # first column group of each slice, then the total
+    offs = [0]  # first column of each slice, then the total width
     for w in widths:
-        col_groups.append(col_groups[-1] + _cdiv(w, bn * gt))
-        col_offs.append(col_offs[-1] + w)
-    col_meta = _col_meta(tuple(col_groups + col_offs), x.device)
-    _expand_kernel[(lp.tile_capacity, col_groups[-1])](
+        groups.append(groups[-1] + _cdiv(w, bn * gt))
+        offs.append(offs[-1] + w)
+    g_args = (groups[1:n] + [groups[-1]] * MAX_SLICES)[: MAX_SLICES - 1]
+    o_args = (offs[1:] + [offs[-1]] * MAX_SLICES)[:MAX_SLICES]
+    extra = dict(launch_pdl=True) if pdl else {}
+    _expand_kernel[(lp.tile_capacity, groups[-1])](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
-        ranks, scales, col_meta,
-        R, S,
-        zp.stride(0), zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        N_SLICES=n, SPLIT=cfg["split"], GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
-        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b,
-        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
+        ranks, scales,
+        R, S, *g_args, *o_args,
+        zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        N_SLICES=n, GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
+        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
 
 
-_COL_META: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[str, list[torch.Tensor]] = {}
 
 
-def _col_meta(values: tuple, device: torch.device) -> torch.Tensor:
-    """Slice column metadata as a cached device tensor (created once per shape, so
-    a call inside CUDA graph capture finds it already resident)."""
-    key = (values, str(device))
-    t = _COL_META.get(key)
-    if t is None:
-        t = torch.tensor(values, dtype=torch.int32, device=device)
-        _COL_META[key] = t
-    return t
+def _split_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K reduction, at least ``numel``.
+
+    The shrink leaves every counter it used at zero again, so one buffer per
+    device serves every later call and graph replay; a larger need allocates a
+    larger buffer and keeps the old ones alive (graphs captured earlier still
+    point at them). Inside a CUDA graph capture a missing buffer is allocated
+    in the capture (its zeroing becomes part of the graph: correct, one node more)."""
+    key = str(device)
+    bufs = _COUNTERS.setdefault(key, [])
+    if bufs and bufs[-1].numel() >= numel:
+        return bufs[-1]
+    buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return buf
+    bufs.append(buf)
+    return buf
+
+
+_PDL: dict[str, bool] = {}
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA on compute capability >= 9 (Hopper) with
+    a Triton that exposes the ``launch_pdl`` launch option. Never under the
+    interpreter (its grid-dependency instructions are PTX)."""
+    key = str(device)
+    if key not in _PDL:
+        ok = device.type == "cuda" and not _INTERPRET
+        if ok:
+            ok = torch.cuda.get_device_capability(device)[0] >= 9
+        if ok:
+            try:
+                from triton.backends.nvidia.compiler import CUDAOptions
+                ok = "launch_pdl" in CUDAOptions.__dataclass_fields__
+            except Exception:  # noqa: BLE001 - any import or layout difference means: not available
+                ok = False
+        _PDL[key] = ok
+    return _PDL[key]
