@@ -27,6 +27,33 @@ def test_view_stats_depend_on_the_bytes_not_the_layout():
     assert view_stats(torch.tensor([[3, 0], [0, 7]], dtype=torch.int32)).tolist()[:2] == [1, 2]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.uint8])
+def test_host_and_device_view_stats_agree(dtype):
+    """The numpy host path and the torch device path compute the same four integers
+    (here both on the CPU), incl. NaN, inf, -0.0 and an odd number of bytes."""
+    from mlora.batch.residency.host import _view_stats_host, _view_stats_torch
+
+    g = torch.Generator().manual_seed(3)
+    n = 4099 if dtype == torch.uint8 else 3001  # odd byte count for uint8
+    if dtype.is_floating_point:
+        t = (torch.randn(n, generator=g) * 1e3).to(dtype)
+        t[::7] = 0.0
+        t[5] = -0.0
+    else:
+        t = torch.randint(0, 200, (n,), generator=g).to(dtype)
+        t[::5] = 0
+    for poison in (None, float("nan"), float("inf")):
+        u = t.clone()
+        if poison is not None:
+            if not dtype.is_floating_point:
+                continue
+            u[17] = poison
+        host, dev = _view_stats_host(u).tolist(), _view_stats_torch(u).tolist()
+        assert host == dev
+        assert host[0] == (0 if poison is not None else 1)
+        assert host[1] == int(torch.count_nonzero(u))  # -0.0 counts as zero, NaN as non-zero
+
+
 def _slot(dtype=torch.float32):
     A = torch.zeros(3, 2, 4, 5, dtype=dtype)  # 3 slots of [2, 4, 5]
     ranks = torch.zeros(3, 2, dtype=torch.int32)

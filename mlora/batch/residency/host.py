@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import ResidencyError
@@ -96,26 +97,83 @@ class HostArtifact:
 
 CHECK_MODULUS = 65521  # position weights 1 .. 65521
 
+# (exponent mask, magnitude mask) of a float dtype's bit pattern: finite iff the
+# exponent is not all ones; non-zero (as a float: -0.0 is zero) iff any magnitude bit is set
+_FLOAT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80, 0x7FFF),
+    torch.float16: (torch.int16, 0x7C00, 0x7FFF),
+    torch.float32: (torch.int32, 0x7F800000, 0x7FFFFFFF),
+    torch.float64: (torch.int64, 0x7FF0000000000000, 0x7FFFFFFFFFFFFFFF),
+}
+_WEIGHTS: dict[str, torch.Tensor] = {}  # device -> int32 position weights, a growing prefix
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """int32 [n]: (position mod 65521) + 1, cached per device (every view shares the prefix)."""
+    key = str(device)
+    w = _WEIGHTS.get(key)
+    if w is None or w.numel() < n:
+        w = torch.arange(max(n, 1 << 20), dtype=torch.int64, device=device).remainder_(CHECK_MODULUS).add_(1)
+        w = w.to(torch.int32)
+        _WEIGHTS[key] = w
+    return w[:n]
+
 
 def view_stats(t: torch.Tensor) -> torch.Tensor:
     """int64 [4] on ``t``'s device: (all finite, non-zero count, sum of the bytes read as
     16-bit words, sum of word x ((position mod 65521) + 1)). Exact integer arithmetic:
-    |word| <= 2^15 and weights <= 2^16, so the sums stay below 2^63 for views of up to
-    2^31 words. The same bytes give the same four numbers on every device; a landed
-    view whose numbers equal its host image's is accepted without reading it back."""
+    |word| <= 2^15 and weights <= 2^16, so every product fits in int32 and the sums stay
+    below 2^63 for views of up to 2^31 words. The same bytes give the same four numbers
+    on every device (host tensors take a numpy path: torch's int64 reductions on the
+    CPU are an order of magnitude slower, and the host side runs once per adapter
+    load); a landed view whose numbers equal its host image's is accepted without
+    reading it back."""
     flat = t.detach().reshape(-1)
     if flat.numel() and flat.stride(0) != 1:  # e.g. a one-element column slice "contiguous" with stride > 1
         flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
-    finite = torch.isfinite(flat).all() if flat.is_floating_point() else torch.ones((), dtype=torch.bool, device=t.device)
-    nonzero = torch.count_nonzero(flat)
+    if flat.numel() * flat.element_size() > 2**32:
+        raise ValueError("view_stats: a view of more than 2^31 words could overflow the weighted sum")
+    return _view_stats_host(flat) if flat.device.type == "cpu" else _view_stats_torch(flat)
+
+
+def _view_stats_torch(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`view_stats` of a contiguous 1-D tensor with torch reductions on its device
+    (no synchronisation: the result stays on the device)."""
+    bits = _FLOAT_BITS.get(flat.dtype)
+    if bits is not None:
+        b = flat.view(bits[0])
+        finite = ((b & bits[1]) != bits[1]).all()
+        nonzero = torch.count_nonzero(b & bits[2])
+    else:
+        finite = torch.isfinite(flat).all() if flat.is_floating_point() else torch.ones((), dtype=torch.bool,
+                                                                                        device=flat.device)
+        nonzero = torch.count_nonzero(flat)
     raw = flat.view(torch.uint8)
     if raw.numel() % 2:
         raw = torch.cat((raw, raw.new_zeros(1)))
-    words = raw.view(torch.int16).to(torch.int64)
-    if words.numel() > 2**31:
-        raise ValueError("view_stats: a view of more than 2^31 words could overflow the weighted sum")
-    weights = torch.arange(words.numel(), dtype=torch.int64, device=t.device).remainder_(CHECK_MODULUS).add_(1)
-    return torch.stack((finite.to(torch.int64), nonzero.to(torch.int64), words.sum(), (words * weights).sum()))
+    words = raw.view(torch.int16).to(torch.int32)
+    weighted = (words * _weights(words.numel(), words.device)).sum(dtype=torch.int64)
+    return torch.stack((finite.to(torch.int64), nonzero.to(torch.int64), words.sum(dtype=torch.int64), weighted))
+
+
+def _view_stats_host(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`view_stats` of a contiguous 1-D host tensor, with numpy reductions."""
+    bits = _FLOAT_BITS.get(flat.dtype)
+    if bits is not None:
+        b = flat.view(bits[0]).numpy()
+        finite = bool(((b & bits[1]) != bits[1]).all())
+        nonzero = int(np.count_nonzero(b & bits[2]))
+    else:
+        finite = bool(torch.isfinite(flat).all()) if flat.is_floating_point() else True
+        nonzero = int(torch.count_nonzero(flat))
+    raw = flat.view(torch.uint8).numpy()
+    if raw.size % 2:
+        raw = np.concatenate((raw, np.zeros(1, dtype=np.uint8)))
+    words = raw.view(np.int16)
+    w32 = words.astype(np.int32)
+    w32 *= _weights(words.size, torch.device("cpu")).numpy()
+    return torch.tensor([int(finite), nonzero, int(words.sum(dtype=np.int64)), int(w32.sum(dtype=np.int64))],
+                        dtype=torch.int64)
 
 
 def pieces_sha256(pieces) -> str:

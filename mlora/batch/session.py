@@ -1,0 +1,149 @@
+"""One engine on one device: the unit every way of running a job repeats.
+
+Owns building the model, the adapter slot bank and the engine from a job's
+options and the adapters it pinned (:class:`EngineSession`), turning input
+rows into engine requests (:func:`requests_of`) and finished rows into output
+records (:func:`result_record`). The single-process job (``job.py``), each
+worker process of ``--gpus`` / ``--num-workers`` (``worker.py``) and each Ray
+actor (``ray.py``) build one session each and call the same functions, so a
+row's output does not depend on which of them ran it.
+
+Must not know where rows come from or where records go, and never pins
+adapters: a session serves exactly the identities the job pinned at start
+(the bank re-hashes factors when it loads them, ``E_ADAPTER_CHANGED``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .catalog import PinnedAdapter
+from .engine import Engine, Request, Result
+from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
+from .sampling import SamplingParams
+
+
+class EngineSession:
+    """Model + adapter bank + engine for ``opts`` on ``device``.
+
+    ``pinned`` maps every adapter id the session may see to its
+    :class:`PinnedAdapter` (bad ones included: their rows become error rows).
+    ``metrics`` (a :class:`~mlora.batch.metrics.JobMetrics`) is created after the
+    model and the preloaded adapters are in place, so its clock measures
+    generation only, as the single-process job always did."""
+
+    def __init__(self, opts: JobOptions, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
+        from .lora import ROLE_SLICE
+        from .metrics import JobMetrics
+        from .model import DecoderModel
+        from .residency import ResidencyBank
+
+        self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
+        self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
+        self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
+        config = model.config
+        good = {a: p for a, p in pinned.items() if p.ok}
+        max_rank = max((p.max_rank for p in good.values()), default=0)
+        self.bank = None
+        if good:
+            host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
+            # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
+            used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
+            shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
+            slots = num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
+                                                                            max(max_rank, 1), dtype), device)
+            self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
+                                      host_cache_bytes=host_bytes,
+                                      prefetch_workers=2 if opts.prefetch_adapters else 0)
+        if opts.preload_adapters and self.bank is not None:
+            # load the first num_slots adapters before the first row (and before the metrics clock)
+            self.bank.ensure(sorted(good)[:self.bank.num_slots], good)
+        self.metrics = JobMetrics()
+        self.engine = Engine(
+            model, self.bank, pinned, metrics=self.metrics, num_blocks=kv_blocks(opts, config, dtype, device),
+            block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
+            sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
+            stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
+            device=device, dtype=dtype, cuda_graphs=opts.cuda_graphs and device.type == "cuda",
+            prefetch_depth=opts.prefetch_adapters,
+            max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def record(self, res: Result) -> dict:
+        """The output record of a finished row (kept input columns not included)."""
+        return result_record(res, self.pinned, self.tokenizer)
+
+    def run(self, requests) -> list[Result]:
+        """Queue ``requests`` (Request or already-refused Result) and run until all finished."""
+        out: list[Result] = []
+        for r in requests:
+            err = r if isinstance(r, Result) else self.engine.add(r)
+            if err is not None:
+                out.append(err)
+        return out + self.engine.drain()
+
+    def stats(self) -> tuple[dict, dict]:
+        """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
+        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
+        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k != "load_seconds"} if self.bank else {}
+        return engine, bank
+
+    def close(self) -> None:
+        if self.bank is not None:
+            self.bank.close()  # prefetch threads
+
+
+def result_record(res: Result, pinned: dict[str, PinnedAdapter], tokenizer: Tokenizer | None) -> dict:
+    """``id`` and :data:`~mlora.batch.output.RESULT_FIELDS` of one finished (or refused) row."""
+    p = pinned.get(res.adapter) if res.adapter is not None else None
+    text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else "")
+    return {
+        "id": res.id,
+        "adapter": res.adapter,
+        "adapter_sha256": p.semantic_sha256 if (p is not None and p.ok) else None,
+        "completion": text if res.finish_reason != "error" else "",
+        "completion_token_ids": list(res.token_ids),
+        "finish_reason": res.finish_reason,
+        "num_prompt_tokens": res.num_prompt_tokens,
+        "num_completion_tokens": len(res.token_ids),
+        "error_code": res.error_code,
+        "error_message": res.error_message,
+    }
+
+
+def requests_of(batch, opts: JobOptions, tokenizer: Tokenizer | None, vocab_size: int,
+                kept: dict | None = None) -> Iterator[Request | Result]:
+    """Requests (or refused rows as error Results) of one :class:`~mlora.batch.io.InputBatch`, in order.
+    With ``kept``, each row's kept input columns are stored there by row position."""
+    kept_rows = batch.kept.to_pylist() if (kept is not None and batch.kept is not None
+                                           and batch.kept.num_columns) else None
+    for i, rid in enumerate(batch.ids):
+        row = batch.first_row + i
+        if kept_rows is not None:
+            kept[row] = kept_rows[i]
+        adapter = batch.adapters[i]
+        adapter = None if adapter in BASE_IDS else adapter
+        mnt = batch.max_new_tokens[i] if batch.max_new_tokens is not None else None
+        mnt = opts.max_new_tokens if mnt is None else int(mnt)
+        if batch.prompt_ids is not None:
+            ids = batch.prompt_ids[i]
+            if ids is None:
+                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt_ids cell is null")
+                continue
+            if any((t < 0 or t >= vocab_size) for t in ids):
+                yield Result(row, rid, adapter, [], "error", len(ids), "E_PROMPT_TOKEN_RANGE",
+                             f"a prompt token id is outside [0, {vocab_size})")
+                continue
+        else:
+            text = batch.prompts[i]
+            if text is None:
+                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt cell is null")
+                continue
+            ids = tokenizer.encode(text)
+        yield Request(row, rid, list(ids), adapter, mnt)
