@@ -18,6 +18,7 @@ Two copiers, one protocol:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -90,6 +91,9 @@ class Copier(Protocol):
     def compute_event(self) -> Event:
         """An event after the work issued so far on the compute stream (a launch's last use)."""
 
+    def side(self):
+        """A context for device work on landed bytes (validation), ordered after the copies."""
+
 
 class CpuCopier:
     def wait(self, event: Event | None) -> None:
@@ -107,6 +111,10 @@ class CpuCopier:
 
     def compute_event(self) -> Event:
         return DONE
+
+    def side(self):
+        """Synchronous copies: validation runs where it is called."""
+        return contextlib.nullcontext()
 
 
 class CudaCopier:
@@ -142,6 +150,12 @@ class CudaCopier:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def side(self):
+        """Context in which device work (load validation) runs on the copy stream: its
+        result read-back waits for the copy, never for the compute stream's queued
+        iterations (which would stall the host for about one forward per load)."""
+        return torch.cuda.stream(self.stream)
 
 
 def copier_for(device) -> Copier:

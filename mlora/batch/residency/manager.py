@@ -548,7 +548,8 @@ class Residency:
             self._log(f"copy-complete {e.label}")
             try:
                 self.faults.check("validate", e.key, e.artifact.name, txn.attempt)
-                validate_landed(self.storage, self.storage.views(txn.slot.id, e.pages), e.artifact)
+                with self.copier.side():  # on the copy stream: never waits for queued iterations
+                    validate_landed(self.storage, self.storage.views(txn.slot.id, e.pages), e.artifact)
             except ValidationError as exc:
                 self._rollback(txn, exc)
                 raise
@@ -650,7 +651,8 @@ class Residency:
             copy_event.synchronize()
             validate_event.synchronize()
             self.faults.check("validate", e.key, e.artifact.name, attempt)
-            validate_landed(self.storage, self.storage.views(slot.id, pages), e.artifact)
+            with self.copier.side():
+                validate_landed(self.storage, self.storage.views(slot.id, pages), e.artifact)
         except ResidencyError as exc:
             self._drop_staged(e, slot)
             raise ResidencyError("E_RESIDENCY_RESTORE_FAILED", str(exc)) from exc
