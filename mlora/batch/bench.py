@@ -256,8 +256,11 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                                 max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
                                 dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda")
 
-    warm = engine()  # compile the kernels outside the timed job
-    for r in _requests(o, model.config, n_adapters, min(o.rows, 16), 4, o.seed + 99):
+    # compile the kernels outside the timed job: enough rows for full prefill chunks and
+    # most of the integer specialisations Triton compiles lazily (the first scenario of
+    # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up)
+    warm = engine()
+    for r in _requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99):
         warm.add(r)
     while warm.has_work():
         warm.step()
