@@ -1,47 +1,78 @@
-"""Per-kernel GPU times (CUPTI, after an L2 flush) of the segmented shrink and
-expand for a few step-2 shapes and launch-config variants: how the defaults of
+"""Launch-config variants of the segmented shrink + expand on a few step-2 shapes,
+each timed the way `mlora bench kernels` times a case (one call captured in a
+CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
+checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
     PYTHONPATH=. python scripts/kernel_sweep.py [--defaults]
+
+Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
+variant ("default" is the current launch_config; the others override entries).
 """
 import json
+import statistics
 import sys
 
 import torch
-from torch.profiler import profile, ProfilerActivity
-from mlora.kernels import build_plan, make_launch_plan, empty_launch_plan, tile_capacity
-from mlora.kernels.bench import make_case, OUTPUTS
+
+from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels.bench import OUTPUTS, case_floor, make_case, measure_ceilings, reference_f64
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
-flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-CASES = [("4096", 64, 4096, 1), ("4096", 16, 4096, 1), ("4096", 16, 256, 64), ("4096", "mixed", 256, 64), ("4096", 64, 256, 64),
-         ("4096", "mixed", 4096, 64), ("4096", 64, 4096, 64), ("14336", 64, 4096, 64), ("qkv", 64, 1024, 1), ("4096", 16, 64, 1)]
-VARIANTS = [dict(), dict(block_r=16), dict(block_n=256), dict(block_n=256, expand_warps=8), dict(expand_stages=3),
-            dict(expand_stages=4), dict(group_tiles=2), dict(bm=64, expand_warps=8), dict(bm=64, block_n=64, expand_warps=8),
-            dict(bm=32, block_n=64)]
-if "--defaults" in sys.argv:  # only the default launch config
-    VARIANTS = [dict()]
-for (o, r, T, A) in CASES:
-    widths = OUTPUTS[o]
-    rk = [(8, 16, 64)[i % 3] for i in range(A)] if r == "mixed" else [r] * A
-    y, x, a, b, rs, ranks, scales = make_case(T, A, widths, rk, max(rk))
-    seg = build_plan(rs)
-    for v in VARIANTS:
-        v = dict(v)
-        bm = v.pop("bm", None)
-        lp = make_launch_plan(seg, bm or 16)
-        st = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda"); st.copy_from(lp)
-        f = lambda: add_lora_slices_triton(y, x, a, b, st, ranks, scales, widths, config=v)
-        try:
-            f(); torch.cuda.synchronize()
-        except Exception as e:
-            print(o, r, T, A, v, "FAIL", str(e)[:80]); continue
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(10):
-                flush.zero_(); f()
+CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 16, 256, 64), ("4096", 8, 256, 256),
+         ("4096", 16, 1024, 64), ("4096", 64, 256, 64), ("4096", 64, 1024, 1), ("4096", 64, 1024, 8),
+         ("4096", 64, 4096, 1), ("4096", 8, 4096, 64), ("4096", 16, 4096, 64), ("14336", 16, 64, 8),
+         ("14336", 16, 256, 64), ("14336", 64, 256, 1), ("14336", 64, 1024, 1), ("14336", 64, 4096, 256),
+         ("qkv", 16, 256, 64), ("qkv", 64, 64, 64), ("qkv", 64, 1024, 1), ("qkv", 16, 1024, 64),
+         ("4096", "mixed", 256, 64)]
+VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "waves8": dict(waves=8),
+            "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "block_n64": dict(block_n=64),
+            "expand_warps8": dict(expand_warps=8)}
+if "--defaults" in sys.argv:
+    VARIANTS = {"default": {}}
+
+
+def graph_median(graph, flush, reps=30):
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ceil = measure_ceilings()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for o, r, T, A in CASES:
+        widths = OUTPUTS[o]
+        ranks_per_slot = [(8, 16, 64)[i % 3] for i in range(A)] if r == "mixed" else [r] * A
+        y0, x, a, b, rs, ranks, scales = make_case(T, A, widths, ranks_per_slot, max(ranks_per_slot))
+        lp = make_launch_plan(build_plan(rs))
+        static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
+        static.copy_from(lp)
+        ref = reference_f64(y0, x, a, b, rs, ranks, scales, widths)
+        floor = case_floor(T, widths, ranks_per_slot, torch.unique(rs).tolist(), ceil)["floor_s"] * 1e6
+        row = {"case": f"{o}/r{r}/T{T}/A{A}", "floor_us": round(floor, 1)}
+        for name, cfg in VARIANTS.items():
+            y = y0.clone()
+            call = lambda: add_lora_slices_triton(y, x, a, b, static, ranks, scales, widths, config=cfg or None)  # noqa: E731
+            call()
             torch.cuda.synchronize()
-        t = {}
-        for e in p.key_averages():
-            if "shrink" in e.key or "expand" in e.key:
-                t["shrink" if "shrink" in e.key else "expand"] = e.device_time_total / e.count
-        print(f"{o:>6} r{r!s:<5} T={T:<5} A={A:<4} bm={lp.block_m:<3} {json.dumps(v):40s} shrink {t.get('shrink',0):7.1f} expand {t.get('expand',0):7.1f} us", flush=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            y.copy_(y0)
+            graph.replay()
+            torch.cuda.synchronize()
+            err = float((y.double() - ref).abs().max() / ref.abs().max())
+            row[name] = round(graph_median(graph, flush), 1) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

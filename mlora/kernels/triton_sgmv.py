@@ -18,9 +18,17 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
   * Indexed rows: x and y stay in scheduler order; the LaunchPlan's
     ``sorted_rows`` is the row-address vector.
   * Split-K shrink: ``SPLIT`` programs each reduce one contiguous chunk of
-    d_in into their own fp32 partial ``zp[k]``; expand sums the partials in a
-    fixed order (deterministic: no atomics). Decode-like batches (few rows
-    per slot) get enough programs to stream the factors at full bandwidth.
+    d_in into their own fp32 partial ``zp[k]``; the last of them to arrive
+    (an acquire-release arrival counter per tile and rank tile, reset by that
+    program) sums the partials in the fixed order 0, 1, ... into ``zp[0]``,
+    which is all the expand reads (deterministic: the atomics decide who sums,
+    never the order). Decode-like batches (few rows per slot) get enough
+    programs to stream the factors at full bandwidth.
+  * Programmatic dependent launch on Hopper and later (``USE_PDL``): the
+    shrink lets the expand launch at once; the expand loads everything the
+    shrink does not write (plan, rank, scale, its first B and y tiles) and
+    then waits on the grid dependency before loading z. The shrink itself is
+    launched normally, so whatever ran before it on the stream has completed.
   * Tensor cores where the inputs allow it: the shrink dot runs on 16-bit
     tensor cores when x and A share a 16-bit dtype, the expand dot when B is
     16-bit (z is rounded to B's dtype, as PEFT's own bf16 forward rounds it);
@@ -53,7 +61,7 @@ from .launch import LaunchPlan
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v1: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials; scale on z in fp32 before the expand"
+KERNEL_ABI = "mlora-sgmv-v2: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
