@@ -1,0 +1,126 @@
+"""The three-stage bundle operator (spec 0x06G4) in the engine's bank protocol:
+BundleBank against the materialised-factor SlotBank and the reference operator."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import DEMO
+from mlora.batch.bank import BankError, SlotBank
+from mlora.batch.bundle_bank import BundleBank
+from mlora.batch.catalog import load_catalog
+from mlora.batch.lora import GROUPS, group_shapes
+from mlora.batch.model import load_config
+from mlora.compress.bundle import read_bundle
+from mlora.compress.operator import joint_apply
+
+BASE = os.path.join(DEMO, "base")
+
+
+@pytest.fixture(scope="module", params=["jd-full", "jd-diag"])
+def served(request, tmp_path_factory):
+    """(bundle, pinned members, model shapes, layers) of the demo adapters in two clusters."""
+    from typer.testing import CliRunner
+
+    from mlora.cli.app import app
+
+    out = tmp_path_factory.mktemp(request.param) / "bundle"
+    res = CliRunner().invoke(app, ["compress", os.path.join(DEMO, "adapters"), "-o", str(out), "--rank", "8",
+                                   "--clusters", "2", "--method", request.param, "--max-error", "1.0"])
+    assert res.exit_code == 0, res.output
+    bundle = read_bundle(str(out))
+    members = bundle.member_ids()
+    pinned = load_catalog(str(out), None).pin(set(members), BASE)
+    assert all(p.ok for p in pinned.values())
+    c = load_config(BASE)
+    shapes = group_shapes(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    return bundle, pinned, shapes, c.num_layers
+
+
+def _rows(members, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = [None if k < 0 else members[k] for k in torch.randint(-1, len(members), (T,), generator=g).tolist()]
+    ids[0], ids[1] = None, members[0]  # at least one base row and one member row
+    return ids
+
+
+def test_three_stage_equals_the_materialised_factors(served):
+    bundle, pinned, shapes, layers = served
+    members = bundle.member_ids()
+    assert any(m["clusters"] == 2 for m in bundle.manifest["modules"].values())  # several clusters really served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    sb = SlotBank(layers, shapes, len(members), bb.max_rank, torch.float32, "cpu")
+    ids = _rows(members, 23, seed=1)
+    used = sorted({i for i in ids if i})
+    slot_b, slot_s = bb.ensure(used, pinned), sb.ensure(used, pinned)
+    ctx_b = bb.context(torch.tensor([-1 if i is None else slot_b[i] for i in ids], dtype=torch.int32))
+    ctx_s = sb.context(torch.tensor([-1 if i is None else slot_s[i] for i in ids], dtype=torch.int32))
+    base_rows = torch.tensor([i is None for i in ids])
+    g = torch.Generator().manual_seed(2)
+    checked = 0
+    for layer in range(layers):
+        for group in GROUPS:
+            d_in, widths = shapes[group]
+            x = torch.randn(len(ids), d_in, generator=g)
+            y0 = torch.randn(len(ids), sum(widths), generator=g)
+            y0[0, 0] = -0.0  # a base row's -0.0 must stay -0.0 (no "+ 0")
+            yb, ys = y0.clone(), y0.clone()
+            ctx_b.apply(layer, group, x, yb)
+            ctx_s.apply(layer, group, x, ys)
+            assert torch.equal(yb[base_rows], y0[base_rows])
+            assert torch.signbit(yb[0, 0])
+            assert torch.allclose(yb, ys, rtol=1e-5, atol=1e-5), (layer, group, float((yb - ys).abs().max()))
+            checked += int(not torch.equal(yb, y0))
+    assert checked > 0  # some module really changed
+
+
+def test_one_module_equals_the_reference_operator(served):
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    name = next(iter(bundle.manifest["modules"]))
+    mod = bundle.manifest["modules"][name]
+    layer, role = int(name.split(".")[2]), name.split(".")[-1]
+    group = next(g for g, roles in GROUPS.items() if role in roles)
+    j = GROUPS[group].index(role)
+    member = next(iter(mod["assignments"]))
+    c = mod["assignments"][member]
+    d_in, widths = shapes[group]
+    x = torch.randn(5, d_in, generator=torch.Generator().manual_seed(3))
+    y = torch.zeros(5, sum(widths))
+    bb.context(torch.full((5,), bb.index[member], dtype=torch.int32)).apply(layer, group, x, y)
+    ref = joint_apply(x, bundle.bases[f"{name}/cluster{c}/U"], bundle.bases[f"{name}/cluster{c}/V"],
+                      bundle.cores[f"{name}/{member}"])
+    off = sum(widths[:j])
+    assert torch.allclose(y[:, off : off + widths[j]], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_static_buffer_context_equals_a_fresh_one(served):
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    rows = torch.tensor([0, -1, 1, 0, -1], dtype=torch.int32)
+    buf = torch.empty(8, dtype=torch.int64)
+    graph_ctx = bb.graph_context(buf[:5])
+    bb.context(rows, static=buf)  # refill, as before a replay
+    x = torch.randn(5, shapes["qkv"][0], generator=torch.Generator().manual_seed(4))
+    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=torch.Generator().manual_seed(5))
+    a, b = y0.clone(), y0.clone()
+    graph_ctx.apply(0, "qkv", x, a)
+    bb.context(rows).apply(0, "qkv", x, b)
+    assert torch.equal(a, b) and not torch.equal(a, y0)
+
+
+def test_non_members_and_bad_slots_are_refused(served, tmp_path):
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    plain = load_catalog(os.path.join(DEMO, "adapters"), None).pin({"spell"}, BASE)
+    with pytest.raises(BankError) as e:
+        bb.ensure(["spell"], plain)
+    assert e.value.code == "E_BANK_BUNDLE_MISMATCH"
+    with pytest.raises(BankError) as e:
+        bb.ensure(["nobody"], pinned)
+    assert e.value.code == "E_ADAPTER_UNKNOWN"
+    with pytest.raises(BankError) as e:
+        bb.context(torch.tensor([len(bundle.member_ids())], dtype=torch.int32))
+    assert e.value.code == "E_BANK_SLOT_EMPTY"
+    assert bb.nbytes() <= BundleBank.bytes_needed(bundle, torch.float32)
