@@ -124,3 +124,28 @@ def test_non_members_and_bad_slots_are_refused(served, tmp_path):
         bb.context(torch.tensor([len(bundle.member_ids())], dtype=torch.int32))
     assert e.value.code == "E_BANK_SLOT_EMPTY"
     assert bb.nbytes() <= BundleBank.bytes_needed(bundle, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")
+def test_graph_replay_of_the_bundle_context_equals_eager(served):
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.bfloat16, "cuda")
+    buf = torch.zeros(8, dtype=torch.int64, device="cuda")
+    ctx = bb.graph_context(buf)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, shapes["qkv"][0], generator=g).to("cuda", torch.bfloat16)
+    y0 = torch.randn(8, sum(shapes["qkv"][1]), generator=g).to("cuda", torch.bfloat16)
+    y = y0.clone()
+    ctx.apply(0, "qkv", x, y)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ctx.apply(0, "qkv", x, y)
+    for seed in range(3):
+        rows = torch.randint(-1, bb.num_slots, (8,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        bb.context(rows, static=buf)
+        y.copy_(y0)
+        graph.replay()
+        ref = y0.clone()
+        bb.context(rows).apply(0, "qkv", x, ref)
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref)

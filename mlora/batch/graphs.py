@@ -14,7 +14,9 @@ Every replay first copies the iteration's inputs into the static buffers
 (token ids, positions, cache slots, block tables, context lengths, LoRA row
 slots and tile list), all stream-ordered, no host sync. The LoRA tile list is
 built on the host by the bank (``context(row_slots, static=...)``), which also
-does its residency bookkeeping exactly as for an eager invocation.
+does its residency bookkeeping exactly as for an eager invocation. A bank with
+a ``graph_context`` (the bundle bank, ``mlora.batch.bundle_bank``) instead
+captures a context over a static [B] row buffer that ``context`` refills.
 
 Semantics are those of the eager forward; the numbers can differ in the last
 bits because padded batch sizes may pick different GEMM kernels.
@@ -66,7 +68,10 @@ class DecodeGraphs:
         self.group = group
         self.block_q = decode_block_q(group)
         self.launch = {}
-        if bank is not None:
+        # a bank with its own graph context (the bundle bank) reads a static row buffer;
+        # slot banks read a static LaunchPlan per bucket
+        self.members = torch.zeros(B, **i64) if hasattr(bank, "graph_context") else None
+        if bank is not None and self.members is None:
             for b in self.buckets:
                 self.launch[b] = empty_launch_plan(b, tile_capacity(b, bank.num_slots, BLOCK_M), BLOCK_M, dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -91,7 +96,9 @@ class DecodeGraphs:
         """Capture bucket ``b`` while its buffers hold padding (the warm-up run writes only the scratch slot)."""
         meta = self._meta(b)
         lora = None
-        if self.bank is not None:
+        if self.members is not None:
+            lora = self.bank.graph_context(self.members[:b])
+        elif self.bank is not None:
             # every group the bank holds slots for (rank-0 slices leave their columns untouched)
             everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in self.bank.groups)
             lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
@@ -126,7 +133,8 @@ class DecodeGraphs:
         self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
-            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=self.launch[b])
+            static = self.members if self.members is not None else self.launch[b]
+            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
         graph, logits = self.graphs[b]
         graph.replay()
         self.replays += 1
