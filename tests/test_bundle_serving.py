@@ -124,6 +124,9 @@ def test_non_members_and_bad_slots_are_refused(served, tmp_path):
         bb.context(torch.tensor([len(bundle.member_ids())], dtype=torch.int32))
     assert e.value.code == "E_BANK_SLOT_EMPTY"
     assert bb.nbytes() <= BundleBank.bytes_needed(bundle, torch.float32)
+    # residency is keyed by semantic identity, as the engine's admission reads it
+    keyed = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned).resident
+    assert keyed == {p.semantic_sha256: bb.index[p.bundle_member] for p in pinned.values()}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")

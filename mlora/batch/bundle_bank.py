@@ -68,7 +68,7 @@ class BundleBank:
     error = BankError
 
     def __init__(self, bundle, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype,
-                 device):
+                 device, pinned: dict[str, PinnedAdapter] | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers = num_layers
@@ -110,6 +110,9 @@ class BundleBank:
                 cores=cores.to(self.device, dtype), cluster=cluster.to(self.device), adapts=adapts.to(self.device),
                 K=K, R=R)
         self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in self.modules)
+        # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
+        self._resident = {p.semantic_sha256: self.index[p.bundle_member] for p in (pinned or {}).values()
+                          if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
 
     @staticmethod
     def bytes_needed(bundle, dtype: torch.dtype) -> int:
@@ -130,8 +133,8 @@ class BundleBank:
 
     @property
     def resident(self) -> dict[str, int]:
-        """Every member is resident for the whole job: member id -> slot."""
-        return dict(self.index)
+        """semantic_sha256 -> slot of every member pinned for the job (all resident, always)."""
+        return dict(self._resident)
 
     def ensure(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> dict[str, int]:
         """adapter id -> slot (its member index); every member is already resident. An id
