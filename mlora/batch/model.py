@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from mlora.batch.attention import AttentionMetadata, attention
 from mlora.batch.kvcache import KVCache
+from mlora.batch.fused import ops_for, rms_norm_ref as rms_norm
 from mlora.batch.lora import LoraContext, group_shapes
 
 ARCHITECTURES = {
@@ -230,13 +231,6 @@ def load_config(base_dir: str | os.PathLike) -> ModelConfig:
 # ---------------------------------------------------------------- math
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """float32 [head_dim / 2]: theta^(-2i/d), with llama3 frequency scaling if configured.
 
@@ -286,31 +280,32 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache, lora: LoraContext | None) -> torch.Tensor:
         c, i, rows = self.config, self.index, h.shape[0]
-        x = rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
+        ops = ops_for(h.device)  # fused Triton element-wise kernels on CUDA, torch references elsewhere
+        x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
-        q, k, v = qkv.split([c.q_out, c.kv_out, c.kv_out], dim=-1)
-        q = q.reshape(rows, c.num_heads, c.head_dim)
-        k = k.reshape(rows, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # per-head norms before the rotation: the reference path
+            q, k, v = qkv.split([c.q_out, c.kv_out, c.kv_out], dim=-1)
+            q = rms_norm(q.reshape(rows, c.num_heads, c.head_dim), self.q_norm_weight, c.rms_norm_eps)
+            k = rms_norm(k.reshape(rows, c.num_kv_heads, c.head_dim), self.k_norm_weight, c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            ops.rope_qk_(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)  # q and k rotated in place
+            q, k, v = qkv.split([c.q_out, c.kv_out, c.kv_out], dim=-1)
+            q = q.reshape(rows, c.num_heads, c.head_dim)
+            k = k.reshape(rows, c.num_kv_heads, c.head_dim)
         v = v.reshape(rows, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, self.q_norm_weight, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm_weight, c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(i, k, v, meta.slot_mapping)
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
         o = F.linear(a, self.o_weight, self.o_bias)
         if lora is not None:
             lora.apply(i, "o", a, o)
-        h = h + o
-
-        x = rms_norm(h, self.post_norm_weight, c.rms_norm_eps)
+        h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:
             lora.apply(i, "gate_up", x, gate_up)
-        gate, up = gate_up.split([c.intermediate_size, c.intermediate_size], dim=-1)
-        m = F.silu(gate) * up
+        m = ops.silu_mul(gate_up, c.intermediate_size)
         down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)

@@ -1,0 +1,190 @@
+"""Fused element-wise kernels of the decoder layer (issue step 7): RMSNorm (with
+the residual add before it), rotary embedding of q and k in place, SiLU-gated
+product. One Triton launch each instead of four to ten torch kernels.
+
+Owns the Triton kernels and their torch references; the model picks one set
+per device (``ops_for``): Triton on CUDA, the references on the CPU (and
+under ``MLORA_FUSED=0`` anywhere, for debugging).
+
+Semantics are those of the torch references below, op by op and rounding by
+rounding in the activations' dtype: ``rope_qk_`` and ``silu_mul`` round every
+intermediate exactly where torch's bf16/fp16 arithmetic does, so they agree
+bit for bit; ``add_rms_norm`` reduces the row's sum of squares in another
+order than torch, so its output may differ in the last bit of some elements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # the CPU-only CI installs triton too; guard anyway: the references need nothing
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+# ------------------------------------------------------------------ references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta)): the residual add, then the next norm."""
+    h = h + delta
+    return h, rms_norm_ref(h, weight, eps)
+
+
+def rope_qk_ref_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+                 head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE of the q and k columns of ``qkv`` [T, (q_heads + 2 kv_heads) * head_dim],
+    in place; cos, sin [T, head_dim]. v is untouched. Returns qkv."""
+    T = qkv.shape[0]
+    n = (q_heads + kv_heads) * head_dim
+    x = qkv[:, :n].reshape(T, q_heads + kv_heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    qkv[:, :n] = (x * cos[:, None, :] + rotated * sin[:, None, :]).reshape(T, n)
+    return qkv
+
+
+def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] [T, 2 * inter]."""
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------ Triton
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, x_ptr, n, eps, stride_h, stride_d, stride_ho, stride_x,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n
+        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
+        if HAS_DELTA:  # h + delta, rounded to the activations' dtype as torch's add is
+            d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+            h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(hout_ptr + row * stride_ho + cols, h, mask=ok)
+        hf = h.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
+        normed = (hf * inv).to(h_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + cols, out, mask=ok)
+
+    @triton.jit
+    def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_c, stride_s, heads, half,
+                        HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        hd = tl.arange(0, HEADS_P2)[:, None]
+        i = tl.arange(0, HALF_P2)[None, :]
+        ok = (hd < heads) & (i < half)
+        base = qkv_ptr + row * stride_t + hd * (2 * half) + i
+        x1 = tl.load(base, mask=ok, other=0.0)
+        x2 = tl.load(base + half, mask=ok, other=0.0)
+        c = tl.load(cos_ptr + row * stride_c + i, mask=i < half, other=0.0).to(tl.float32)  # cos[t, i] == cos[t, i + half]
+        s = tl.load(sin_ptr + row * stride_s + i, mask=i < half, other=0.0).to(tl.float32)
+        dt = qkv_ptr.dtype.element_ty
+        # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to dt
+        a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
+        b1 = (-(x2.to(tl.float32)) * s).to(dt).to(tl.float32)  # negation is exact in either dtype
+        a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
+        tl.store(base, (a1 + b1).to(dt), mask=ok)
+        tl.store(base + half, (a2 + b2).to(dt), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inter
+        g = tl.load(gu_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_g + inter + cols, mask=ok, other=0.0)
+        dt = out_ptr.dtype.element_ty
+        act = (g / (1.0 + tl.exp(-g))).to(dt)  # torch's silu, rounded to dt
+        tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def add_rms_norm_triton(h, delta, weight, eps):
+    """(h + delta, rms_norm(h + delta)) in one pass; ``delta`` None: (h, rms_norm(h))."""
+    n = h.shape[-1]
+    h2 = h.reshape(-1, n)
+    x = torch.empty_like(h2)
+    if delta is None:
+        hout, d2 = h2, h2
+    else:
+        d2 = delta.reshape(-1, n)
+        hout = torch.empty_like(h2)
+    if h2.shape[0]:
+        block = _pow2(n)
+        _add_rms_norm_kernel[(h2.shape[0],)](
+            h2, d2, weight, hout, x, n, eps, h2.stride(0), d2.stride(0), hout.stride(0), x.stride(0),
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return hout.view(h.shape), x.view(h.shape)
+
+
+def rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim):
+    if qkv.shape[0]:
+        heads = q_heads + kv_heads
+        _rope_qk_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
+                                         head_dim // 2, HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads),
+                                         num_warps=4)
+    return qkv
+
+
+def silu_mul_triton(gate_up, inter):
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0]:
+        block = min(_pow2(inter), 2048)
+        _silu_mul_kernel[(gate_up.shape[0], -(-inter // block))](gate_up, out, inter, gate_up.stride(0),
+                                                                 out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------ dispatch
+
+
+class ElementwiseOps:
+    """The element-wise ops a decoder layer calls (the references, or the Triton kernels)."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+        if fused:
+            self.add_rms_norm = add_rms_norm_triton
+            self.rms_norm = lambda x, w, eps: add_rms_norm_triton(x, None, w, eps)[1]
+            self.rope_qk_ = rope_qk_triton_
+            self.silu_mul = silu_mul_triton
+        else:
+            self.add_rms_norm = add_rms_norm_ref
+            self.rms_norm = rms_norm_ref
+            self.rope_qk_ = rope_qk_ref_
+            self.silu_mul = silu_mul_ref
+
+
+_OPS: dict[bool, ElementwiseOps] = {}
+
+
+def ops_for(device: torch.device) -> ElementwiseOps:
+    """Triton kernels on CUDA (unless ``MLORA_FUSED=0``), the torch references elsewhere."""
+    fused = (triton is not None and torch.device(device).type == "cuda"
+             and os.environ.get("MLORA_FUSED", "1") != "0")
+    if fused not in _OPS:
+        _OPS[fused] = ElementwiseOps(fused)
+    return _OPS[fused]

@@ -1,0 +1,87 @@
+"""Fused element-wise kernels of the decoder layer against their torch references
+(Triton under TRITON_INTERPRET=1 on the CPU, compiled on a GPU), fresh random
+inputs, poisoned outputs."""
+
+import pytest
+import torch
+
+from mlora.batch.fused import (
+    add_rms_norm_ref,
+    add_rms_norm_triton,
+    ops_for,
+    rms_norm_ref,
+    rope_qk_ref_,
+    rope_qk_triton_,
+    silu_mul_ref,
+    silu_mul_triton,
+)
+from mlora.batch.model import rope_cos_sin
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def same_rounding(out, ref):
+    """Bit-identical, except that Triton's CPU interpreter converts float32 to bfloat16 by
+    truncation where the GPU (and torch) round to nearest even: there each rounding may be
+    one bf16 ulp off, so only a few ulps of the tensor's scale (the GPU run asserts equality)."""
+    if out.dtype == torch.bfloat16 and out.device.type == "cpu":
+        return torch.allclose(out.float(), ref.float(), rtol=0, atol=2 ** -6 * float(ref.float().abs().max()))
+    return torch.equal(out, ref)
+
+
+def _rand(*shape, seed, dtype, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 96])  # a power of two, and not one (masked tail)
+def test_add_rms_norm_matches_the_reference(dtype, n):
+    h, d = _rand(7, n, seed=1, dtype=dtype, scale=3), _rand(7, n, seed=2, dtype=dtype)
+    w = _rand(n, seed=3, dtype=dtype) + 1
+    h_ref, x_ref = add_rms_norm_ref(h, d, w, 1e-5)
+    h_out, x_out = add_rms_norm_triton(h, d, w, 1e-5)
+    assert same_rounding(h_out, h_ref)  # the residual add rounds exactly as torch's
+    # last-bit differences of the norm (reduction order; two bf16 ulps where the interpreter truncates)
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert torch.allclose(x_out.float(), x_ref.float(), rtol=tol, atol=tol)
+    only_h, x2 = add_rms_norm_triton(h, None, w, 1e-5)
+    assert only_h is h or torch.equal(only_h, h)
+    assert torch.allclose(x2.float(), rms_norm_ref(h, w, 1e-5).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 1, 24)])  # GQA; head_dim/2 not a power of two
+def test_rope_in_place_matches_the_reference_bit_for_bit(dtype, heads, kv_heads, head_dim):
+    T = 5
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = _rand(T, width, seed=4, dtype=dtype, scale=2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(torch.tensor([0, 3, 17, 100, 511]).to(DEVICE), inv_freq.to(DEVICE), dtype)
+    ref = rope_qk_ref_(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    out = qkv.clone()
+    rope_qk_triton_(out, cos, sin, heads, kv_heads, head_dim)
+    assert same_rounding(out, ref)
+    v0 = (heads + kv_heads) * head_dim
+    assert torch.equal(out[:, v0:], qkv[:, v0:])  # v untouched
+    assert not torch.equal(out[:, :v0], qkv[:, :v0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [32, 40])
+def test_silu_mul_matches_the_reference(dtype, inter):
+    gu = _rand(6, 2 * inter, seed=5, dtype=dtype, scale=4)
+    ref = silu_mul_ref(gu, inter)
+    out = silu_mul_triton(gu, inter)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    elif dtype == torch.bfloat16 and out.device.type == "cpu":  # interpreter truncation (see same_rounding)
+        assert torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
+    else:  # one rounding of silu and one of the product, as torch: at most one ulp apart where exp differs
+        assert torch.allclose(out.float(), ref.float(), rtol=2 ** -8 if dtype == torch.bfloat16 else 2 ** -11, atol=1e-3)
+
+
+def test_the_cpu_uses_the_references():
+    ops = ops_for(torch.device("cpu"))
+    assert not ops.fused and ops.rms_norm is rms_norm_ref
