@@ -135,6 +135,17 @@ def test_batches_from_any_start_row(three_files, start_row, batch_rows):
     assert kept == [{"score": i / 2, "prompt": f"prompt {i}"} for i in range(start_row, 49)]
 
 
+@pytest.mark.parametrize("start_row, end_row", [(0, 49), (0, 0), (3, 4), (5, 23), (20, 24), (22, 41), (40, 49), (49, 49)])
+def test_batches_of_a_row_range(three_files, start_row, end_row):
+    for batch_rows in (1, 4, 1024):
+        batches = list(three_files.batches(start_row, batch_rows, end_row=end_row))
+        assert [i for b in batches for i in b.ids] == [f"r{i}" for i in range(start_row, end_row)]
+        assert all(0 < len(b) <= batch_rows for b in batches)
+        assert [b.first_row for b in batches] == sorted({b.first_row for b in batches})
+    with pytest.raises(ValueError):
+        list(three_files.batches(5, 8, end_row=4))
+
+
 def test_start_row_out_of_range(three_files):
     with pytest.raises(ValueError):
         list(three_files.batches(50))

@@ -235,3 +235,27 @@ def test_docstring_lists_every_metric_and_snapshot_key():
     s = m.snapshot()
     for key in list(s) + list(s["histograms"]):
         assert key in doc, key
+
+
+def test_absorbing_two_engines_adds_engine_counters_but_not_rows_or_unique_bytes():
+    """A job on two engines: the job counts its rows and each adapter's bytes once; the
+    engines' counters and histograms add (load amplification is job-wide)."""
+    clock = Clock(100.0)
+    a, b = scripted(clock), scripted(clock)
+    job = JobMetrics(clock=clock)
+    job.row_finished("stop", prompt_tokens=10, completion_tokens=5)
+    job.unique_adapter_bytes(4000)  # the same two adapters, used by both engines
+    job.absorb(a.engine_state())
+    job.absorb(b.engine_state())
+    s, one = job.snapshot(), a.snapshot()
+    assert s["rows_finished"] == 1 and s["completion_tokens"] == 5
+    assert s["iterations"] == 2 * one["iterations"] and s["h2d_bytes"] == 2 * one["h2d_bytes"]
+    assert s["unique_adapter_bytes"] == 4000 and s["load_amplification"] == 2 * one["load_amplification"]
+    assert s["adapter_loads"] == {t: 2 * v for t, v in one["adapter_loads"].items()}
+    assert s["residency_states"] == {k: 2 * v for k, v in one["residency_states"].items()}
+    h, h1 = s["histograms"], one["histograms"]
+    assert h["iteration_seconds"]["count"] == 2 * h1["iteration_seconds"]["count"]
+    assert h["adapter_distinct_per_iteration"]["buckets"] == {
+        k: 2 * v for k, v in h1["adapter_distinct_per_iteration"]["buckets"].items()}
+    assert h["adapter_load_latency_seconds"]["disk"]["sum"] == 2 * h1["adapter_load_latency_seconds"]["disk"]["sum"]
+    assert s["preemptions"] == 4 and s["prefetch_issued"] == 16

@@ -344,15 +344,15 @@ def test_a_cold_adapter_is_not_starved_by_hot_work(env):
 
 
 def test_default_adapter_slots_come_from_free_gpu_memory(monkeypatch):
-    from mlora.batch.job import JobOptions, _num_slots
+    from mlora.batch.job import JobOptions, num_slots
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert _num_slots(JobOptions(input="", output="", base=""), 40, 10, cpu) == 40
-    assert _num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=3), 40, 10, cuda) == 3
-    assert _num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=80), 40, 10, cuda) == 40
+    assert num_slots(JobOptions(input="", output="", base=""), 40, 10, cpu) == 40
+    assert num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=3), 40, 10, cuda) == 3
+    assert num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=80), 40, 10, cuda) == 40
     GiB = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GiB, 140 * GiB))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     # usable = 100 - 0.1 * 140 = 86 GiB; a quarter is 21.5 GiB: 21 slots of 1 GiB
-    assert _num_slots(JobOptions(input="", output="", base=""), 1000, GiB, cuda) == 21
-    assert _num_slots(JobOptions(input="", output="", base=""), 5, GiB, cuda) == 5
+    assert num_slots(JobOptions(input="", output="", base=""), 1000, GiB, cuda) == 21
+    assert num_slots(JobOptions(input="", output="", base=""), 5, GiB, cuda) == 5

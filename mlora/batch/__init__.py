@@ -6,6 +6,9 @@ adapter-aware admission), ``model`` / ``attention`` / ``kvcache`` (the
 decoder), ``residency`` (the adapter residency engine and its slot bank),
 ``bank`` (step 3's simple slot bank, the reference for the residency bank),
 ``lora`` (the model seam), ``sampling``, ``metrics``, ``output`` (atomic
-shards, manifest, resume). Not built yet: GPU attention kernels, CUDA graphs,
+shards, manifest, resume), ``session`` (one engine on one device), and the
+scale-out (docs/scaleout.md): ``placement`` (--gpus / --num-workers /
+--engine), ``assign``, ``multi`` and ``worker`` (the coordinator and its
+worker processes), ``ray`` (Ray Data and ``MloraPredictor``). Not built yet: GPU attention kernels, CUDA graphs,
 ``mlora bench batch``, prefetch of the next window's adapters.
 """

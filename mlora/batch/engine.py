@@ -188,6 +188,11 @@ class Engine:
             return "E_MAX_NEW_TOKENS", f"max_new_tokens is {req.max_new_tokens}; it must be >= 1"
         return None
 
+    @property
+    def adapters_used(self) -> frozenset[str]:
+        """Adapters some row of this engine has run with (the job counts each one's bytes once)."""
+        return frozenset(self._seen_adapters)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -467,10 +472,10 @@ class Engine:
             self.metrics.cache(hit, "device")
             if a not in self._seen_adapters:
                 self._seen_adapters.add(a)
-                self.metrics.unique_adapter_bytes(_adapter_bytes(self.pinned[a]))
+                self.metrics.unique_adapter_bytes(stored_adapter_bytes(self.pinned[a]))
         for a in dict.fromkeys(loaded):
             self.metrics.cache(tiers[a] == "host", "host")
-            self.metrics.adapter_load(_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, tiers[a])
+            self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, tiers[a])
         for _ in range(self.bank.stats.evictions - evictions):
             self.metrics.eviction("device")
         return slot_of
@@ -521,6 +526,6 @@ class Engine:
         return out
 
 
-def _adapter_bytes(pinned) -> int:
+def stored_adapter_bytes(pinned) -> int:
     """Bytes of an adapter's factors as stored (what a load moves)."""
     return sum(m.a.nbytes + m.b.nbytes for m in pinned.modules)

@@ -260,14 +260,16 @@ class InputSource:
             for f in self._files
         ]
 
-    def batches(self, start_row: int = 0, batch_rows: int = 1024) -> Iterator[InputBatch]:
-        """Rows from global position ``start_row`` on, at most ``batch_rows`` per batch.
+    def batches(self, start_row: int = 0, batch_rows: int = 1024, end_row: int | None = None) -> Iterator[InputBatch]:
+        """Rows ``[start_row, end_row)`` by global position (``end_row`` None: to the end),
+        at most ``batch_rows`` per batch.
 
-        Files and row groups wholly before ``start_row`` are not read."""
+        Files and row groups wholly outside the range are not read."""
+        end_row = self.num_rows if end_row is None else end_row
         if batch_rows < 1:
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        if not 0 <= start_row <= self.num_rows:
-            raise ValueError(f"start_row {start_row} is outside the input (0..{self.num_rows})")
+        if not 0 <= start_row <= end_row <= self.num_rows:
+            raise ValueError(f"rows [{start_row}, {end_row}) are not a range of the input (0..{self.num_rows})")
         roles = self.spec.roles()
         if self.generated_ids:
             del roles["id"]
@@ -275,9 +277,12 @@ class InputSource:
         for f in self._files:
             if f.first_row + f.num_rows <= start_row or f.num_rows == 0:
                 continue
-            yield from self._file_batches(f, columns, start_row, batch_rows)
+            if f.first_row >= end_row:
+                break
+            yield from self._file_batches(f, columns, start_row, batch_rows, end_row)
 
-    def _file_batches(self, f: _File, columns: list[str], start_row: int, batch_rows: int) -> Iterator[InputBatch]:
+    def _file_batches(self, f: _File, columns: list[str], start_row: int, batch_rows: int,
+                      end_row: int) -> Iterator[InputBatch]:
         stat = os.stat(f.path)
         if (stat.st_size, stat.st_mtime_ns) != (f.size, f.mtime_ns):
             raise JobInputError("E_INPUT_CHANGED", f"{f.path} changed after the job started; rerun the job on a stable input")
@@ -299,6 +304,10 @@ class InputSource:
                     continue
                 if skip:
                     rb, row, skip = rb.slice(skip), row + skip, 0
+                if row + rb.num_rows >= end_row:
+                    if end_row > row:
+                        yield self._convert(f, rb.slice(0, end_row - row), row)
+                    return
                 yield self._convert(f, rb, row)
                 row += rb.num_rows
 

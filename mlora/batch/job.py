@@ -2,9 +2,12 @@
 
 Owns the orchestration of one job: read the input as a stream, pin every
 referenced adapter by digest at job start, fingerprint the job, resume from
-the output's manifest, feed the engine with a bounded number of rows in
-flight, turn each finished row (or each row refused before it ran) into an
-output record, and commit shards in input order through the ResultSink.
+the output's manifest (:func:`prepare_job`, shared by every way of running a
+job), and, in one process, feed the engine (``session.py``) with a bounded
+number of rows in flight and hand each finished row (or each row refused
+before it ran) to the :class:`RowWriter`, which commits shards in input order
+through the ResultSink. Several worker processes (``multi.py``) and Ray
+(``ray.py``) use the same preparation, writer and finish.
 
 Row outcomes (``error_code``; ``finish_reason`` is ``error``):
 
@@ -30,10 +33,9 @@ import pyarrow.dataset as pads
 import torch
 
 from .catalog import BASE_ID
-from .engine import Engine, Request, Result
+from .engine import Result
 from .errors import CodedError
 from .kvcache import KVCache
-from .sampling import SamplingParams
 
 BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
 
@@ -81,7 +83,12 @@ class JobOptions:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     prefetch_adapters: int = 4  # cold adapters of the waiting rows whose host images are built ahead
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
-    workers: int | None = None
+    workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
+    # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
+    gpus: str | None = None  # "0,1" or "all": one worker process per GPU (placement.py)
+    num_workers: int | None = None  # local: CPU worker processes; ray: actors
+    engine: str = "local"  # local | ray
+    ray_address: str | None = None  # --engine ray: an existing cluster (default: start a local one)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class JobSummary:
     bank: dict = field(default_factory=dict)
     output: str = ""
     resumed_from_row: int = 0
+    workers: list = field(default_factory=list)  # one dict per worker process or actor (empty: one process)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -160,9 +168,41 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def run_job(opts: JobOptions, progress=None) -> JobSummary:
-    """Run (or resume) one batch job; ``progress(summary, engine)`` is called after
-    every iteration. Raises JobError / the I/O and catalog errors (with codes)."""
+@dataclass
+class Progress:
+    """What a job reports to its ``progress`` callback (rows of this run and the job)."""
+
+    rows_total: int = 0
+    rows_done: int = 0  # finished rows, committed or not (resumed rows included)
+    rows_committed: int = 0
+    generated_tokens: int = 0  # this run
+    running: int = 0  # sequences in the engines
+    adapters: int = 0  # distinct adapters among them
+    workers: int = 1  # engines alive
+
+
+@dataclass
+class PreparedJob:
+    """Everything a job decides before its first row runs, the same for every way of running it
+    (one process, ``--gpus`` / ``--num-workers``, Ray): identities, fingerprint, the opened OUTPUT.
+    ``sink`` is None when a resumed job had already finished (``summary`` is then final)."""
+
+    opts: JobOptions
+    device: torch.device
+    dtype: torch.dtype
+    config: object  # mlora.batch.model.ModelConfig
+    source: object  # mlora.batch.io.InputSource
+    tokenizer: Tokenizer | None
+    pinned: dict  # adapter id -> PinnedAdapter, every adapter the input names
+    start_row: int
+    summary: JobSummary
+    sink: object | None  # mlora.batch.output.ResultSink
+    t0: float
+
+
+def prepare_job(opts: JobOptions, device: torch.device) -> PreparedJob:
+    """Pin identities, fingerprint the job and open OUTPUT (fresh or resumed) for engines on ``device``.
+    Raises JobError / the I/O and catalog errors (with codes)."""
     from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
     from .catalog import load_catalog
@@ -171,8 +211,6 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     from .output import JobOutput, ResultSink, output_schema
 
     t0 = time.perf_counter()
-    device = resolve_device(opts.device)
-    sampling = SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed)
     if opts.max_new_tokens < 1:
         raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
     config = load_config(opts.base)
@@ -183,9 +221,7 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
         keep_columns=tuple(opts.keep_columns),
     )
     source = open_input(opts.input, spec)
-    tokenizer = Tokenizer(opts.base) if opts.prompt_column else None
-    if opts.stop and tokenizer is None:
-        tokenizer = Tokenizer(opts.base)
+    tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
 
     # identities: base, then every adapter the input names, pinned by digest now
     try:
@@ -205,8 +241,8 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     if opts.strict and bad:
         listing = "; ".join(f"{a}: {p.error_code}" for a, p in sorted(bad.items()))
         raise JobError("E_ADAPTER_INVALID", f"--strict: {len(bad)} adapter(s) cannot be served ({listing})")
-    good = {a: p for a, p in pinned.items() if p.ok}
 
+    # how the job runs (workers, Ray) is not part of it: a job may resume with other workers
     parts = {
         "kind": "mlora-batch-run",
         "base_sha256": base_id.base_sha256,
@@ -222,106 +258,119 @@ def run_job(opts: JobOptions, progress=None) -> JobSummary:
     }
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
+    summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
+                         resumed_from_row=start_row)
+    sink = None
     if out.complete:  # --resume of a finished job: nothing to do, its metrics stay as they were
         out.close()
-        return JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
-                          resumed_from_row=start_row)
-    sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
+    else:
+        sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
+    return PreparedJob(opts, device, dtype, config, source, tokenizer, pinned, start_row, summary, sink, t0)
+
+
+class RowWriter:
+    """Finished rows -> the output sink, the job summary and the job's row metrics.
+
+    The one place every runner (single process, coordinator, Ray driver) hands a
+    row's complete output record to, so the counts mean the same everywhere."""
+
+    def __init__(self, sink, summary: JobSummary, metrics):
+        self.sink, self.summary, self.metrics = sink, summary, metrics
+
+    def add(self, row: int, record: dict) -> None:
+        reason, code = record["finish_reason"], record["error_code"]
+        self.metrics.row_finished(reason, code, record["num_prompt_tokens"], record["num_completion_tokens"])
+        self.sink.add(row, record)
+        s = self.summary
+        s.rows_this_run += 1
+        s.finish_reasons[reason] = s.finish_reasons.get(reason, 0) + 1
+        if code:
+            s.error_rows += 1
+            s.errors_by_code[code] = s.errors_by_code.get(code, 0) + 1
+        else:
+            s.ok_rows += 1
+            s.generated_tokens += record["num_completion_tokens"]
+            s.prompt_tokens += record["num_prompt_tokens"]
+
+    def progress(self, running: int = 0, adapters: int = 0, workers: int = 1) -> Progress:
+        s = self.summary
+        return Progress(rows_total=s.rows, rows_done=s.resumed_from_row + s.rows_this_run,
+                        rows_committed=self.sink.output.next_row, generated_tokens=s.generated_tokens,
+                        running=running, adapters=adapters, workers=workers)
+
+
+def finish_job(prep: PreparedJob, metrics) -> JobSummary:
+    """Every row is in the sink: write the metrics files, the last shard and ``_SUCCESS``."""
+    summary = prep.summary
+    summary.wall_s = time.perf_counter() - prep.t0
+    summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
+    metrics.write_prometheus(prep.opts.output)
+    prep.sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
+    return summary
+
+
+def run_job(opts: JobOptions, progress=None, note=None) -> JobSummary:
+    """Run (or resume) one batch job in this process, on worker processes (``opts.gpus`` /
+    ``opts.num_workers``) or on Ray (``opts.engine == "ray"``); docs/scaleout.md.
+
+    ``progress(summary, Progress)`` is called as rows finish; ``note(text)`` gets
+    events worth a line on stderr (a worker that died). Raises JobError / the I/O
+    and catalog errors (with codes)."""
+    from .placement import plan_workers
+
+    plan = plan_workers(opts)  # usage errors (exit 2) before any work
+    if plan.engine == "ray":
+        from .ray import run_ray_job
+
+        return run_ray_job(opts, plan, progress, note)
+    prep = prepare_job(opts, plan.device)
+    if prep.sink is None:
+        return prep.summary
     try:
-        return _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling,
-                    tokenizer, progress, t0)
+        if plan.places:
+            from .multi import run_workers
+
+            return run_workers(prep, plan.places, progress, note)
+        return _run_single(prep, progress)
     except BaseException:
         try:  # commit what is contiguous so far; everything after a gap runs again on --resume
-            sink.close(final=False)
+            prep.sink.close(final=False)
         except Exception:
             pass
         raise
 
 
-def _run(opts, source, sink, out, start_row, pinned, names, good, config, dtype, device, sampling, tokenizer,
-         progress, t0) -> JobSummary:
-    from .metrics import JobMetrics
-    from .lora import ROLE_SLICE
-    from .model import DecoderModel
-    from .residency import ResidencyBank
+def _run_single(prep: PreparedJob, progress) -> JobSummary:
+    """The job on one engine in this process."""
+    from .session import EngineSession
 
-    model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
-    max_rank = max((p.max_rank for p in good.values()), default=0)
-    bank = None
-    if good:
-        host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
-        # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
-        used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
-        shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
-        num_slots = _num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
-                                                                           max(max_rank, 1), dtype), device)
-        bank = ResidencyBank(config.num_layers, shapes, max(num_slots, 1), max(max_rank, 1), dtype, device,
-                             host_cache_bytes=host_bytes, prefetch_workers=1 if opts.prefetch_adapters else 0)
-    if opts.preload_adapters and bank is not None:
-        # load the first num_slots adapters before the first row (and before the metrics clock)
-        ids = sorted(good)[:bank.num_slots]
-        bank.ensure(ids, good)
-    num_blocks = _kv_blocks(opts, config, dtype, device)
-    metrics = JobMetrics()
-    engine = Engine(
-        model, bank, pinned, metrics=metrics, num_blocks=num_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
-        max_batch_tokens=opts.max_batch_tokens, sampling=sampling, stop_strings=tuple(opts.stop),
-        detokenize=tokenizer.decode if tokenizer else None, device=device, dtype=dtype,
-        cuda_graphs=opts.cuda_graphs and device.type == "cuda", prefetch_depth=opts.prefetch_adapters,
-        max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
-    )
-
-    summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
-                         resumed_from_row=start_row)
+    opts = prep.opts
+    session = EngineSession(opts, prep.pinned, prep.device, prep.dtype)
+    writer = RowWriter(prep.sink, prep.summary, session.metrics)
     kept: dict[int, dict] = {}
     # rows handed to the engine ahead of time: the window its adapter-aware admission
     # can reorder within (the sink buffers at most this many out-of-order results)
     queue_limit = max(8 * opts.max_num_seqs, opts.schedule_window)
 
     def emit(res: Result) -> None:
-        metrics.row_finished(res.finish_reason, res.error_code, res.num_prompt_tokens, len(res.token_ids))
-        p = pinned.get(res.adapter) if res.adapter is not None else None
-        text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else "")
-        rec = {
-            "id": res.id, **kept.pop(res.row, {}),
-            "adapter": res.adapter,
-            "adapter_sha256": p.semantic_sha256 if (p is not None and p.ok) else None,
-            "completion": text if res.finish_reason != "error" else "",
-            "completion_token_ids": list(res.token_ids),
-            "finish_reason": res.finish_reason,
-            "num_prompt_tokens": res.num_prompt_tokens,
-            "num_completion_tokens": len(res.token_ids),
-            "error_code": res.error_code,
-            "error_message": res.error_message,
-        }
-        sink.add(res.row, rec)
-        summary.rows_this_run += 1
-        summary.finish_reasons[res.finish_reason] = summary.finish_reasons.get(res.finish_reason, 0) + 1
-        if res.error_code:
-            summary.error_rows += 1
-            summary.errors_by_code[res.error_code] = summary.errors_by_code.get(res.error_code, 0) + 1
-        else:
-            summary.ok_rows += 1
-            summary.generated_tokens += len(res.token_ids)
-            summary.prompt_tokens += res.num_prompt_tokens
+        record = session.record(res)
+        record.update(kept.pop(res.row, {}))
+        writer.add(res.row, record)
 
-    batches = source.batches(start_row=start_row, batch_rows=max(64, opts.max_num_seqs))
+    batches = prep.source.batches(start_row=prep.start_row, batch_rows=max(64, opts.max_num_seqs))
     try:
-        _drive(engine, batches, opts, tokenizer, config.vocab_size, kept, emit, progress, summary, queue_limit)
+        _drive(session, batches, prep, kept, emit, progress, writer, queue_limit)
     finally:
-        if bank is not None:
-            bank.close()  # prefetch threads
-    summary.wall_s = time.perf_counter() - t0
-    summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
-    summary.engine = dict(engine.stats, kv_blocks=engine.num_blocks)
-    summary.bank = {k: v for k, v in bank.stats.as_dict().items() if k != "load_seconds"} if bank is not None else {}
-    metrics.write_prometheus(opts.output)
-    sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
-    return summary
+        session.close()
+    prep.summary.engine, prep.summary.bank = session.stats()
+    return finish_job(prep, session.metrics)
 
 
-def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, summary, queue_limit) -> None:
+def _drive(session, batches, prep, kept, emit, progress, writer, queue_limit) -> None:
     """Feed input batches to the engine (at most ``queue_limit`` rows queued) and step it until done."""
+    from .session import requests_of
+
+    engine = session.engine
     exhausted = False
     while True:
         while not exhausted and engine.num_queued < queue_limit:
@@ -329,7 +378,7 @@ def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, s
             if batch is None:
                 exhausted = True
                 break
-            for req_or_err in _requests(batch, opts, tokenizer, vocab_size, kept):
+            for req_or_err in requests_of(batch, prep.opts, prep.tokenizer, prep.config.vocab_size, kept):
                 if isinstance(req_or_err, Result):
                     emit(req_or_err)
                 else:
@@ -343,42 +392,14 @@ def _drive(engine, batches, opts, tokenizer, vocab_size, kept, emit, progress, s
         for res in engine.step():
             emit(res)
         if progress:
-            progress(summary, engine)
-
-
-def _requests(batch, opts: JobOptions, tokenizer, vocab_size: int, kept: dict):
-    """Requests (or refused rows as error Results) of one input batch, in order."""
-    kept_rows = batch.kept.to_pylist() if batch.kept is not None and batch.kept.num_columns else None
-    for i, rid in enumerate(batch.ids):
-        row = batch.first_row + i
-        if kept_rows is not None:
-            kept[row] = kept_rows[i]
-        adapter = batch.adapters[i]
-        adapter = None if adapter in BASE_IDS else adapter
-        mnt = batch.max_new_tokens[i] if batch.max_new_tokens is not None else None
-        mnt = opts.max_new_tokens if mnt is None else int(mnt)
-        if batch.prompt_ids is not None:
-            ids = batch.prompt_ids[i]
-            if ids is None:
-                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt_ids cell is null")
-                continue
-            if any((t < 0 or t >= vocab_size) for t in ids):
-                yield Result(row, rid, adapter, [], "error", len(ids), "E_PROMPT_TOKEN_RANGE",
-                             f"a prompt token id is outside [0, {vocab_size})")
-                continue
-        else:
-            text = batch.prompts[i]
-            if text is None:
-                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt cell is null")
-                continue
-            ids = tokenizer.encode(text)
-        yield Request(row, rid, list(ids), adapter, mnt)
+            active = len({s.req.adapter for s in engine.running if s.req.adapter is not None})
+            progress(prep.summary, writer.progress(len(engine.running), active))
 
 
 ADAPTER_MEMORY_SHARE = 0.25  # of the usable free GPU memory, for adapter slots when --max-gpu-adapters is not given
 
 
-def _num_slots(opts: JobOptions, adapters: int, slot_bytes: int, device) -> int:
+def num_slots(opts: JobOptions, adapters: int, slot_bytes: int, device) -> int:
     """GPU adapter slots: ``--max-gpu-adapters`` (at most one per adapter), else on CUDA as
     many as fit in a quarter of the usable free memory (the rest is the KV cache's; the
     residency engine swaps adapters through the slots), else (CPU) one per adapter."""
@@ -398,7 +419,7 @@ def _usable_gpu_bytes(opts: JobOptions, device) -> float:
     return max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
 
 
-def _kv_blocks(opts: JobOptions, config, dtype, device) -> int:
+def kv_blocks(opts: JobOptions, config, dtype, device) -> int:
     """KV blocks: from --kv-cache-gb, else on CUDA from free memory, else enough for
     max_num_seqs full contexts (CPU)."""
     def fit(budget_bytes) -> int:

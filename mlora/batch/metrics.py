@@ -307,6 +307,66 @@ class JobMetrics:
         with self._lock:
             self.preemptions += 1
 
+    # -- several engines, one job --------------------------------------------
+
+    def engine_state(self) -> dict:
+        """This engine's counters as plain, picklable values, for :meth:`absorb` in the job's
+        process: iterations, tokens per phase, rank rows, loads, H2D bytes, cache, evictions,
+        residency states, prefetch, preemptions and the histograms. Row counters and unique
+        adapter bytes are left out (see :meth:`absorb`)."""
+        with self._lock:
+            return {
+                "iterations": self.iterations, "iteration_seconds": self.iteration_seconds,
+                "phase_tokens": dict(self.phase_tokens), "rank_true": self.rank_true,
+                "rank_padded": self.rank_padded, "loads": dict(self.loads),
+                "load_failures": dict(self.load_failures), "h2d_bytes": self.h2d_bytes,
+                "cache_hits": dict(self.cache_hits), "cache_misses": dict(self.cache_misses),
+                "evictions": dict(self.evictions), "states": dict(self.states),
+                "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+                "preemptions": self.preemptions,
+                "hist_iteration": (list(self.hist_iteration.counts), self.hist_iteration.sum),
+                "hist_distinct": (list(self.hist_distinct.counts), self.hist_distinct.sum),
+                "hist_load": {t: (list(h.counts), h.sum) for t, h in self.hist_load.items()},
+            }
+
+    def absorb(self, state: dict) -> None:
+        """Add one engine's :meth:`engine_state` to this (the job's) metrics: counters and
+        histogram buckets add, residency state counts add (adapters per state over all
+        engines). Rows are counted by the job where it writes them (``row_finished``) and
+        unique adapter bytes once per adapter for the whole job (``unique_adapter_bytes``),
+        so load amplification is job-wide: an adapter loaded by two engines counts twice
+        in ``h2d_bytes`` and once in the denominator. ``iteration_seconds`` sums engine
+        time, so ``iteration_tokens_per_s`` is a per-engine rate."""
+        def add(mine: dict, theirs: dict) -> None:
+            for k, v in theirs.items():
+                mine[k] += v
+
+        def add_hist(h: _Histogram, counts_sum) -> None:
+            counts, total = counts_sum
+            h.counts = [a + b for a, b in zip(h.counts, counts)]
+            h.sum += total
+
+        with self._lock:
+            self.iterations += state["iterations"]
+            self.iteration_seconds += state["iteration_seconds"]
+            add(self.phase_tokens, state["phase_tokens"])
+            self.rank_true += state["rank_true"]
+            self.rank_padded += state["rank_padded"]
+            add(self.loads, state["loads"])
+            add(self.load_failures, state["load_failures"])
+            self.h2d_bytes += state["h2d_bytes"]
+            add(self.cache_hits, state["cache_hits"])
+            add(self.cache_misses, state["cache_misses"])
+            add(self.evictions, state["evictions"])
+            add(self.states, state["states"])
+            self.prefetch_issued += state["prefetch_issued"]
+            self.prefetch_used += state["prefetch_used"]
+            self.preemptions += state["preemptions"]
+            add_hist(self.hist_iteration, state["hist_iteration"])
+            add_hist(self.hist_distinct, state["hist_distinct"])
+            for t, cs in state["hist_load"].items():
+                add_hist(self.hist_load[t], cs)
+
     # -- figures -----------------------------------------------------------
 
     def snapshot(self) -> dict:

@@ -56,7 +56,7 @@ class EngineSession:
                                                                             max(max_rank, 1), dtype), device)
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes,
-                                      prefetch_workers=2 if opts.prefetch_adapters else 0)
+                                      prefetch_workers=1 if opts.prefetch_adapters else 0)
         if opts.preload_adapters and self.bank is not None:
             # load the first num_slots adapters before the first row (and before the metrics clock)
             self.bank.ensure(sorted(good)[:self.bank.num_slots], good)

@@ -65,6 +65,11 @@ def batch_run(
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
+    num_workers: Optional[int] = typer.Option(None, "--num-workers", min=1,
+                                              help="--engine local: N worker processes on the CPU (--device cpu); --engine ray: N actors."),
+    engine: str = typer.Option("local", "--engine", help="local (this host) | ray (Ray Data; pip install 'mlora[ray]')."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine ray: address of a running Ray cluster (default: start a local one)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
@@ -90,23 +95,27 @@ def batch_run(
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window, cuda_graphs=cuda_graphs,
         prefetch_adapters=prefetch_adapters, preload_adapters=preload_adapters,
+        gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
     )
     show = not quiet and err.is_terminal
     bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn(), console=err, disable=not show)
     task = bar.add_task("rows", total=None, info="")
 
-    def progress(summary, engine):
-        done = summary.resumed_from_row + summary.rows_this_run
-        rate = engine.stats["generated_tokens"] / max(1e-9, time.perf_counter() - started)
-        active = len({s.req.adapter for s in engine.running if s.req.adapter is not None})
-        bar.update(task, total=summary.rows, completed=done,
-                   info=f"{rate:,.0f} tok/s  {len(engine.running)} running  {active} adapters")
+    def progress(summary, p):
+        rate = p.generated_tokens / max(1e-9, time.perf_counter() - started)
+        workers = f"  {p.workers} workers" if p.workers > 1 else ""
+        bar.update(task, total=p.rows_total, completed=p.rows_done,
+                   info=f"{rate:,.0f} tok/s  {p.running} running  {p.adapters} adapters{workers}")
+
+    def note(text):
+        if show:
+            bar.console.print(f"note: {text}", markup=False, highlight=False)
 
     started = time.perf_counter()
     try:
         with bar:
-            summary = run_job(opts, progress=progress)
+            summary = run_job(opts, progress=progress, note=note)
     except JobError as exc:
         _fail(err, exc.code, str(exc).split(": ", 1)[-1], exc.exit_code)
     except ValueError as exc:  # the input, output, catalog and model errors carry a stable code

@@ -276,3 +276,54 @@ def bench_peft(
     if not _save(r, out, json_out, indent=None):
         Console().print(f"transformers + PEFT, {adapters} adapters, batch {batch_size}: {r['tokens_per_s']:.1f} "
                         f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")
+
+
+@bench_app.command("gpus")
+def bench_gpus(
+    workdir: Path = typer.Argument(..., help="Directory for the synthetic workspace (reused if complete) and outputs."),
+    gpus: str = typer.Option("0,1", "--gpus", help="GPUs of the scaled run (the one-GPU run uses the first)."),
+    num_workers: int = typer.Option(2, "--num-workers", min=1, help="--device cpu: CPU worker processes of the scaled run."),
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    adapters: int = typer.Option(64, "--adapters", min=1, help="Distinct adapters (rows pick one uniformly)."),
+    rows: int = typer.Option(2048, "--rows", min=1),
+    rank: int = typer.Option(16, "--rank", min=1),
+    prompt_min: int = typer.Option(128, "--prompt-min", min=1),
+    prompt_max: int = typer.Option(1024, "--prompt-max", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
+    max_batch_tokens: int = typer.Option(8192, "--max-batch-tokens", min=1),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (a smoke run with CPU worker processes)."),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """The step-3 synthetic job through `mlora batch-run` on one GPU and with --gpus; prints both tokens/s."""
+    from ..batch.bench_gpus import GpusBenchOptions, run_gpus_bench
+
+    err = Console(stderr=True)
+    _require_cuda(err, device)
+    opts = GpusBenchOptions(preset=preset, gpus=gpus, num_workers=num_workers, adapters=adapters, rows=rows, rank=rank,
+                            prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens,
+                            max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
+                            seed=seed)
+    try:
+        results = run_gpus_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    except RuntimeError as exc:
+        err.print(f"Error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(1)
+    if _save(results, out, json_out):
+        return
+    con = Console()
+    table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, every projection), {rows} rows, "
+                        f"{max_new_tokens} new tokens", title_justify="left")
+    for col in ("run", "device", "tok/s (generation)", "wall", "load amplification", "error rows"):
+        table.add_column(col, justify="right")
+    for r in results["runs"]:
+        amp = r["load_amplification"]
+        table.add_row(r["name"], r["device"], f"{r['tokens_per_s']:.0f}", f"{r['wall_s']:.1f} s",
+                      "-" if amp is None else f"{amp:.3f}", str(r["error_rows"]))
+    con.print(table)
+    sp = results["speedup"]
+    con.print(f"speed-up (generation tokens/s, scaled / one): {'-' if sp is None else f'{sp:.2f}x'} "
+              f"(wall time: {results['wall_speedup']:.2f}x)")

@@ -1,0 +1,156 @@
+"""`mlora batch-run --engine ray` and the public actor class `MloraPredictor`.
+
+With Ray installed (CI installs it: the test extra), a local Ray instance
+with 2 CPUs runs the demo job on 2 actors and must write exactly the
+single-process output; a Ray job interrupted after its first committed shard
+resumes to the same output. Without Ray those tests skip (the reason says
+so) and the rest still run: the predictor called directly (no Ray needed),
+the error mapping, and `--engine ray` without Ray exiting 1 with the install hint.
+"""
+
+import json
+import os
+import sys
+
+import pyarrow as pa
+import pytest
+from conftest import DEMO
+
+from mlora.batch.job import JobError, JobOptions, run_job
+from mlora.batch.output import read_output
+
+try:
+    import ray  # noqa: F401
+    import ray.data  # noqa: F401
+
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'mlora[ray]'); CI installs it")
+
+MAX_NEW = 40
+BASE, ADAPTERS = os.path.join(DEMO, "base"), os.path.join(DEMO, "adapters")
+
+
+def _opts(out, **kw):
+    base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=BASE, adapters_dir=ADAPTERS,
+                max_new_tokens=MAX_NEW, device="cpu", dtype="float32", shard_rows=7, keep_columns=("prompt",))
+    base.update(kw)
+    return JobOptions(**base)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "out"
+    run_job(_opts(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance (2 CPUs) for the module; the job reuses it and leaves it running."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _shards(out) -> list[str]:
+    return [s["sha256"] for s in json.loads((out / "_manifest.json").read_text())["shards"]]
+
+
+@needs_ray
+def test_two_ray_actors_write_exactly_the_single_process_output(tmp_path, single, local_ray):
+    # --schedule-window 8: batches of 8 rows, windows of 16 (3 windows, 5 batches over 2 actors)
+    summary = run_job(_opts(tmp_path / "out", engine="ray", num_workers=2, device="auto", schedule_window=8))
+    assert read_output(str(tmp_path / "out")).equals(read_output(str(single)))
+    assert _shards(tmp_path / "out") == _shards(single)  # the same shard files, byte for byte
+    assert (tmp_path / "out" / "_SUCCESS").exists() and summary.device == "ray: cpu x2"
+    m = json.loads((tmp_path / "out" / "_metrics.json").read_text())["metrics"]
+    assert m["rows_finished"] == 40 and m["completion_tokens"] == summary.generated_tokens > 0
+    assert local_ray.is_initialized()  # a cluster the job did not start is left running
+
+
+@needs_ray
+def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single, local_ray):
+    out = tmp_path / "out"
+    committed = []
+
+    def interrupt(summary, p):  # Ctrl-C as soon as the first shard is committed
+        if p.rows_committed:
+            committed.append(p.rows_committed)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(_opts(out, engine="ray", num_workers=2, schedule_window=8), progress=interrupt)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert 0 < manifest["rows_committed"] < 40 and not (out / "_SUCCESS").exists()
+    # resumed on one actor: the job's fingerprint does not name the engine or the number of workers
+    summary = run_job(_opts(out, engine="ray", num_workers=1, schedule_window=8, resume=True))
+    assert summary.resumed_from_row == manifest["rows_committed"]
+    assert summary.rows_this_run == 40 - manifest["rows_committed"]
+    assert read_output(str(out)).equals(read_output(str(single)))
+
+
+def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    monkeypatch.setitem(sys.modules, "ray.data", None)
+    code, _, err = run_cli("batch-run", os.path.join(DEMO, "prompts.parquet"), tmp_path / "out", "--base", BASE,
+                           "--adapters", ADAPTERS, "--engine", "ray", "--quiet")
+    err = " ".join(err.split())  # the console wraps long lines
+    assert code == 1 and "Error: E_RAY_MISSING:" in err and "pip install 'mlora[ray]'" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_predictor_called_directly_gives_the_demo_answers():
+    """MloraPredictor is a plain class: Ray constructs it once per actor and calls it per batch."""
+    from mlora.batch.ray import MloraPredictor, pin_adapters
+
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    pinned = pin_adapters(BASE, ADAPTERS, ids=["upper", "reverse"])
+    p = MloraPredictor(BASE, pinned=pinned, device="cpu", max_new_tokens=expected["max_new_tokens"])
+    prompts = [expected["format"].format(prompt=q) for q in expected["prompts"][:2]]
+    table = pa.table({"id": [1, 2, 3, 4], "prompt": prompts * 2, "adapter": ["upper", "upper", "reverse", None],
+                      "note": ["a", "b", "c", "d"]})
+    out = p(table)
+    assert out.column_names[:2] == ["prompt", "note"] and out.column_names[2] == "id"
+    rows = out.to_pylist()
+    assert [r["id"] for r in rows] == ["1", "2", "3", "4"] and [r["note"] for r in rows] == ["a", "b", "c", "d"]
+    assert [r["completion"] for r in rows] == [*expected["outputs"]["upper"][:2], expected["outputs"]["reverse"][0],
+                                               expected["outputs"]["__base__"][1]]
+    assert rows[0]["adapter_sha256"] == pinned["upper"].semantic_sha256 and rows[3]["adapter_sha256"] is None
+    # a dict batch, an adapter that was not pinned (an error row), keep_columns
+    p2 = MloraPredictor(BASE, pinned=pinned, device="cpu", max_new_tokens=4, keep_columns=[])
+    out = p2({"id": ["x"], "prompt": [prompts[0]], "adapter": ["spell"]}).to_pylist()
+    assert list(out[0])[0] == "id" and out[0]["error_code"] == "E_ADAPTER_UNKNOWN"
+    with pytest.raises(TypeError):
+        MloraPredictor(BASE, pinned=pinned, max_new_token=4)  # a misspelt option is refused
+
+
+@needs_ray
+def test_predictor_takes_and_returns_pandas():
+    import pandas as pd
+
+    from mlora.batch.ray import MloraPredictor
+
+    p = MloraPredictor(BASE, ADAPTERS, adapter_ids=["upper"], device="cpu", max_new_tokens=6)
+    out = p(pd.DataFrame({"id": ["a"], "prompt": ["<|bos|>abc="], "adapter": ["upper"]}))
+    assert isinstance(out, pd.DataFrame) and out["completion"].tolist() == ["ABC"]
+
+
+def test_failures_inside_ray_keep_their_codes():
+    from mlora.batch.io import JobInputError
+    from mlora.batch.ray import _ray_failure
+
+    class Wrapped(Exception):  # how Ray wraps a task's exception (RayTaskError.cause)
+        def __init__(self, cause):
+            super().__init__("task failed")
+            self.cause = cause
+
+    e = _ray_failure(Wrapped(Wrapped(JobInputError("E_INPUT_CHANGED", "x changed"))))
+    assert (e.code, e.exit_code) == ("E_INPUT_CHANGED", 1)
+    e = _ray_failure(Wrapped(RuntimeError("CUDA out of memory")))
+    assert (e.code, e.exit_code) == ("E_RAY_FAILED", 3) and "--resume" in str(e) and "out of memory" in str(e)
+    assert isinstance(e, JobError)
