@@ -94,8 +94,15 @@ def _opts(out, **kw):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
+    """The single-process reference output (one torch thread: a busy 2-core host slows
+    multi-threaded tiny CPU ops by an order of magnitude)."""
     out = tmp_path_factory.mktemp("single") / "out"
-    run_job(_opts(out))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_job(_opts(out))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -192,3 +199,24 @@ def test_gpus_are_checked_against_the_visible_devices(monkeypatch):
     assert e.value.code == "E_WORKERS_DEVICE"
     plan = plan_workers(JobOptions(input="", output="", base="", num_workers=2, device="cpu"))
     assert [p.device for p in plan.places] == ["cpu", "cpu"] and plan.places[0].threads >= 1
+
+
+def test_a_gpu_worker_pins_its_device_and_a_failing_worker_stops_the_job(tmp_path):
+    """The GPU path up to CUDA: a worker placed on GPU "0" sets CUDA_VISIBLE_DEVICES=0 before
+    torch starts CUDA and refuses to run unless it then sees exactly one device. On this
+    CPU-only host it sees none: the worker's error stops the job with its code (exit 3)."""
+    from mlora.batch.job import prepare_job
+    from mlora.batch.multi import run_workers
+    from mlora.batch.placement import WorkerPlace
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the worker would find its GPU")
+    prep = prepare_job(_opts(tmp_path / "out", dtype="float32"), torch.device("cuda"))
+    try:
+        with pytest.raises(JobError) as e:
+            run_workers(prep, [WorkerPlace(0, "cuda", "0", "cuda:0")])
+    finally:
+        prep.sink.close(final=False)
+    assert e.value.exit_code == 3 and e.value.code == "E_RUNTIME"
+    assert "worker 0 (cuda:0)" in str(e.value) and "sees 0 CUDA devices" in str(e.value)
+    assert "CUDA_VISIBLE_DEVICES='0'" in str(e.value) and "--resume" in str(e.value)

@@ -14,6 +14,7 @@ import sys
 
 import pyarrow as pa
 import pytest
+import torch
 from conftest import DEMO
 
 from mlora.batch.job import JobError, JobOptions, run_job
@@ -41,8 +42,15 @@ def _opts(out, **kw):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
+    """The single-process reference output (one torch thread: a busy 2-core host slows
+    multi-threaded tiny CPU ops by an order of magnitude)."""
     out = tmp_path_factory.mktemp("single") / "out"
-    run_job(_opts(out))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_job(_opts(out))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -64,9 +64,10 @@ def _serve(index: int, conn, threads: int | None, payload: bytes) -> None:
             torch.set_num_threads(threads)
         device = torch.device(device_type)
         if device.type == "cuda":
-            if torch.cuda.device_count() < 1:
-                raise RuntimeError(f"worker {index} sees no CUDA device (CUDA_VISIBLE_DEVICES="
-                                   f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            seen = torch.cuda.device_count()
+            if seen != 1:  # 0: a bad id; more: CUDA started before the variable was set (fail, never share a GPU)
+                raise RuntimeError(f"worker {index} sees {seen} CUDA devices, not its one "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(0)
         session = EngineSession(opts, pinned, device, dtype)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides the exit code
