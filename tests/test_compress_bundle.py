@@ -202,11 +202,19 @@ def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_
     common = ("--base", os.path.join(DEMO, "base"), "--max-new-tokens", 8, "--device", "cpu", "--dtype", "float32", "-q")
     prompts = os.path.join(DEMO, "prompts.parquet")
     assert run_cli("batch-run", prompts, tmp_path / "from-bundle", "--adapters", bundle, *common)[0] == 0
+    assert run_cli("batch-run", prompts, tmp_path / "materialized", "--adapters", bundle, *common,
+                   "--bundle-operator", "materialized")[0] == 0
     assert run_cli("batch-run", prompts, tmp_path / "from-exports", "--adapters", tmp_path / "ex", *common)[0] == 0
-    a = pq.read_table(str(tmp_path / "from-bundle")).to_pydict()
+    a = pq.read_table(str(tmp_path / "from-bundle")).to_pydict()  # auto: the three-stage operator
+    m = pq.read_table(str(tmp_path / "materialized")).to_pydict()
     b = pq.read_table(str(tmp_path / "from-exports")).to_pydict()
     assert all(e is None for e in a["error_code"]) and set(a["adapter"]) >= set(members)
-    assert a["completion_token_ids"] == b["completion_token_ids"]  # the same float32 factors: the same tokens
+    assert m["completion_token_ids"] == b["completion_token_ids"]  # the same float32 factors: the same tokens
+    # the three-stage operator evaluates the same update in another order: float32 rounding
+    # only, which leaves these greedy tokens unchanged
+    assert a["completion_token_ids"] == b["completion_token_ids"]
+    metrics = json.loads((tmp_path / "from-bundle" / "_metrics.json").read_text())["metrics"]
+    assert sum(metrics["adapter_loads"].values()) == 0  # every member resident from the start: no loads
     sha = {r: s for r, s in zip(a["adapter"], a["adapter_sha256"]) if r}
     assert len(set(sha.values())) == len(members)  # one identity per member
 
@@ -246,3 +254,26 @@ def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
     bad.write_text(json.dumps({"x": {"path": "bundle", "member": "upper", "artifact_sha256": "0" * 64}}))
     with pytest.raises(Exception, match="E_CATALOG_INVALID"):
         load_catalog(None, str(bad))
+
+
+def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
+    """--bundle-operator three-stage never serves a non-member another way: exit 2, named code;
+    auto serves the same mixed job with slots."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import DEMO
+
+    bundle = tmp_path / "bundle"
+    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    cat = tmp_path / "catalog.json"
+    cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"}, "plain": os.path.join(DEMO, "adapters", "spell")}))
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello", "world"], "adapter": ["up", "plain"]}), str(inp))
+    common = ("--base", os.path.join(DEMO, "base"), "--catalog", cat, "--max-new-tokens", 2, "--device", "cpu", "-q")
+    code, _, stderr = run_cli("batch-run", inp, tmp_path / "out", *common, "--bundle-operator", "three-stage")
+    assert code == 2 and "E_BUNDLE_OPERATOR" in stderr
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    assert run_cli("batch-run", inp, tmp_path / "auto", *common)[0] == 0
+    rows = pq.read_table(str(tmp_path / "auto")).to_pydict()
+    assert rows["error_code"] == [None, None]

@@ -27,9 +27,9 @@ when the job starts, and stay resident for the whole job: a basis is never
 evicted while a member is in flight because nothing is ever evicted, and a
 core is only ever used with the basis generation it was fitted with (both
 come from the one verified bundle). Device memory is therefore the bundle's
-parameter count, reported by :meth:`BundleBank.nbytes`; a bundle too large
-for that is refused at job start (``E_BUNDLE_TOO_LARGE``) rather than served
-partially. Not built yet: per-cluster eviction of bases and cores under a
+parameter count (:meth:`BundleBank.bytes_needed`); the job refuses a bundle
+larger than the adapters' share of GPU memory at start (``E_BUNDLE_TOO_LARGE``,
+``mlora.batch.session``) rather than serving it partially. Not built yet: per-cluster eviction of bases and cores under a
 memory budget, and a Triton path (this one runs dense torch GEMMs on either
 device).
 """
@@ -155,6 +155,9 @@ class BundleBank:
             out[adapter_id] = self.index[p.bundle_member]
             self.stats.hits += 1
         return out
+
+    def close(self) -> None:
+        """Nothing runs in the background (no loads, no prefetch threads)."""
 
     def context(self, row_slots: torch.Tensor, static=None) -> "BundleContext":
         """The LoraContext of one invocation. ``row_slots`` [T]: each packed row's member

@@ -13,11 +13,12 @@ job start; ``mlora.compress.bundle.read_bundle``); those verified tensors stay
 in memory, keyed by the bundle's digest, so a member is served with the bytes
 its identity was pinned with even if the files change later.
 
-Not built yet: the three-stage operator of spec 0x06G4 (one shared ``V_c``
-projection per cluster, the per-adapter core, one shared ``U_c`` expansion)
-and residency of bases and cores as separate objects. This version puts each
-member's materialised factors into an ordinary slot, which is correct but
-saves no GPU memory over the uncompressed adapters.
+This module gives the materialised form (``member_factors``: each member's
+factors in an ordinary slot; correct, but no memory saved over the
+uncompressed adapters). A job whose adapters all come from one bundle is
+served with the three-stage operator of spec 0x06G4 instead
+(``mlora.batch.bundle_bank``, ``--bundle-operator``), from the same verified
+tensors (``pinned_bundle``).
 
 Identity: ``artifact_sha256`` is the bundle's ``bundle_sha256``;
 ``semantic_sha256`` hashes (bundle_sha256, member id, the job's base
@@ -125,16 +126,24 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
     return out
 
 
-def member_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
-    """(layer, role) -> (A' [R, d_in], B' [d_out, R], 1.0) of a pinned bundle member."""
+def pinned_bundle(pinned: PinnedAdapter):
+    """The verified Bundle a member was pinned from: the one read at pin time in this
+    process, or (pinned in another process) read and verified again, and refused
+    (AdapterChanged) unless it is still the bundle pinned at job start."""
     b = _BUNDLES.get((pinned.bundle, pinned.artifact_sha256))
-    if b is None:  # pinned in another process: verify it again, it must still be the pinned bundle
+    if b is None:
         try:
             b = _verified(pinned.bundle)
         except Exception as exc:
             raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} cannot be read ({exc})") from None
         if b.manifest["bundle_sha256"] != pinned.artifact_sha256:
             raise AdapterChanged(pinned.id, f"bundle {pinned.bundle} is not the bundle pinned at job start")
+    return b
+
+
+def member_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """(layer, role) -> (A' [R, d_in], B' [d_out, R], 1.0) of a pinned bundle member."""
+    b = pinned_bundle(pinned)
     member = pinned.bundle_member
     if member not in b.member_ids():
         raise AdapterError("E_ADAPTER_UNKNOWN", f"{member!r} is not a member of {pinned.bundle}", pinned.id)

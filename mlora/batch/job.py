@@ -83,6 +83,7 @@ class JobOptions:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     prefetch_adapters: int = 4  # cold adapters of the waiting rows whose host images are built ahead
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
+    bundle_operator: str = "auto"  # auto | three-stage | materialized (bundle members; mlora.batch.bundle_bank)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
     # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
     gpus: str | None = None  # "0,1" or "all": one worker process per GPU (placement.py)

@@ -47,7 +47,18 @@ class EngineSession:
         good = {a: p for a, p in pinned.items() if p.ok}
         max_rank = max((p.max_rank for p in good.values()), default=0)
         self.bank = None
-        if good:
+        bundle = served_bundle(opts, good)
+        if bundle is not None:
+            from .bundle_bank import BundleBank
+            from .job import ADAPTER_MEMORY_SHARE, JobError, _usable_gpu_bytes
+
+            need = BundleBank.bytes_needed(bundle, dtype)
+            if device.type == "cuda" and need > ADAPTER_MEMORY_SHARE * _usable_gpu_bytes(opts, device):
+                raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle needs {need / 2**30:.2f} GiB resident, more than "
+                               "the adapters' share of GPU memory; serve its members through slots with "
+                               "--bundle-operator materialized, or raise --gpu-memory-utilization")
+            self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good)
+        elif good:
             host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
             # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
             used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
@@ -57,7 +68,7 @@ class EngineSession:
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes,
                                       prefetch_workers=1 if opts.prefetch_adapters else 0)
-        if opts.preload_adapters and self.bank is not None:
+        if opts.preload_adapters and self.bank is not None and bundle is None:
             # load the first num_slots adapters before the first row (and before the metrics clock)
             self.bank.ensure(sorted(good)[:self.bank.num_slots], good)
         self.metrics = JobMetrics()
@@ -97,6 +108,37 @@ class EngineSession:
     def close(self) -> None:
         if self.bank is not None:
             self.bank.close()  # prefetch threads
+
+
+BUNDLE_OPERATORS = ("auto", "three-stage", "materialized")
+
+
+def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
+    """The verified bundle to serve with the three-stage operator, or None for slots.
+
+    ``auto``: the three-stage operator when every servable adapter of the job is a
+    member of one bundle, slots otherwise; ``three-stage``: the same condition, and a
+    job that does not meet it fails (E_BUNDLE_OPERATOR, exit 2) instead of being
+    served another way; ``materialized``: always slots (each member's factors
+    ``U_c core_i``, ``V_c^T`` in a slot of its own)."""
+    from .job import JobError
+
+    mode = opts.bundle_operator
+    if mode not in BUNDLE_OPERATORS:
+        raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
+                       f"not {mode!r}", 2)
+    if mode == "materialized" or not good:
+        return None
+    bundles = {(p.bundle, p.artifact_sha256) if p.bundle else None for p in good.values()}
+    if len(bundles) != 1 or None in bundles:
+        if mode == "three-stage":
+            raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage serves the members of one bundle, "
+                           "but this job also names adapters that are not members of it (or members of several "
+                           "bundles); use --bundle-operator materialized or auto", 2)
+        return None
+    from .bundles import pinned_bundle
+
+    return pinned_bundle(next(iter(good.values())))
 
 
 def result_record(res: Result, pinned: dict[str, PinnedAdapter], tokenizer: Tokenizer | None) -> dict:

@@ -63,6 +63,8 @@ def batch_run(
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
+    bundle_operator: str = typer.Option("auto", "--bundle-operator",
+                                        help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, or materialized (each member's factors in a slot)."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
@@ -94,7 +96,7 @@ def batch_run(
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window, cuda_graphs=cuda_graphs,
-        prefetch_adapters=prefetch_adapters, preload_adapters=preload_adapters,
+        prefetch_adapters=prefetch_adapters, preload_adapters=preload_adapters, bundle_operator=bundle_operator,
         gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
     )
     show = not quiet and err.is_terminal
