@@ -227,15 +227,13 @@ class Engine:
 
     def _prefetch(self) -> None:
         """Ask the bank to build the host images of the next ``prefetch_depth`` cold
-        adapters among the waiting rows (arrival order: the order admission loads them
-        in), while this iteration's rows run."""
-        active = {s.req.adapter for s in self.running}
+        adapters among the waiting rows, in the order admission will bring them in
+        (``_slot_plan``: small, big, then the rest), while this iteration's rows run."""
+        active = {s.req.adapter for s in self.running if s.req.adapter is not None}
         resident = set(self.bank.resident)
+        _, small, big, rest = self._slot_plan(list(self.waiting), active)
         cold: list[str] = []
-        for seq in self.waiting:
-            a = seq.req.adapter
-            if a is None or a in active or a in cold:
-                continue
+        for a in small + big + rest:
             p = self.pinned.get(a)
             if p is None or not p.ok or p.semantic_sha256 in resident:
                 continue
@@ -331,6 +329,8 @@ class Engine:
 
     def _admit(self, chosen: list, budget: int) -> int:
         """Admit waiting sequences into ``chosen``; returns the budget left."""
+        if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.waiting:
+            return budget  # nothing can be admitted: skip the ordering work (the steady decode state)
         now = self._admissions  # a row's wait is the number of rows admitted since it arrived
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
 
@@ -366,30 +366,41 @@ class Engine:
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         return budget
 
-    def _slot_order(self, candidates: list, active: set):
-        """Sort key of the waiting rows for one admission pass (stable: arrival order within).
+    def _slot_plan(self, candidates: list, active: set) -> tuple[Counter, list[str], list[str], list[str]]:
+        """(waiting rows per adapter, small, big, rest): how one admission pass gives out
+        the free adapter slots.
 
-        The free adapter slots are split between the new adapters with the most waiting
-        rows, as many as it takes to fill the free row capacity (``big``), and, for the
-        slots left, the adapters with the fewest (``small``). An adapter with one or two
-        rows holds a slot as long as one with fifty does, so rare adapters run alongside
-        the popular ones from the start instead of being left for a tail in which every
-        slot holds a row or two (before: 1.5x the iterations of an all-resident run with
-        64 slots; BENCHMARKS.md, residency). Order: small adapters' rows, rows that need no
-        slot (running adapters, base), big adapters' rows, then everything else."""
+        The free slots are split between the new adapters with the most waiting rows,
+        as many as it takes to fill the free row capacity (``big``, most rows first),
+        and, for the slots left, the adapters with the fewest (``small``, fewest
+        first); ``rest`` are the other new adapters, fewest rows first. An adapter
+        with one or two rows holds a slot as long as one with fifty does, so rare
+        adapters run alongside the popular ones from the start instead of being left
+        for a tail in which every slot holds a row or two (before: 1.5x the
+        iterations of an all-resident run with 64 slots; BENCHMARKS.md, residency)."""
         waiting_rows = Counter(s.req.adapter for s in candidates if s.req.adapter is not None)
-        new = [a for a in waiting_rows if a not in active]
+        new = sorted((a for a in waiting_rows if a not in active), key=lambda a: waiting_rows[a])
         free_slots = max(self.num_slots - len(active), 0)
         free_rows = self.max_num_seqs - len(self.running)
         free_rows -= sum(n for a, n in waiting_rows.items() if a in active)
         free_rows -= sum(1 for s in candidates if s.req.adapter is None)
-        big, covered = set(), 0
-        for a in sorted(new, key=lambda a: -waiting_rows[a]):
+        big, covered = [], 0
+        for a in reversed(new):
             if covered >= free_rows or len(big) >= free_slots:
                 break
-            big.add(a)
+            big.append(a)
             covered += waiting_rows[a]
-        small = set(sorted((a for a in new if a not in big), key=lambda a: waiting_rows[a])[: free_slots - len(big)])
+        chosen = set(big)
+        small = [a for a in new if a not in chosen][: free_slots - len(big)]
+        chosen.update(small)
+        return waiting_rows, small, big, [a for a in new if a not in chosen]
+
+    def _slot_order(self, candidates: list, active: set):
+        """Sort key of the waiting rows for one admission pass (stable: arrival order
+        within a class): the small adapters' rows, rows that need no slot (running
+        adapters, base), the big adapters' rows, then the rest (``_slot_plan``)."""
+        waiting_rows, small, big, _ = self._slot_plan(candidates, active)
+        small, big = set(small), set(big)
 
         def order(seq: Sequence) -> tuple[int, int]:
             a = seq.req.adapter
