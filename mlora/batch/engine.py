@@ -123,7 +123,7 @@ class Engine:
         max_wait: int = 256,
         metrics=None,
         cuda_graphs: bool = False,
-        prefetch_depth: int = 4,
+        prefetch_depth: int = 16,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:

@@ -15,6 +15,8 @@ adapters: a session serves exactly the identities the job pinned at start
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -67,7 +69,14 @@ class EngineSession:
                                                                             max(max_rank, 1), dtype), device)
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes,
-                                      prefetch_workers=1 if opts.prefetch_adapters else 0)
+                                      prefetch_workers=prefetch_workers() if opts.prefetch_adapters else 0)
+        self._switch = None
+        if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            # the engine thread gives the GIL to the prefetch threads at every device sync and
+            # must win it back quickly: at Python's default 5 ms interval each re-acquisition
+            # behind a busy builder could cost 5 ms (restored by close())
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         if opts.preload_adapters and self.bank is not None and bundle is None:
             # load the first num_slots adapters before the first row (and before the metrics clock)
             self.bank.ensure(sorted(good)[:self.bank.num_slots], good)
@@ -108,9 +117,19 @@ class EngineSession:
     def close(self) -> None:
         if self.bank is not None:
             self.bank.close()  # prefetch threads
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
 
 
 BUNDLE_OPERATORS = ("auto", "three-stage", "materialized")
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while prefetch threads run
+
+
+def prefetch_workers() -> int:
+    """Threads that build adapters' host images ahead (read, re-hash, lay out, pin):
+    one per four cores, at most two (one on a two-core machine)."""
+    return max(1, min(2, (os.cpu_count() or 1) // 4))
 
 
 def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):

@@ -59,7 +59,7 @@ def batch_run(
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
     schedule_window: int = typer.Option(2048, "--schedule-window", min=1,
                                         help="Input rows the scheduler may reorder to group rows by adapter."),
-    prefetch_adapters: int = typer.Option(4, "--prefetch-adapters", min=0,
+    prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),

@@ -48,6 +48,9 @@ from .states import BINDABLE, State
 from .storage import SlotStorage
 
 
+WHOLE_VIEW_RATIO = 2.0  # see ResidencyBank._whole_views
+
+
 class BankError(ResidencyError):
     """The bank cannot place or serve an adapter (codes as step 3's SlotBank: E_ADAPTER_UNKNOWN,
     E_BANK_RANK_EXCEEDS_R, E_BANK_SHAPE, E_BANK_FULL, E_BANK_SLOT_EMPTY, ...)."""
@@ -231,10 +234,31 @@ class ResidencyBank(SlotTensors):
             targets.add((layer, group))
         for g in self.groups:
             pieces += [Piece(f"ranks.{g}", (), ranks[g]), Piece(f"scales.{g}", (), scales[g])]
+        pieces = self._whole_views(pieces) or pieces
         art = HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
                            meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
         art.view_checks(self._view_shapes)  # here, on the prefetch thread when prefetched, not at validation
         return art
+
+    def _whole_views(self, pieces: list[Piece]) -> list[Piece] | None:
+        """The same slot contents as one piece per slot view, the view's whole image (zeros,
+        then the pieces), when those images hold at most ``WHOLE_VIEW_RATIO`` times the bytes
+        of the pieces; else None (the pieces stay: e.g. rank-8 adapters in rank-64 slots, or
+        an adapter that targets few of the bank's groups).
+
+        Whole views make a load a handful of large copies instead of two per targeted
+        module (64 for a q/v adapter of a 32-layer model), with nothing to zero first: every
+        call the engine thread makes during a load competes for the GIL with the prefetch
+        threads (``scripts/load_breakdown.py``)."""
+        compact = sum(p.src.numel() * p.src.element_size() for p in pieces)
+        whole = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                    for shape, dt in self._view_shapes.values())
+        if whole > WHOLE_VIEW_RATIO * compact:
+            return None
+        images = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in self._view_shapes.items()}
+        for p in pieces:
+            images[p.view][p.index] = p.src
+        return [Piece(n, (), image) for n, image in images.items()]
 
     def _check_meta(self, views: dict[str, torch.Tensor], name: str) -> None:
         """Ranks within [0, R]; scales finite, and zero wherever the rank is zero."""

@@ -919,7 +919,8 @@ class Residency:
         e.slot, e.pages, e.txn = slot.id, list(pages), txn_id
 
     def _copy(self, e: Entry, slot: Slot, attempt: int) -> tuple[Event, Event]:
-        """Zero the slot, copy the pieces, record the copy-complete event (0x06A: tails zero)."""
+        """Zero the slot views no whole-view piece covers, copy the pieces, record the copy-complete
+        event (0x06A: tails zero)."""
         self._move(e, S.LOADING)
         if not complete(slot.last_use):
             raise ResidencyError("E_RESIDENCY_REUSE_BEFORE_EVENT", f"slot {slot.id}'s last use has not completed")
@@ -927,8 +928,10 @@ class Residency:
         self._log(f"copy {e.label} -> {e.pages}")
         views = self.storage.views(slot.id, e.pages)
         name = e.artifact.name
-        for v in views.values():
-            self.copier.zero(v)
+        whole = {p.view for p in e.artifact.pieces if p.index == ()}
+        for name_, v in views.items():
+            if name_ not in whole:  # a whole-view piece writes every element of its view
+                self.copier.zero(v)
         for i, p in enumerate(e.artifact.pieces):
             self.copier.copy(views[p.view][p.index], p.src)
             if i == 0:
