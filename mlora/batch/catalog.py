@@ -26,7 +26,6 @@ Error code of a bad adapter, first match wins::
 from __future__ import annotations
 
 from mlora.batch.errors import CodedError
-from mlora.batch.gate import pause_point
 
 import hashlib
 import json
@@ -375,7 +374,6 @@ def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tupl
     files: dict[str, int] = {}
     try:
         for m in pinned.modules:
-            pause_point()  # a prefetch builder yields to the engine's host work here (mlora.batch.gate)
             problem = _unsupported_module(m.name, "linear", m.role, m.layer)
             if problem:
                 raise AdapterError("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {pinned.id!r}: {problem}", pinned.id)

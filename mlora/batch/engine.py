@@ -27,7 +27,6 @@ generated tokens and recomputes its KV (same tokens, same random stream).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections import Counter, deque
@@ -205,21 +204,16 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one iteration; return the rows that finished in it."""
-        # scheduling and launching hold the engine's turn: prefetch builders wait meanwhile
-        # and run while the device works (mlora.batch.gate)
-        # (on a GPU only: on the CPU the forward pass is itself the long work)
-        gate = getattr(getattr(self.bank, "prefetcher", None), "gate", None)
-        with gate.engine_turn() if gate is not None and self.device.type == "cuda" else contextlib.nullcontext():
-            plan = self.schedule()
-            if plan is None:
-                return []
-            t0 = time.perf_counter()
-            try:
-                logits = self._forward(plan)
-            except AdapterError as exc:  # e.g. its bytes changed since the job started: never served
-                if self.metrics:
-                    self.metrics.adapter_load(0, time.perf_counter() - t0, ok=False, tier_from="disk")
-                return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
+        plan = self.schedule()
+        if plan is None:
+            return []
+        t0 = time.perf_counter()
+        try:
+            logits = self._forward(plan)
+        except AdapterError as exc:  # e.g. its bytes changed since the job started: never served
+            if self.metrics:
+                self.metrics.adapter_load(0, time.perf_counter() - t0, ok=False, tier_from="disk")
+            return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
         # host work for later iterations, done while the device runs this one (the sampled
         # tokens are read in _advance): eviction ranking and prefetch of coming adapters
         if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need

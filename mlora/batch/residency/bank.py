@@ -36,7 +36,6 @@ import torch
 
 from ..bank import BankContext, SlotTensors
 from ..catalog import PinnedAdapter, load_factors
-from ..gate import pause_point
 from ..lora import GROUPS
 from .errors import AdapterLoadError, ResidencyError, ValidationError
 from .events import Copier, copier_for
@@ -227,7 +226,6 @@ class ResidencyBank(SlotTensors):
         scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
         pieces, targets = [], set()
         for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
-            pause_point()
             off, w = self.offsets[group][j], self.widths[group][j]
             pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
             pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
@@ -259,7 +257,6 @@ class ResidencyBank(SlotTensors):
             return None
         images = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in self._view_shapes.items()}
         for p in pieces:
-            pause_point()
             images[p.view][p.index] = p.src
         return [Piece(n, (), image) for n, image in images.items()]
 

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..gate import Gate
 from .host import HostArtifact, HostCache
 
 
 class HostPrefetcher:
     def __init__(self, host: HostCache, workers: int = 1):
         self.host = host
-        self.gate = Gate()  # builders pause while the engine holds its turn (mlora.batch.gate)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mlora-prefetch",
-                                        initializer=self.gate.install)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mlora-prefetch")
         self._inflight: dict[str, Future] = {}
         self._unused: set[str] = set()  # digests put by a prefetch and not yet taken
         self.issued = 0
@@ -73,8 +70,7 @@ class HostPrefetcher:
         fut = self._inflight.pop(digest, None)
         if fut is None:
             return None
-        with self.gate.builders_run():  # the engine waits for this build: let the builders run
-            art = fut.result()  # raises the build's exception
+        art = fut.result()  # raises the build's exception
         self._absorb(digest, art)
         return art
 
@@ -93,6 +89,5 @@ class HostPrefetcher:
         self._unused.add(digest)
 
     def close(self) -> None:
-        with self.gate.builders_run():
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._inflight.clear()
