@@ -829,3 +829,49 @@ def test_cuda_side_stream_loads_and_last_use_events(pinned):
     assert bank.residency.ineligible(bank.residency.entry(key)) == []
     bank.residency.evict(key)
     bank.residency.audit()
+
+
+def _slot_contents(bank, slot):
+    return {n: t.select(d, slot).clone() for n, (t, d) in bank.residency.storage.tensors.items()}
+
+
+def test_whole_view_images_and_pieces_land_the_same_slot_contents(pinned):
+    """An image laid out as whole slot views (zeros included) and one laid out as pieces into
+    a zeroed slot leave the same bytes in the slot, for every adapter of the fixture."""
+    whole, parts = rbank(5), rbank(5)
+    parts.layout.whole_views = lambda pieces: None
+    names = sorted(ADAPTERS)
+    kinds = {all(p.index == () for p in whole.layout.artifact(pinned[a]).pieces) for a in names}
+    assert True in kinds  # the whole-view path is exercised (rank-8 adapters in rank-8 slots)
+    assert not any(all(p.index == () for p in parts.layout.artifact(pinned[a]).pieces) for a in names)
+    for a in names:
+        s1, s2 = whole.ensure([a], pinned)[a], parts.ensure([a], pinned)[a]
+        c1, c2 = _slot_contents(whole, s1), _slot_contents(parts, s2)
+        assert c1.keys() == c2.keys() and all(torch.equal(c1[n], c2[n]) for n in c1), a
+
+
+def test_images_built_in_a_worker_process_equal_those_built_here(pinned, tmp_path):
+    """residency/build.py: a spawned worker builds the same image (pieces, bytes and the
+    validation numbers); a worker that cannot build returns None (the caller rebuilds
+    on its own thread and raises the real error); a bank with a worker serves the same
+    deltas as step 3's bank."""
+    import dataclasses
+
+    bank = rbank(2, prefetch_workers=1, build_processes=1)
+    try:
+        here = bank.layout.artifact(pinned["qv"])
+        there = bank.builder.build(bank.layout, pinned["qv"], pin=False)
+        assert there is not None and bank.builder.built == 1
+        assert [(p.view, p.index) for p in there.pieces] == [(p.view, p.index) for p in here.pieces]
+        assert all(torch.equal(a.src, b.src) and a.src.dtype == b.src.dtype for a, b in zip(there.pieces, here.pieces))
+        assert there.checks == here.checks and there.meta == here.meta and there.digest == here.digest
+        gone = dataclasses.replace(pinned["qv"], modules=tuple(
+            dataclasses.replace(m, a=dataclasses.replace(m.a, path=str(tmp_path / "missing.safetensors")))
+            for m in pinned["qv"].modules))
+        assert bank.builder.build(bank.layout, gone, pin=False) is None and bank.builder.failed == 1
+        assert bank.prefetch(["qv", "kvup"], pinned) == 2
+        ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
+        _same(bank, ref, ["qv", "kvup"], pinned, 3)
+        assert bank.builder.built == 3 and bank.prefetcher.used == 2
+    finally:
+        bank.close()

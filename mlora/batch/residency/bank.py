@@ -40,6 +40,7 @@ from ..lora import GROUPS
 from .errors import AdapterLoadError, ResidencyError, ValidationError
 from .events import Copier, copier_for
 from .faults import FaultInjector
+from .build import ProcessBuilder
 from .host import HostArtifact, HostCache, Piece
 from .manager import Handle, Launch, Residency
 from .pool import PagePool
@@ -48,7 +49,7 @@ from .states import BINDABLE, State
 from .storage import SlotStorage
 
 
-WHOLE_VIEW_RATIO = 2.0  # see ResidencyBank._whole_views
+WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
 
 
 class BankError(ResidencyError):
@@ -65,7 +66,7 @@ class ResidencyBank(SlotTensors):
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
-                 prefetch_workers: int = 1):
+                 prefetch_workers: int = 1, build_processes: int = 0):
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
@@ -78,12 +79,15 @@ class ResidencyBank(SlotTensors):
             tensors.update({f"A.{g}": (self.A[g], 1), f"B.{g}": (self.B[g], 1),
                             f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
-        self._view_shapes = {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()}
+        self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
+                                 {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()})
         host = HostCache(host_cache_bytes, pin=self.device.type == "cuda")
         self.residency = Residency(storage, pool, host, copier=copier or copier_for(self.device), faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
         self.stats = self.residency.stats
         self.prefetcher = HostPrefetcher(host, prefetch_workers) if prefetch_workers > 0 else None
+        # host images built in worker processes: the engine thread shares no interpreter lock with them
+        self.builder = ProcessBuilder(build_processes) if build_processes > 0 and self.prefetcher is not None else None
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
 
@@ -162,7 +166,7 @@ class ResidencyBank(SlotTensors):
                 continue
             if not host.has_source(key):
                 host.register(key, key, lambda p=p: self._artifact(p))
-            started += self.prefetcher.request(key)
+            started += self.prefetcher.request(key, build=lambda p=p: self._prefetch_artifact(p))
         return started
 
     def want(self, adapter_ids, pinned: dict[str, PinnedAdapter]) -> None:
@@ -187,6 +191,8 @@ class ResidencyBank(SlotTensors):
         """Stop the prefetch threads (builds in flight are finished or cancelled)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.builder is not None:
+            self.builder.close()
 
     # ---- leases ------------------------------------------------------------------------
 
@@ -220,45 +226,19 @@ class ResidencyBank(SlotTensors):
             raise AdapterLoadError(p.id, exc.attempts, exc.last) from exc.last
 
     def _artifact(self, p: PinnedAdapter) -> HostArtifact:
-        """The verified host image of one pinned adapter (factors re-hashed from disk)."""
-        L = self.num_layers
-        ranks = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.int32) for g in self.groups}
-        scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
-        pieces, targets = [], set()
-        for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
-            off, w = self.offsets[group][j], self.widths[group][j]
-            pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
-            pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
-            ranks[group][layer, j] = r
-            scales[group][layer, j] = scale
-            targets.add((layer, group))
-        for g in self.groups:
-            pieces += [Piece(f"ranks.{g}", (), ranks[g]), Piece(f"scales.{g}", (), scales[g])]
-        pieces = self._whole_views(pieces) or pieces
-        art = HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
-                           meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
-        art.view_checks(self._view_shapes)  # here, on the prefetch thread when prefetched, not at validation
-        return art
+        """The verified host image of one pinned adapter, built on this thread."""
+        return self.layout.artifact(p)
 
-    def _whole_views(self, pieces: list[Piece]) -> list[Piece] | None:
-        """The same slot contents as one piece per slot view, the view's whole image (zeros,
-        then the pieces), when those images hold at most ``WHOLE_VIEW_RATIO`` times the bytes
-        of the pieces; else None (the pieces stay: e.g. rank-8 adapters in rank-64 slots, or
-        an adapter that targets few of the bank's groups).
-
-        Whole views make a load a handful of large copies instead of two per targeted
-        module (64 for a q/v adapter of a 32-layer model), with nothing to zero first: every
-        call the engine thread makes during a load competes for the GIL with the prefetch
-        threads (``scripts/load_breakdown.py``)."""
-        compact = sum(p.src.numel() * p.src.element_size() for p in pieces)
-        whole = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                    for shape, dt in self._view_shapes.values())
-        if whole > WHOLE_VIEW_RATIO * compact:
-            return None
-        images = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in self._view_shapes.items()}
-        for p in pieces:
-            images[p.view][p.index] = p.src
-        return [Piece(n, (), image) for n, image in images.items()]
+    def _prefetch_artifact(self, p: PinnedAdapter) -> HostArtifact:
+        """The verified host image of one pinned adapter for the prefetcher: built in a worker
+        process when the bank has them (``build.ProcessBuilder``), else on the calling
+        thread. A worker's failure is not trusted to explain itself: the image is then
+        built here, which raises the error a synchronous load would."""
+        if self.builder is not None:
+            art = self.builder.build(self.layout, p, pin=self.residency.host.pin)
+            if art is not None:
+                return art
+        return self.layout.artifact(p)
 
     def _check_meta(self, views: dict[str, torch.Tensor], name: str) -> None:
         """Ranks within [0, R]; scales finite, and zero wherever the rank is zero."""
@@ -288,6 +268,61 @@ class ResidencyBank(SlotTensors):
     def _end_invocation(self) -> None:
         self._close_launch()
         self._release_plan()
+
+
+class SlotLayout:
+    """What the host image of an adapter must look like for a bank's slots, and how to build
+    it: the checks of step 3's bank (``SlotTensors._place``), the factors in the leading rank
+    rows/columns, whole slot views where they are compact enough. Picklable (plain
+    attributes), so worker processes build images exactly as the bank would."""
+
+    error = BankError
+    _place = SlotTensors._place  # the same checks, on these attributes
+
+    def __init__(self, num_layers: int, groups, widths: dict, d_in: dict, offsets: dict, max_rank: int,
+                 dtype: torch.dtype, view_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.num_layers, self.groups, self.widths, self.d_in = num_layers, tuple(groups), dict(widths), dict(d_in)
+        self.offsets, self.max_rank, self.dtype, self.view_shapes = dict(offsets), max_rank, dtype, dict(view_shapes)
+
+    def artifact(self, p: PinnedAdapter) -> HostArtifact:
+        """The verified host image of one pinned adapter (factors re-hashed from disk)."""
+        L = self.num_layers
+        ranks = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.int32) for g in self.groups}
+        scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
+        pieces, targets = [], set()
+        for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
+            off, w = self.offsets[group][j], self.widths[group][j]
+            pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
+            pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
+            ranks[group][layer, j] = r
+            scales[group][layer, j] = scale
+            targets.add((layer, group))
+        for g in self.groups:
+            pieces += [Piece(f"ranks.{g}", (), ranks[g]), Piece(f"scales.{g}", (), scales[g])]
+        pieces = self.whole_views(pieces) or pieces
+        art = HostArtifact(p.semantic_sha256, p.semantic_sha256, pieces, name=p.id,
+                           meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
+        art.view_checks(self.view_shapes)  # here, where the image is built, not at validation
+        return art
+
+    def whole_views(self, pieces: list[Piece]) -> list[Piece] | None:
+        """The same slot contents as one piece per slot view, the view's whole image (zeros,
+        then the pieces), when those images hold at most ``WHOLE_VIEW_RATIO`` times the bytes
+        of the pieces; else None (the pieces stay: e.g. rank-8 adapters in rank-64 slots, or
+        an adapter that targets few of the bank's groups).
+
+        Whole views make a load a handful of large copies instead of two per targeted
+        module (128 for a q/v adapter of a 32-layer model), with nothing to zero first:
+        fewer calls on the engine thread per load (``scripts/load_breakdown.py``)."""
+        compact = sum(p.src.numel() * p.src.element_size() for p in pieces)
+        whole = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                    for shape, dt in self.view_shapes.values())
+        if whole > WHOLE_VIEW_RATIO * compact:
+            return None
+        images = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt) in self.view_shapes.items()}
+        for p in pieces:
+            images[p.view][p.index] = p.src
+        return [Piece(n, (), image) for n, image in images.items()]
 
 
 class ResidencyContext(BankContext):

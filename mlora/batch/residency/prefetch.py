@@ -40,13 +40,16 @@ class HostPrefetcher:
     def in_flight(self) -> int:
         return len(self._inflight)
 
-    def request(self, digest: str) -> bool:
-        """Start building ``digest`` unless it is cached, in flight or has no source; True if started."""
+    def request(self, digest: str, build=None) -> bool:
+        """Start building ``digest`` unless it is cached, in flight or has no source; True if
+        started. ``build``: how to build it here (e.g. in a worker process); default its
+        registered source."""
         if digest in self._inflight or self.host.cached(digest):
             return False
         source = self.host.source(digest)
         if source is None:
             return False
+        source = build or source
         pin = self.host.pin
 
         def build() -> HostArtifact:

@@ -1,0 +1,94 @@
+"""Adapter host images built in worker processes.
+
+Owns a small pool of spawned processes that run ``SlotLayout.artifact`` (read
+the pinned adapter files, re-hash them against the pinned digests, place the
+factors, lay out the slot views, compute the validation numbers) and send the
+image back as raw bytes; the receiving prefetch thread copies them into one
+pinned buffer. Threads in the engine's process cannot do this work without
+taking the interpreter lock from the engine thread: measured on the H200, a
+cold load that costs 1.8 ms alone took 16-40 ms inside a job next to
+thread builders (BENCHMARKS.md, residency), and pausing the builders while the
+engine works starved them instead.
+
+Trust: a worker only speeds up what the engine would do itself. Its image
+carries the same digests and is validated on the device like any other; when
+a worker fails for any reason (the adapter changed, the process died, the
+result does not fit), :meth:`ProcessBuilder.build` returns None and the caller
+builds the image on its own thread, which raises the error a synchronous load
+would raise. Must not know slots, leases or the device.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+import torch
+
+from .host import HostArtifact, Piece
+
+
+def _build(layout, pinned) -> dict:
+    """In the worker: the image of ``pinned`` as plain picklable data."""
+    art = layout.artifact(pinned)
+    pieces = []
+    for p in art.pieces:
+        t = p.src.detach().contiguous()
+        pieces.append((p.view, p.index, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                       t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return {"key": art.key, "digest": art.digest, "name": art.name, "pages": art.pages, "meta": art.meta,
+            "checks": art.checks, "pieces": pieces}
+
+
+def from_wire(wire: dict, pin: bool) -> HostArtifact:
+    """A worker's image as a HostArtifact, every piece in one (pinned) buffer at 64-byte
+    aligned offsets."""
+    sizes = [len(raw) for *_, raw in wire["pieces"]]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+    flat = buf.numpy()
+    pieces = []
+    for (view, index, dtype, shape, raw), off in zip(wire["pieces"], offsets):
+        flat[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        src = buf[off:off + len(raw)].view(getattr(torch, dtype)).view(shape)
+        pieces.append(Piece(view, index, src))
+    return HostArtifact(wire["key"], wire["digest"], pieces, wire["name"], wire["pages"], wire["meta"],
+                        checks=wire["checks"])
+
+
+class ProcessBuilder:
+    """``processes`` spawned workers building host images (started on first use)."""
+
+    def __init__(self, processes: int):
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self.built = self.failed = 0
+
+    def build(self, layout, pinned, pin: bool) -> HostArtifact | None:
+        """The image of ``pinned`` built by a worker, or None when the worker could not build it."""
+        try:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            art = from_wire(self._pool.submit(_build, layout, pinned).result(), pin)
+        except BrokenProcessPool:  # a worker died: start a fresh pool next time
+            self.failed += 1
+            self.close()
+            return None
+        except Exception:  # noqa: BLE001 - the caller rebuilds on its own thread and raises the real error
+            self.failed += 1
+            return None
+        if art.digest != pinned.semantic_sha256:
+            self.failed += 1
+            return None
+        self.built += 1
+        return art
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
