@@ -9,6 +9,8 @@ decoder), ``residency`` (the adapter residency engine and its slot bank),
 shards, manifest, resume), ``session`` (one engine on one device), and the
 scale-out (docs/scaleout.md): ``placement`` (--gpus / --num-workers /
 --engine), ``assign``, ``multi`` and ``worker`` (the coordinator and its
-worker processes), ``ray`` (Ray Data and ``MloraPredictor``). Not built yet: GPU attention kernels, CUDA graphs,
-``mlora bench batch``, prefetch of the next window's adapters.
+worker processes), ``ray`` (Ray Data and ``MloraPredictor``); on a GPU
+``paged_attention`` (Triton), ``graphs`` (CUDA graphs for decode steps) and
+``fused`` (element-wise kernels); ``bundles`` / ``bundle_bank`` (compressed
+collection members); the ``bench*`` modules behind ``mlora bench``.
 """
