@@ -875,3 +875,28 @@ def test_images_built_in_a_worker_process_equal_those_built_here(pinned, tmp_pat
         assert bank.builder.built == 3 and bank.prefetcher.used == 2
     finally:
         bank.close()
+
+
+def test_a_builder_whose_workers_keep_dying_stops_trying():
+    """residency/build.py: each dead pool is replaced, up to MAX_BROKEN_POOLS; then every build
+    returns None at once (the bank builds on its own thread)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from mlora.batch.residency import build as build_mod
+
+    class DeadPool:
+        submitted = 0
+
+        def submit(self, *a, **k):
+            DeadPool.submitted += 1
+            raise BrokenProcessPool("worker died")
+
+        def shutdown(self, **k):
+            pass
+
+    b = build_mod.ProcessBuilder(1)
+    for _ in range(build_mod.MAX_BROKEN_POOLS + 2):
+        b._pool = b._pool or DeadPool()
+        assert b.build(None, None, pin=False) is None
+    assert DeadPool.submitted == build_mod.MAX_BROKEN_POOLS and b.broken == build_mod.MAX_BROKEN_POOLS
+    assert b.failed == build_mod.MAX_BROKEN_POOLS and b.built == 0

@@ -232,6 +232,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
         runs.append(dict(name=name, slots=slots, wall_s=summary.wall_s, job_tokens_per_s=summary.tokens_per_s,
                          tokens_per_s=m["tokens_per_s"], error_rows=summary.error_rows,
                          errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
+                         image_builds={k: summary.bank[k] for k in ("images_built_in_workers", "image_worker_failures")
+                                       if k in summary.bank},
                          loads=sum(m["adapter_loads"].values()),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))

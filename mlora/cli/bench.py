@@ -245,6 +245,11 @@ def bench_residency(
     con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "
               f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
               + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))
+    for r in results["runs"]:
+        b = r.get("image_builds") or {}
+        if b:
+            con.print(f"{r['name']}: {b.get('images_built_in_workers', 0)} host images built in worker processes, "
+                      f"{b.get('image_worker_failures', 0)} handed back and built on the engine thread")
 
 
 @bench_app.command("peft")

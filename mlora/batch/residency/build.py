@@ -61,22 +61,30 @@ def from_wire(wire: dict, pin: bool) -> HostArtifact:
                         checks=wire["checks"])
 
 
+MAX_BROKEN_POOLS = 3  # pools that died before the builder gives up for the rest of the job
+
+
 class ProcessBuilder:
-    """``processes`` spawned workers building host images (started on first use)."""
+    """``processes`` spawned workers building host images (started on first use). After
+    ``MAX_BROKEN_POOLS`` pools died (workers cannot start or keep crashing) it stops
+    trying: every later call returns None at once."""
 
     def __init__(self, processes: int):
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
-        self.built = self.failed = 0
+        self.built = self.failed = self.broken = 0
 
     def build(self, layout, pinned, pin: bool) -> HostArtifact | None:
         """The image of ``pinned`` built by a worker, or None when the worker could not build it."""
+        if self.broken >= MAX_BROKEN_POOLS:
+            return None
         try:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
             art = from_wire(self._pool.submit(_build, layout, pinned).result(), pin)
         except BrokenProcessPool:  # a worker died: start a fresh pool next time
             self.failed += 1
+            self.broken += 1
             self.close()
             return None
         except Exception:  # noqa: BLE001 - the caller rebuilds on its own thread and raises the real error
