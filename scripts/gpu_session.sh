@@ -2,6 +2,8 @@
 # Everything pending on the GPU machine, in one call that fits the 10-minute limit
 # (run with the device tool from the repository root; results land in $OUT):
 #   bash scripts/gpu_session.sh quick      GPU-only tests + demo check + bench batch (about 6 min)
+#   bash scripts/gpu_session.sh residency2k the step-4 residency benchmark at 2,000 rows, both runs (about 5 min)
+#   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
@@ -30,6 +32,14 @@ case "${1:-quick}" in
       timeout 280 python -m mlora bench peft --rows 128 --adapters $n --batch-size 64 --json --out "$OUT/peft-$n.json" \
         2>/dev/null | tail -1
     done
+    ;;
+  residency2k)  # the 2,000-row job of the fourth and fifth sessions' runs (BENCHMARKS.md, residency)
+    timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 \
+      --runs limited,all-resident --out "$OUT/residency-2k.json" 2>&1 | tail -12
+    ;;
+  kernels)
+    timeout 330 python scripts/kernel_sweep.py 2>&1 | tail -40 | tee "$OUT/kernel-sweep.txt"
+    timeout 240 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     ;;
   residency)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
