@@ -269,14 +269,20 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
-    def run(out, slots, prefetch=4):
+    def run(out, slots, prefetch=4, gpu=4):
         return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
-                                  max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch))
+                                  max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch,
+                                  prefetch_gpu_adapters=gpu))
 
     few, many = run("few", 3), run("many", None)
     run("sync", 3, prefetch=0)
+    host_only = run("host-only", 3, gpu=0)
     a, b, c = _rows(tmp_path / "few"), _rows(tmp_path / "many"), _rows(tmp_path / "sync")
+    assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "host-only").items()} == \
+        {k: r["completion_token_ids"] for k, r in a.items()}
+    # loads started ahead into free or unneeded slots (GPU-tier prefetch), none without it
+    assert few.bank["prefetches"] > 0 and host_only.bank["prefetches"] == 0
     assert len(a) == n and all(r["error_code"] is None for r in a.values())
     tokens = {k: r["completion_token_ids"] for k, r in a.items()}
     assert tokens == {k: r["completion_token_ids"] for k, r in b.items()}

@@ -900,3 +900,47 @@ def test_a_builder_whose_workers_keep_dying_stops_trying():
         assert b.build(None, None, pin=False) is None
     assert DeadPool.submitted == build_mod.MAX_BROKEN_POOLS and b.broken == build_mod.MAX_BROKEN_POOLS
     assert b.failed == build_mod.MAX_BROKEN_POOLS and b.built == 0
+
+
+def _cache_image(bank, p):
+    host = bank.residency.host
+    host.register(p.semantic_sha256, p.semantic_sha256, lambda: bank._artifact(p))
+    host.get(p.semantic_sha256)
+
+
+def test_gpu_tier_prefetch_takes_free_or_unneeded_slots_only(pinned):
+    """bank.prefetch_device: starts loads only for adapters whose host image is cached, into a
+    free slot or the slot of an adapter no waiting row names; never evicts a wanted one;
+    commit_device commits them (counted as prefetches), and the deltas are step 3's."""
+    bank = rbank(2, prefetch_workers=0)
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
+    assert bank.prefetch_device(["qv"], pinned, 4) == 0  # no host image yet: never built here
+    _cache_image(bank, pinned["qv"])
+    assert bank.prefetch_device(["qv"], pinned, 4) == 1  # a free slot
+    assert [a for a, _ in bank.commit_device()] == ["qv"] and bank.stats.prefetches == 1
+    bank.ensure(["pattern"], pinned)
+    bank.context(torch.tensor([0, 1], dtype=torch.int32)).close()  # both slots full, idle, last use recorded
+    for name in ("kvup", "all"):
+        _cache_image(bank, pinned[name])
+    bank.want(["qv", "pattern"], pinned)  # both still needed by waiting rows
+    assert bank.prefetch_device(["kvup"], pinned, 4) == 0 and bank.stats.evictions == 0
+    bank.want(["qv", "kvup"], pinned)  # "pattern" is not needed any more: its slot may be taken
+    assert bank.prefetch_device(["kvup", "all"], pinned, 4) == 1  # one unneeded slot, so one load
+    bank.commit_device()
+    assert set(bank.resident) == {pinned["qv"].semantic_sha256, pinned["kvup"].semantic_sha256}
+    assert bank.stats.evictions == 1 and bank.stats.prefetches == 2
+    _same(bank, ref, ["qv", "kvup"], pinned, 5)
+    bank.residency.audit()
+
+
+def test_gpu_tier_prefetch_that_fails_validation_is_dropped_and_loaded_on_demand(pinned):
+    bank = rbank(2, prefetch_workers=0, trace=True)
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
+    _cache_image(bank, pinned["kvup"])
+    bank.residency.faults.corrupt(adapter="kvup", attempt=1, where="tail")
+    assert bank.prefetch_device(["kvup"], pinned, 1) == 1
+    assert bank.commit_device() == [] and bank.stats.rollbacks == 1  # rolled back, not published
+    assert pinned["kvup"].semantic_sha256 not in bank.resident
+    _same(bank, ref, ["kvup"], pinned, 2)  # the demand load (attempt 2) serves the right delta
+    assert bank.stats.loads == 1 and bank.stats.load_failures == 1
+    bank.residency.audit()

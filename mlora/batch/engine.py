@@ -124,6 +124,7 @@ class Engine:
         metrics=None,
         cuda_graphs: bool = False,
         prefetch_depth: int = 16,
+        prefetch_gpu: int = 4,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -148,6 +149,8 @@ class Engine:
         self.max_wait = max_wait  # later rows that may be admitted before a waiting row blocks admission
         # cold adapters of the waiting rows whose host images are built ahead, in the background
         self.prefetch_depth = prefetch_depth if hasattr(bank, "prefetch") else 0
+        # ... and of those, how many may start loading into free or unneeded GPU slots per iteration
+        self.prefetch_gpu = prefetch_gpu if hasattr(bank, "prefetch_device") and self.prefetch_depth else 0
         self._prefetch_seen = (0, 0)
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
@@ -228,7 +231,9 @@ class Engine:
     def _prefetch(self) -> None:
         """Ask the bank to build the host images of the next ``prefetch_depth`` cold
         adapters among the waiting rows, in the order admission will bring them in
-        (``_slot_plan``: small, big, then the rest), while this iteration's rows run."""
+        (``_slot_plan``: small, big, then the rest), while this iteration's rows run, and
+        to start loading up to ``prefetch_gpu`` of the next admission's (small, big) into
+        free or unneeded slots (``ResidencyBank.prefetch_device``)."""
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
         resident = set(self.bank.resident)
         _, small, big, rest = self._slot_plan(list(self.waiting), active)
@@ -242,6 +247,12 @@ class Engine:
                 break
         if cold:
             self.bank.prefetch(cold, self.pinned)
+            if self.prefetch_gpu:
+                # images already built start copying to the GPU now, on the side stream; only for
+                # the adapters the next admission gives slots to (a prefetched adapter that waits
+                # longer would hold a slot the next admissions need, and be evicted unused)
+                planned = set(small + big)
+                self.bank.prefetch_device([a for a in cold if a in planned], self.pinned, self.prefetch_gpu)
         pf = self.bank.prefetcher
         if self.metrics and pf is not None:
             issued, used = self._prefetch_seen
@@ -495,14 +506,21 @@ class Engine:
         )
 
     def _ensure(self, adapters: list[str]) -> dict[str, int]:
-        """bank.ensure, with load, cache and eviction metrics."""
+        """bank.ensure, with load, cache and eviction metrics. Loads started ahead (GPU-tier
+        prefetch) are committed first and counted as loads from the host tier, with the time
+        the engine waited for them as their latency."""
+        evictions = getattr(getattr(self.bank, "stats", None), "evictions", 0)  # including the prefetches' victims
+        started_ahead = self.bank.commit_device() if self.prefetch_gpu else []
+        if self.metrics:
+            for a, seconds in started_ahead:
+                self.metrics.cache(True, "host")
+                self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds, True, "host")
         if not self.metrics:
             return self.bank.ensure(adapters, self.pinned)
         before = dict(self.bank.resident)
         # where a load will copy from: the host cache (e.g. prefetched) or disk
         tier_of = getattr(self.bank, "source_tier", lambda a, pinned: "disk")
         tiers = {a: tier_of(a, self.pinned) for a in adapters if self.pinned[a].semantic_sha256 not in before}
-        evictions = self.bank.stats.evictions
         t0 = time.perf_counter()
         slot_of = self.bank.ensure(adapters, self.pinned)
         seconds = time.perf_counter() - t0

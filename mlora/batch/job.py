@@ -82,6 +82,7 @@ class JobOptions:
     schedule_window: int = 2048
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     prefetch_adapters: int = 16  # cold adapters of the waiting rows whose host images are built ahead
+    prefetch_gpu_adapters: int = 4  # of those, loaded into free or unneeded GPU slots per iteration, ahead of use
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
     bundle_operator: str = "auto"  # auto | three-stage | materialized (bundle members; mlora.batch.bundle_bank)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)

@@ -89,7 +89,7 @@ class EngineSession:
             sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
             stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
             device=device, dtype=dtype, cuda_graphs=opts.cuda_graphs and device.type == "cuda",
-            prefetch_depth=opts.prefetch_adapters,
+            prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
         )
 

@@ -61,6 +61,8 @@ def batch_run(
                                         help="Input rows the scheduler may reorder to group rows by adapter."),
     prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
+    prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
+                                              help="Of the prefetched adapters, how many may start loading into free or unneeded GPU slots per iteration, while the current rows run (0: load on demand only)."),
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",
@@ -96,7 +98,8 @@ def batch_run(
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window, cuda_graphs=cuda_graphs,
-        prefetch_adapters=prefetch_adapters, preload_adapters=preload_adapters, bundle_operator=bundle_operator,
+        prefetch_adapters=prefetch_adapters, prefetch_gpu_adapters=prefetch_gpu_adapters,
+        preload_adapters=preload_adapters, bundle_operator=bundle_operator,
         gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
     )
     show = not quiet and err.is_terminal

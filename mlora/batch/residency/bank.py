@@ -30,6 +30,7 @@ running request's adapter can never be evicted between iterations.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 
 import torch
@@ -90,6 +91,9 @@ class ResidencyBank(SlotTensors):
         self.builder = ProcessBuilder(build_processes) if build_processes > 0 and self.prefetcher is not None else None
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
+        # GPU-tier prefetches in flight: key -> (adapter id, transaction, start time); committed ones
+        self._device_loads: dict[str, tuple[str, object, float]] = {}
+        self._device_done: list[tuple[str, float]] = []
 
     @property
     def resident(self) -> dict[str, int]:
@@ -108,6 +112,7 @@ class ResidencyBank(SlotTensors):
         AdapterLoadError (E_ADAPTER_LOAD) when every load attempt failed -- in each
         case the failed adapter's attempts were rolled back (victims restored)."""
         self._end_invocation()
+        self._wait_device()  # prefetched adapters become idle published entries (evictable when needed)
         res = self.residency
         wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
         for adapter_id in adapter_ids:
@@ -168,6 +173,57 @@ class ResidencyBank(SlotTensors):
                 host.register(key, key, lambda p=p: self._artifact(p))
             started += self.prefetcher.request(key, build=lambda p=p: self._prefetch_artifact(p))
         return started
+
+    def prefetch_device(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter], limit: int) -> int:
+        """Start GPU-tier loads of up to ``limit`` of the listed adapters (in order), copying on
+        the side stream while the current iteration runs (``Residency.prefetch``: the same
+        transaction, ledger, validation and publication as a demand load). Only adapters
+        whose verified host image is already cached (never a build here), and only into a
+        free slot or the slot of an adapter that no waiting row names (the ``want`` hint),
+        so a prefetch never evicts what the queue still needs. Returns how many started;
+        :meth:`commit_device` (or the next ``ensure``) commits them."""
+        res = self.residency
+        started = 0
+        for adapter_id in adapter_ids:
+            if started >= limit:
+                break
+            p = pinned.get(adapter_id)
+            if p is None or not p.ok or p.max_rank > self.max_rank:
+                continue
+            key = p.semantic_sha256
+            if res.catalog.get(key) is not None or res.loading(key) is not None or not res.host.cached(key):
+                continue
+            if res.free_slot() is None and not any(e.key not in res.wanted for e in res.eligible_victims()):
+                break  # every slot holds an adapter in use or still wanted
+            try:
+                txn = res.prefetch(key)
+            except ResidencyError:  # no room now, or refused: the demand load decides (and raises)
+                break
+            if txn is not None:
+                self._device_loads[key] = (adapter_id, txn, time.perf_counter())
+                started += 1
+        return started
+
+    def commit_device(self) -> list[tuple[str, float]]:
+        """Wait for every GPU-tier prefetch in flight and commit it (validation, then
+        publication); returns (adapter id, seconds the caller waited for it: the part of
+        the load that did not overlap device work) of each committed since the last call,
+        including those ``ensure`` committed. A prefetch that
+        fails validation is rolled back (victims restored) and dropped: the adapter loads
+        on demand later, with that load's retries and errors."""
+        self._wait_device()
+        done, self._device_done = self._device_done, []
+        return done
+
+    def _wait_device(self) -> None:
+        for key, (adapter_id, txn, _) in list(self._device_loads.items()):
+            del self._device_loads[key]
+            t0 = time.perf_counter()
+            try:
+                self.residency.wait(txn)
+            except ResidencyError:
+                continue  # rolled back; a later demand load retries and fails closed as usual
+            self._device_done.append((adapter_id, time.perf_counter() - t0))
 
     def want(self, adapter_ids, pinned: dict[str, PinnedAdapter]) -> None:
         """The adapters queued rows still name: eviction takes the others first (LRU within

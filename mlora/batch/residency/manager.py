@@ -346,6 +346,14 @@ class Residency:
         e = self.catalog.get(key)
         return e is not None and not self.ineligible(e)
 
+    def eligible_victims(self) -> list[Entry]:
+        """The entries eviction may take now, in the order it would take them."""
+        return self._eligible(set())
+
+    def free_slot(self):
+        """A slot holding nothing and reserved by nothing, or None."""
+        return self._free_slot()
+
     def _eligible(self, exclude: set) -> list[Entry]:
         live = self.live_generations()
         cands = [e for e in self._live if e not in exclude and e.slot is not None and not self.ineligible(e, live)]
