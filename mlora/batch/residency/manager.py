@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .host import HostArtifact, HostCache
 from .pool import Owner, PagePool
 from .states import BINDABLE, EVICTABLE_STATES, State, check_transition
-from .storage import Storage, validate_landed
+from .storage import Storage, probe_landed, validate_landed
 
 S = State
 
@@ -96,6 +96,7 @@ class Entry:
     last_touch: int = 0
     prefetched: bool = False
     txn: str | None = None  # the open transaction loading it or holding it as a victim
+    probe: object = None  # storage.Probe issued after its copies (read at validation), while loading
 
     @property
     def label(self) -> str:
@@ -556,8 +557,9 @@ class Residency:
             self._log(f"copy-complete {e.label}")
             try:
                 self.faults.check("validate", e.key, e.artifact.name, txn.attempt)
+                probe, e.probe = e.probe, None
                 with self.copier.side():  # on the copy stream: never waits for queued iterations
-                    validate_landed(self.storage, self.storage.views(txn.slot.id, e.pages), e.artifact)
+                    validate_landed(self.storage, self.storage.views(txn.slot.id, e.pages), e.artifact, probe)
             except ValidationError as exc:
                 self._rollback(txn, exc)
                 raise
@@ -659,8 +661,9 @@ class Residency:
             copy_event.synchronize()
             validate_event.synchronize()
             self.faults.check("validate", e.key, e.artifact.name, attempt)
+            probe, e.probe = e.probe, None
             with self.copier.side():
-                validate_landed(self.storage, self.storage.views(slot.id, pages), e.artifact)
+                validate_landed(self.storage, self.storage.views(slot.id, pages), e.artifact, probe)
         except ResidencyError as exc:
             self._drop_staged(e, slot)
             raise ResidencyError("E_RESIDENCY_RESTORE_FAILED", str(exc)) from exc
@@ -947,6 +950,8 @@ class Residency:
         if not e.artifact.pieces:
             self.faults.check("copy", e.key, name, attempt)
         self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
+        with self.copier.side():  # validation's reads, queued behind the copies: nothing waits at validation
+            e.probe = probe_landed(views, non_blocking=True)
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)

@@ -16,6 +16,7 @@ Must not know states, leases or the page ledger's rules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -38,9 +39,36 @@ class Storage(Protocol):
         """Device-side: the landed metadata (ranks, scales) is servable."""
 
 
-def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact) -> None:
+SMALL_VIEW = 4096  # elements: views up to this size (ranks, scales) are read back whole for the metadata checks
+
+
+@dataclass
+class Probe:
+    """What validation reads of landed bytes: every view's :func:`~.host.view_stats` and host
+    copies of the small (metadata) views. Issued right after the copies on the copy stream
+    (:func:`probe_landed` with ``non_blocking``), so that by the time the copy-complete
+    event has completed the numbers are on the host and validation waits for nothing."""
+
+    names: list[str]
+    stats: torch.Tensor  # int64 [len(names), 4] on the host
+    small: dict[str, torch.Tensor]
+
+
+def probe_landed(views: dict[str, torch.Tensor], non_blocking: bool = False) -> Probe:
+    """The device work of validation, on the current stream. ``non_blocking``: the host copies
+    land when the stream reaches them (read them only after an event recorded later has
+    completed); otherwise they are complete on return."""
+    names = list(views)
+    stats = torch.stack([view_stats(views[n]) for n in names]) if names else torch.zeros((0, 4), dtype=torch.int64)
+    small = {n: v.to("cpu", non_blocking=non_blocking) for n, v in views.items() if v.numel() <= SMALL_VIEW}
+    return Probe(names, stats.to("cpu", non_blocking=non_blocking), small)
+
+
+def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact,
+                    probe: Probe | None = None) -> None:
     """Layout, metadata, finite values, digest of the landed pieces, zeroed tails -- in that
     order, the first failure raised as ValidationError with its E_VALIDATE_* code.
+    ``probe``: the numbers read right after the copy (:func:`probe_landed`), else read now.
 
     Fast path: every view's :func:`~.host.view_stats` (finite, non-zero count, two exact
     word sums) is computed on the device in one batch with one synchronisation and
@@ -54,10 +82,12 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
         dst = views[p.view][p.index] if p.view in views else None
         if dst is None or dst.shape != p.src.shape or dst.dtype != p.src.dtype:
             raise ValidationError("E_VALIDATE_LAYOUT", f"{what}: piece {p.view}{list(p.index)} does not match the slot")
-    storage.check_metadata(views, artifact)
-    names = list(views)
+    if probe is None:
+        probe = probe_landed(views)
+    storage.check_metadata({**views, **probe.small}, artifact)
+    names = probe.names
     want = artifact.view_checks({n: (tuple(views[n].shape), views[n].dtype) for n in names})
-    got = torch.stack([view_stats(views[n]) for n in names]).cpu().tolist() if names else []
+    got = probe.stats.tolist()
     if all(g[0] == 1 and tuple(g) == tuple(want[n]) for n, g in zip(names, got)):
         return
     _diagnose(views, artifact, what)
