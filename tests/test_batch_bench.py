@@ -125,3 +125,20 @@ def test_few_slots_keep_the_batch_as_full_as_all_resident(tmp_path):
     it_limited, it_full = limited["metrics"]["iterations"], full["metrics"]["iterations"]
     assert it_limited <= 1.1 * it_full, (it_limited, it_full)
     assert limited["metrics"]["load_amplification"] <= 1.1
+
+
+def test_bench_startup_on_a_tiny_checkpoint(tmp_path):
+    """`mlora bench startup`: writes a random checkpoint, measures a cold read and a load to the
+    device plus one first token; the figures are consistent with each other."""
+    from typer.testing import CliRunner
+
+    from mlora.cli.app import app
+
+    res = CliRunner().invoke(app, ["bench", "startup", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                                   "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    size = sum(p.stat().st_size for p in (tmp_path / "base").glob("*.safetensors"))
+    assert r["checkpoint_bytes"] == size > 0
+    assert 0 < r["load_s"] <= r["first_token_s"] and r["read_s"] > 0
+    assert r["target_s"] == 1.5 * r["floor_s"] + 10.0 and r["met"] == (r["first_token_s"] <= r["target_s"])

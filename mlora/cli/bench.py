@@ -283,6 +283,40 @@ def bench_peft(
                         f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")
 
 
+@bench_app.command("startup")
+def bench_startup(
+    workdir: Path = typer.Argument(..., help="Directory for a random checkpoint of --preset (reused if present); "
+                                   "ignored with --base."),
+    base: Optional[Path] = typer.Option(None, "--base", help="Measure this checkpoint instead of a random one."),
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Shape of the random checkpoint (tiny: CPU smoke test)."),
+    device: str = typer.Option("cuda", "--device"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    json_out: bool = typer.Option(False, "--json"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
+) -> None:
+    """Checkpoint to device and first token, against the checkpoint's bytes over the measured cold disk read
+    bandwidth (target: 1.5 x that + 10 s)."""
+    import torch
+
+    from ..batch.bench_residency import write_base
+    from ..batch.bench_startup import run_startup_bench
+
+    err = Console(stderr=True)
+    _require_cuda(err, device)
+    if base is None:
+        base = workdir / "base"
+        if not (base / "config.json").exists():
+            err.print(f"[dim]writing a random {preset} checkpoint to {base}[/dim]")
+            write_base(str(base), preset, torch.bfloat16, 0, device="cuda" if device == "cuda" else "cpu")
+    r = run_startup_bench(str(base), device, dtype)
+    if _save(r, out, json_out):
+        return
+    Console().print(f"{r['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, cold read {r['read_bytes_per_s'] / 1e9:.2f} GB/s "
+                    f"(page cache dropped: {'yes' if r['cache_dropped'] else 'NO, figures are warm'}): load to "
+                    f"{r['device']} {r['load_s']:.1f} s, first token {r['first_token_s']:.1f} s; floor {r['floor_s']:.1f} s, "
+                    f"target {r['target_s']:.1f} s: {'met' if r['met'] else 'not met'}")
+
+
 @bench_app.command("gpus")
 def bench_gpus(
     workdir: Path = typer.Argument(..., help="Directory for the synthetic workspace (reused if complete) and outputs."),
