@@ -6,6 +6,7 @@
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
+#   bash scripts/gpu_session.sh step7      bf16-vs-fp32 logits of the 8B shape, then start-up (checkpoint to GPU, first token)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
@@ -26,6 +27,10 @@ case "${1:-quick}" in
     done
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
+    ;;
+  step7)
+    timeout 200 python scripts/logits_check.py 2>&1 | tail -2
+    timeout 360 python -m mlora bench startup /tmp/su --out "$OUT/startup-h200.json" 2>&1 | tail -3
     ;;
   peft)  # the transformers + PEFT baseline of step 7 (fewer rows: it is slow), 8 and 64 adapters
     for n in 8 64; do
