@@ -89,6 +89,8 @@ class ResidencyBank(SlotTensors):
         self.prefetcher = HostPrefetcher(host, prefetch_workers) if prefetch_workers > 0 else None
         # host images built in worker processes: the engine thread shares no interpreter lock with them
         self.builder = ProcessBuilder(build_processes) if build_processes > 0 and self.prefetcher is not None else None
+        if self.builder is not None:
+            self.builder.start()
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
         # GPU-tier prefetches in flight: key -> (adapter id, transaction, start time); committed ones

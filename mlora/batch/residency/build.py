@@ -30,6 +30,11 @@ import torch
 from .host import HostArtifact, Piece
 
 
+def _ready() -> bool:
+    """In a worker: nothing (its imports, done on unpickling this function, are the warm-up)."""
+    return True
+
+
 def _build(layout, pinned) -> dict:
     """In the worker: the image of ``pinned`` as plain picklable data."""
     art = layout.artifact(pinned)
@@ -74,13 +79,20 @@ class ProcessBuilder:
         self._pool: ProcessPoolExecutor | None = None
         self.built = self.failed = self.broken = 0
 
+    def start(self) -> None:
+        """Start the workers now, in the background (each spends a few seconds importing torch),
+        so that the first builds do not wait for them."""
+        if self._pool is None and self.broken < MAX_BROKEN_POOLS:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(self.processes):
+                self._pool.submit(_ready)
+
     def build(self, layout, pinned, pin: bool) -> HostArtifact | None:
         """The image of ``pinned`` built by a worker, or None when the worker could not build it."""
         if self.broken >= MAX_BROKEN_POOLS:
             return None
         try:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self.start()
             art = from_wire(self._pool.submit(_build, layout, pinned).result(), pin)
         except BrokenProcessPool:  # a worker died: start a fresh pool next time
             self.failed += 1
