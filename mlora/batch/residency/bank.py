@@ -38,10 +38,10 @@ import torch
 from ..bank import BankContext, SlotTensors
 from ..catalog import PinnedAdapter, load_factors
 from ..lora import GROUPS
+from .build import ProcessBuilder
 from .errors import AdapterLoadError, ResidencyError, ValidationError
 from .events import Copier, copier_for
 from .faults import FaultInjector
-from .build import ProcessBuilder
 from .host import HostArtifact, HostCache, Piece
 from .manager import Handle, Launch, Residency
 from .pool import PagePool
@@ -93,8 +93,8 @@ class ResidencyBank(SlotTensors):
             self.builder.start()
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
-        # GPU-tier prefetches in flight: key -> (adapter id, transaction, start time); committed ones
-        self._device_loads: dict[str, tuple[str, object, float]] = {}
+        # GPU-tier prefetches in flight: key -> (adapter id, transaction); committed ones
+        self._device_loads: dict[str, tuple[str, object]] = {}
         self._device_done: list[tuple[str, float]] = []
 
     @property
@@ -202,7 +202,7 @@ class ResidencyBank(SlotTensors):
             except ResidencyError:  # no room now, or refused: the demand load decides (and raises)
                 break
             if txn is not None:
-                self._device_loads[key] = (adapter_id, txn, time.perf_counter())
+                self._device_loads[key] = (adapter_id, txn)
                 started += 1
         return started
 
@@ -210,15 +210,15 @@ class ResidencyBank(SlotTensors):
         """Wait for every GPU-tier prefetch in flight and commit it (validation, then
         publication); returns (adapter id, seconds the caller waited for it: the part of
         the load that did not overlap device work) of each committed since the last call,
-        including those ``ensure`` committed. A prefetch that
-        fails validation is rolled back (victims restored) and dropped: the adapter loads
-        on demand later, with that load's retries and errors."""
+        including those ``ensure`` committed. A prefetch that fails validation is rolled
+        back (victims restored) and dropped: the adapter loads on demand later, with that
+        load's retries and errors."""
         self._wait_device()
         done, self._device_done = self._device_done, []
         return done
 
     def _wait_device(self) -> None:
-        for key, (adapter_id, txn, _) in list(self._device_loads.items()):
+        for key, (adapter_id, txn) in list(self._device_loads.items()):
             del self._device_loads[key]
             t0 = time.perf_counter()
             try:

@@ -70,7 +70,8 @@ MAX_BROKEN_POOLS = 3  # pools that died before the builder gives up for the rest
 
 
 class ProcessBuilder:
-    """``processes`` spawned workers building host images (started on first use). After
+    """``processes`` spawned workers building host images (``start`` them early: the bank does
+    when it is made; otherwise the first build starts them). After
     ``MAX_BROKEN_POOLS`` pools died (workers cannot start or keep crashing) it stops
     trying: every later call returns None at once."""
 

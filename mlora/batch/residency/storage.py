@@ -71,8 +71,8 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
     ``probe``: the numbers read right after the copy (:func:`probe_landed`), else read now.
 
     Fast path: every view's :func:`~.host.view_stats` (finite, non-zero count, two exact
-    word sums) is computed on the device in one batch with one synchronisation and
-    compared with the host image's (``HostArtifact.view_checks``, built off the critical
+    word sums) is computed on the device in one batch (by the probe, issued right after
+    the copies; without one, here, with one synchronisation) and compared with the host image's (``HostArtifact.view_checks``, built off the critical
     path when the artifact was prefetched). Equal numbers accept the load without
     reading the slot back. Any difference runs the exact diagnosis below (read back,
     SHA-256 of the landed pieces, per-view tail counts), so the error code names what
