@@ -944,3 +944,31 @@ def test_gpu_tier_prefetch_that_fails_validation_is_dropped_and_loaded_on_demand
     _same(bank, ref, ["kvup"], pinned, 2)  # the demand load (attempt 2) serves the right delta
     assert bank.stats.loads == 1 and bank.stats.load_failures == 1
     bank.residency.audit()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_worker_built_images_and_gpu_tier_prefetch(pinned):
+    """On a GPU: images built in a worker process and pinned, GPU-tier prefetch copies on the
+    side stream with validation reads queued behind them (storage.Probe), committed later;
+    a corrupted prefetch is rolled back and the demand load serves the right delta."""
+    import time as _time
+
+    bank = ResidencyBank(LAYERS, SHAPES, 2, 8, torch.float32, "cuda", prefetch_workers=1, build_processes=1,
+                         faults=FaultInjector())
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cuda")
+    try:
+        assert bank.prefetch(["qv", "kvup"], pinned) == 2
+        deadline = _time.monotonic() + 120  # the worker's first build waits for its torch import
+        while not all(bank.residency.host.cached(pinned[a].semantic_sha256) for a in ("qv", "kvup")):
+            bank.prefetcher.collect()
+            assert _time.monotonic() < deadline, "worker builds did not finish"
+            _time.sleep(0.05)
+        assert bank.builder.built == 2 and bank.residency.host.get(pinned["qv"].semantic_sha256).pieces[0].src.is_pinned()
+        bank.residency.faults.corrupt(adapter="kvup", attempt=1, where="tail")
+        assert bank.prefetch_device(["qv", "kvup"], pinned, 4) == 2
+        done = [a for a, _ in bank.commit_device()]
+        assert done == ["qv"] and bank.stats.rollbacks == 1  # kvup's corrupted copy was caught and rolled back
+        _same(bank, ref, ["qv", "kvup"], pinned, 7, atol=1e-5)
+        bank.residency.audit()
+    finally:
+        bank.close()
