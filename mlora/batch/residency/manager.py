@@ -949,9 +949,9 @@ class Residency:
                 self.faults.check("copy", e.key, name, attempt)
         if not e.artifact.pieces:
             self.faults.check("copy", e.key, name, attempt)
-        self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
-        with self.copier.side():  # validation's reads, queued behind the copies: nothing waits at validation
-            e.probe = probe_landed(views, non_blocking=True)
+        with self.copier.side():  # ordered after the copies: injected corruption, then validation's reads
+            self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
+            e.probe = probe_landed(views, non_blocking=True)  # queued behind the copies: nothing waits at validation
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)
