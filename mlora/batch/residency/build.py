@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 import torch
 
-from .host import HostArtifact, Piece
+from .host import HostArtifact, Piece, packed_buffer
 
 
 def _ready() -> bool:
@@ -50,12 +50,7 @@ def _build(layout, pinned) -> dict:
 def from_wire(wire: dict, pin: bool) -> HostArtifact:
     """A worker's image as a HostArtifact, every piece in one (pinned) buffer at 64-byte
     aligned offsets."""
-    sizes = [len(raw) for *_, raw in wire["pieces"]]
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // 64) * 64
-    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+    buf, offsets = packed_buffer([len(raw) for *_, raw in wire["pieces"]], pin)
     flat = buf.numpy()
     pieces = []
     for (view, index, dtype, shape, raw), off in zip(wire["pieces"], offsets):

@@ -77,11 +77,7 @@ class HostArtifact:
         every piece copied into one pinned buffer (one page-locked allocation per artifact,
         not one per piece: pinning is a driver call, and an all-module adapter has hundreds
         of pieces), each piece at a 64-byte aligned offset."""
-        offsets, total = [], 0
-        for p in self.pieces:
-            offsets.append(total)
-            total += -(-p.src.numel() * p.src.element_size() // 64) * 64
-        buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        buf, offsets = packed_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], pin=True)
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
@@ -110,6 +106,16 @@ class HostArtifact:
                 out[name] = tuple(view_stats(image).tolist())
             self.checks[key] = out
         return self.checks[key]
+
+
+def packed_buffer(sizes: list[int], pin: bool) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 host buffer (page-locked when ``pin``) for pieces of ``sizes`` bytes, and
+    each piece's offset in it (64-byte aligned, so every dtype view is aligned)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    return torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin), offsets
 
 
 CHECK_MODULUS = 65521  # position weights 1 .. 65521
