@@ -972,3 +972,28 @@ def test_cuda_worker_built_images_and_gpu_tier_prefetch(pinned):
         bank.residency.audit()
     finally:
         bank.close()
+
+
+def test_start_load_statuses_and_fallback_to_the_blocking_path(pinned):
+    """ResidencyBank.start_load (admission's asynchronous load): sync without a host image,
+    started with one, loading while in flight, resident once committed; no-room when every
+    slot is in use; after a failed asynchronous attempt the adapter goes the blocking way."""
+    bank = rbank(2, prefetch_workers=0)
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
+    assert bank.start_load("qv", pinned) == "sync"  # no image, none being built: ensure loads it
+    for name in ("qv", "pattern", "kvup"):
+        _cache_image(bank, pinned[name])
+    assert bank.start_load("qv", pinned) == "started" and bank.loads_in_flight() == 1
+    assert bank.start_load("qv", pinned) == "loading"
+    assert [a for a, _ in bank.commit_device()] == ["qv"] and bank.start_load("qv", pinned) == "resident"
+    assert bank.stats.loads == 1 and bank.loads_started_ahead == 1
+    for name in ("qv", "pattern"):  # both slots leased by running requests
+        bank.acquire(f"r-{name}", name, pinned)
+    assert bank.start_load("kvup", pinned) == "no-room"
+    bank.release("r-pattern")
+    bank.residency.faults.corrupt(adapter="kvup", attempt=1, where="tail")
+    assert bank.start_load("kvup", pinned) == "started"
+    assert bank.commit_device() == [] and bank.stats.rollbacks == 1  # caught, rolled back, not published
+    assert bank.start_load("kvup", pinned) == "sync"  # the blocking path, with its retries, from now on
+    _same(bank, ref, ["qv", "kvup"], pinned, 4)
+    bank.residency.audit()

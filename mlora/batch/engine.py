@@ -125,6 +125,7 @@ class Engine:
         cuda_graphs: bool = False,
         prefetch_depth: int = 16,
         prefetch_gpu: int = 4,
+        async_loads: bool | None = None,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -151,6 +152,12 @@ class Engine:
         self.prefetch_depth = prefetch_depth if hasattr(bank, "prefetch") else 0
         # ... and of those, how many may start loading into free or unneeded GPU slots per iteration
         self.prefetch_gpu = prefetch_gpu if hasattr(bank, "prefetch_device") and self.prefetch_depth else 0
+        # admission starts an admitted cold adapter's load and runs its rows once it is published
+        # (spec 0x09B), so the copy overlaps the iteration in flight instead of blocking the next
+        # one. Default: on a GPU (on the CPU copies are synchronous: deferring rows gains nothing)
+        if async_loads is None:
+            async_loads = self.device.type == "cuda"
+        self.async_loads = async_loads and bool(self.prefetch_gpu) and hasattr(bank, "start_load")
         self._prefetch_seen = (0, 0)
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
@@ -207,7 +214,13 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one iteration; return the rows that finished in it."""
+        if self.async_loads:
+            self.bank.end_invocation()
+            self._commit_loads()  # loads started during the last iteration: published now
         plan = self.schedule()
+        if plan is None and self.async_loads and self.bank.loads_in_flight():
+            self._commit_loads()  # every waiting row waits for a load: wait for them here
+            plan = self.schedule()
         if plan is None:
             return []
         t0 = time.perf_counter()
@@ -344,8 +357,11 @@ class Engine:
             return budget  # nothing can be admitted: skip the ordering work (the steady decode state)
         now = self._admissions  # a row's wait is the number of rows admitted since it arrived
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
-
         candidates = list(self.waiting)
+        if self.async_loads:  # adapters loaded for waiting rows (asynchronous loads) hold their slots: run them
+            resident = set(self.bank.resident)
+            active |= {s.req.adapter for s in candidates if s.req.adapter is not None
+                       and getattr(self.pinned.get(s.req.adapter), "semantic_sha256", None) in resident}
         aged = any(now - s.arrival >= self.max_wait for s in candidates)
         if not aged:
             candidates.sort(key=self._slot_order(candidates, active))
@@ -358,6 +374,17 @@ class Engine:
                 if aged and now - seq.arrival >= self.max_wait:
                     break  # an aged row that does not fit: nobody overtakes it
                 continue
+            if a is not None and a not in active and self.async_loads and (chosen or self.running):
+                # a cold adapter: start its load now (the copy overlaps this iteration) and
+                # run its rows once it is published; with nothing else to run, load it the
+                # blocking way instead (in ensure), so every iteration makes progress
+                status = self.bank.start_load(a, self.pinned)
+                if status in ("started", "loading", "building"):
+                    if status != "building":
+                        active.add(a)  # its slot is taken
+                    if aged and now - seq.arrival >= self.max_wait:
+                        break
+                    continue
             n = min(seq.pending, budget)
             blocks = self._blocks_needed(seq, n)
             if blocks > self.allocator.num_free:
@@ -506,21 +533,15 @@ class Engine:
         )
 
     def _ensure(self, adapters: list[str]) -> dict[str, int]:
-        """bank.ensure, with load, cache and eviction metrics. Loads started ahead (GPU-tier
-        prefetch) are committed first and counted as loads from the host tier, with the time
-        the engine waited for them as their latency."""
-        evictions = getattr(getattr(self.bank, "stats", None), "evictions", 0)  # including the prefetches' victims
-        started_ahead = self.bank.commit_device() if self.prefetch_gpu else []
-        if self.metrics:
-            for a, seconds in started_ahead:
-                self.metrics.cache(True, "host")
-                self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds, True, "host")
+        """bank.ensure, with load, cache and eviction metrics (loads started ahead are
+        committed at the start of the step: ``_commit_loads``)."""
         if not self.metrics:
             return self.bank.ensure(adapters, self.pinned)
         before = dict(self.bank.resident)
         # where a load will copy from: the host cache (e.g. prefetched) or disk
         tier_of = getattr(self.bank, "source_tier", lambda a, pinned: "disk")
         tiers = {a: tier_of(a, self.pinned) for a in adapters if self.pinned[a].semantic_sha256 not in before}
+        evictions = self.bank.stats.evictions
         t0 = time.perf_counter()
         slot_of = self.bank.ensure(adapters, self.pinned)
         seconds = time.perf_counter() - t0
@@ -537,6 +558,19 @@ class Engine:
         for _ in range(self.bank.stats.evictions - evictions):
             self.metrics.eviction("device")
         return slot_of
+
+    def _commit_loads(self) -> None:
+        """Publish the loads started ahead (admission's asynchronous loads, GPU-tier
+        prefetch): counted as loads from the host tier, with the time the engine waited
+        for them (the part that did not overlap device work) as their latency."""
+        evictions = self.bank.stats.evictions
+        done = self.bank.commit_device()
+        if self.metrics:
+            for a, seconds in done:
+                self.metrics.cache(True, "host")
+                self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds, True, "host")
+            for _ in range(self.bank.stats.evictions - evictions):
+                self.metrics.eviction("device")
 
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]

@@ -114,6 +114,8 @@ class EngineSession:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
         bank = {k: v for k, v in self.bank.stats.as_dict().items() if k != "load_seconds"} if self.bank else {}
+        if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
+            bank["loads_started_ahead"] = self.bank.loads_started_ahead
         builder = getattr(self.bank, "builder", None)
         if builder is not None:  # host images built in worker processes, and builds they handed back
             bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed)

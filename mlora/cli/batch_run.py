@@ -62,7 +62,7 @@ def batch_run(
     prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
     prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
-                                              help="Of the prefetched adapters, how many may start loading into free or unneeded GPU slots per iteration, while the current rows run (0: load on demand only)."),
+                                              help="Of the prefetched adapters, how many may start loading into free or unneeded GPU slots per iteration, while the current rows run; on a GPU admission also starts loads without waiting for them (0: both off, loads block)."),
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",

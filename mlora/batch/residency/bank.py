@@ -36,10 +36,10 @@ from collections import OrderedDict
 import torch
 
 from ..bank import BankContext, SlotTensors
-from ..catalog import PinnedAdapter, load_factors
+from ..catalog import AdapterError, PinnedAdapter, load_factors
 from ..lora import GROUPS
 from .build import ProcessBuilder
-from .errors import AdapterLoadError, ResidencyError, ValidationError
+from .errors import AdapterLoadError, AdmissionError, ResidencyError, ValidationError
 from .events import Copier, copier_for
 from .faults import FaultInjector
 from .host import HostArtifact, HostCache, Piece
@@ -93,9 +93,10 @@ class ResidencyBank(SlotTensors):
             self.builder.start()
         self._plan: list[str] = []  # keys the last ensure() returned, held until context()
         self._open: ResidencyContext | None = None
-        # GPU-tier prefetches in flight: key -> (adapter id, transaction); committed ones
+        # loads started ahead (admission's asynchronous loads, GPU-tier prefetch): key -> (adapter id, txn)
         self._device_loads: dict[str, tuple[str, object]] = {}
-        self._device_done: list[tuple[str, float]] = []
+        self._async_failed: set[str] = set()  # keys whose asynchronous load failed: load them the blocking way
+        self.loads_started_ahead = 0  # by start_load and prefetch_device
 
     @property
     def resident(self) -> dict[str, int]:
@@ -114,7 +115,6 @@ class ResidencyBank(SlotTensors):
         AdapterLoadError (E_ADAPTER_LOAD) when every load attempt failed -- in each
         case the failed adapter's attempts were rolled back (victims restored)."""
         self._end_invocation()
-        self._wait_device()  # prefetched adapters become idle published entries (evictable when needed)
         res = self.residency
         wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
         for adapter_id in adapter_ids:
@@ -183,7 +183,7 @@ class ResidencyBank(SlotTensors):
         whose verified host image is already cached (never a build here), and only into a
         free slot or the slot of an adapter that no waiting row names (the ``want`` hint),
         so a prefetch never evicts what the queue still needs. Returns how many started;
-        :meth:`commit_device` (or the next ``ensure``) commits them."""
+        :meth:`commit_device` (or an ``ensure`` that needs one) commits them."""
         res = self.residency
         started = 0
         for adapter_id in adapter_ids:
@@ -203,29 +203,71 @@ class ResidencyBank(SlotTensors):
                 break
             if txn is not None:
                 self._device_loads[key] = (adapter_id, txn)
+                self.loads_started_ahead += 1
                 started += 1
         return started
 
-    def commit_device(self) -> list[tuple[str, float]]:
-        """Wait for every GPU-tier prefetch in flight and commit it (validation, then
-        publication); returns (adapter id, seconds the caller waited for it: the part of
-        the load that did not overlap device work) of each committed since the last call,
-        including those ``ensure`` committed. A prefetch that fails validation is rolled
-        back (victims restored) and dropped: the adapter loads on demand later, with that
-        load's retries and errors."""
-        self._wait_device()
-        done, self._device_done = self._device_done, []
-        return done
+    def start_load(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> str:
+        """Start loading one adapter the scheduler admits, without waiting for it (spec 0x09B:
+        a cold adapter is load-eligible, its rows run once its generation is published).
+        The transaction is an ordinary demand load (victims: any eligible slot, LRU, those
+        no waiting row names first) whose copy overlaps the device work already queued;
+        :meth:`commit_device` (or an ``ensure`` that needs it) validates and publishes it.
 
-    def _wait_device(self) -> None:
+        Returns "resident" (nothing to do), "loading" (already started), "started",
+        "building" (its host image is being built in the background: ask again later),
+        "no-room" (no slot can be freed now) or "sync": load it the blocking way, through
+        ``ensure`` (no host image and none being built, an earlier asynchronous attempt
+        failed, or the adapter is refused), so retries and errors follow the demand path."""
+        p = pinned.get(adapter_id)
+        if p is None or not p.ok or p.max_rank > self.max_rank:
+            return "sync"
+        key, res = p.semantic_sha256, self.residency
+        if res.catalog.get(key) is not None:
+            return "resident"
+        if key in self._device_loads or res.loading(key) is not None:
+            return "loading"
+        if key in self._async_failed:
+            return "sync"
+        if not res.host.cached(key):
+            return "building" if self.prefetcher is not None and self.prefetcher.building(key) else "sync"
+        try:
+            txn = res.begin(key)
+        except AdmissionError:
+            return "no-room"
+        except (ResidencyError, AdapterError):  # refused or rolled back: the blocking path raises and retries
+            self._async_failed.add(key)
+            return "sync"
+        self._device_loads[key] = (adapter_id, txn)
+        self.loads_started_ahead += 1
+        return "started"
+
+    def loads_in_flight(self) -> int:
+        return len(self._device_loads)
+
+    def end_invocation(self) -> None:
+        """The previous invocation's device work has completed (the engine read its tokens):
+        close its launch now, so its adapters that no row uses any more can be evicted by
+        the loads the next admission starts (``ensure`` would close it anyway)."""
+        self._end_invocation()
+
+    def commit_device(self) -> list[tuple[str, float]]:
+        """Wait for every load started ahead (``start_load``, ``prefetch_device``) and commit
+        it (validation, then publication); returns (adapter id, seconds the caller waited for
+        it: the part of the load that did not overlap device work) of each. One that fails
+        validation is rolled back (victims restored) and dropped: the adapter's next load
+        goes the blocking way, with that load's retries and errors."""
+        done = []
         for key, (adapter_id, txn) in list(self._device_loads.items()):
             del self._device_loads[key]
             t0 = time.perf_counter()
             try:
                 self.residency.wait(txn)
-            except ResidencyError:
-                continue  # rolled back; a later demand load retries and fails closed as usual
-            self._device_done.append((adapter_id, time.perf_counter() - t0))
+            except ResidencyError:  # rolled back; the adapter's next load goes the blocking way
+                self._async_failed.add(key)
+                continue
+            done.append((adapter_id, time.perf_counter() - t0))
+        return done
 
     def want(self, adapter_ids, pinned: dict[str, PinnedAdapter]) -> None:
         """The adapters queued rows still name: eviction takes the others first (LRU within
@@ -271,8 +313,12 @@ class ResidencyBank(SlotTensors):
         if not res.host.has_source(key):
             res.host.register(key, key, lambda p=p: self._artifact(p))
         pending = res.loading(key)
-        if pending is not None and res.catalog.get(key) is None:  # a prefetch in flight
-            res.wait(pending)
+        if pending is not None and res.catalog.get(key) is None:  # a load started ahead, in flight
+            self._device_loads.pop(key, None)  # committed here: this invocation counts it as its load
+            try:
+                res.wait(pending)
+            except ResidencyError:
+                pass  # rolled back: loaded below, the blocking way (with retries)
         if res.catalog.get(key) is not None:
             res.stats.hits += 1
             res.touch(key)

@@ -60,6 +60,11 @@ class HostPrefetcher:
         self.issued += 1
         return True
 
+    def building(self, digest: str) -> bool:
+        """A build of ``digest`` is in flight and has not failed (a failed one raises at ``wait``)."""
+        fut = self._inflight.get(digest)
+        return fut is not None and not (fut.done() and fut.exception() is not None)
+
     def collect(self) -> None:
         """Move finished builds into the cache (failed builds stay until someone needs them)."""
         for digest, fut in list(self._inflight.items()):
