@@ -343,7 +343,11 @@ def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
                 rows = table.column(ROW).to_pylist()
                 records = table.select(names).to_pylist()
                 for row, record in zip(rows, records):
+                    committed = prep.sink.output.next_row
                     writer.add(row, record)
+                    # progress at every shard commit (Ray may hand over many rows in one table)
+                    if progress and prep.sink.output.next_row != committed:
+                        progress(prep.summary, writer.progress(workers=n))
                 if progress:
                     progress(prep.summary, writer.progress(workers=n))
         finally:
