@@ -366,10 +366,15 @@ class Engine:
         if not aged:
             candidates.sort(key=self._slot_order(candidates, active))
         admitted = []
+        loading: set[str] = set()  # adapters whose load this pass started (or found in flight): rows wait
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             a = seq.req.adapter
+            if a in loading:
+                if aged and now - seq.arrival >= self.max_wait:
+                    break
+                continue
             if a is not None and a not in active and len(active) >= self.num_slots:
                 if aged and now - seq.arrival >= self.max_wait:
                     break  # an aged row that does not fit: nobody overtakes it
@@ -382,6 +387,7 @@ class Engine:
                 if status in ("started", "loading", "building"):
                     if status != "building":
                         active.add(a)  # its slot is taken
+                        loading.add(a)
                     if aged and now - seq.arrival >= self.max_wait:
                         break
                     continue
