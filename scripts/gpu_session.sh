@@ -3,6 +3,7 @@
 # (run with the device tool from the repository root; results land in $OUT):
 #   bash scripts/gpu_session.sh quick      GPU-only tests + demo check + bench batch (about 6 min)
 #   bash scripts/gpu_session.sh residency2k the step-4 residency benchmark at 2,000 rows, both runs (about 5 min)
+#   bash scripts/gpu_session.sh residency-blocking  the limited run with --prefetch-gpu-adapters 0 (attribution)
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
@@ -41,6 +42,10 @@ case "${1:-quick}" in
   residency2k)  # the 2,000-row job of the fourth and fifth sessions' runs (BENCHMARKS.md, residency)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 \
       --runs limited,all-resident --out "$OUT/residency-2k.json" 2>&1 | tail -12
+    ;;
+  residency-blocking)  # the same limited run with loads blocking (attribution of the asynchronous loads)
+    timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 --runs limited \
+      --prefetch-gpu-adapters 0 --out "$OUT/residency-2k-blocking.json" 2>&1 | tail -8
     ;;
   kernels)
     timeout 330 python scripts/kernel_sweep.py 2>&1 | tail -40 | tee "$OUT/kernel-sweep.txt"

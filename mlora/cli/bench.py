@@ -213,6 +213,8 @@ def bench_residency(
     dtype: str = typer.Option("bfloat16", "--dtype"),
     seed: int = typer.Option(0, "--seed"),
     runs: str = typer.Option("limited,all-resident", "--runs", help="Which runs: limited, all-resident or both."),
+    prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
+                                              help="batch-run's option of the same name (0: loads block)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -225,7 +227,8 @@ def bench_residency(
                                  targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
-                                 seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()))
+                                 seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
+                                 prefetch_gpu_adapters=prefetch_gpu_adapters)
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if _save(results, out, json_out):
         return
