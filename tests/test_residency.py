@@ -997,3 +997,36 @@ def test_start_load_statuses_and_fallback_to_the_blocking_path(pinned):
     assert bank.start_load("kvup", pinned) == "sync"  # the blocking path, with its retries, from now on
     _same(bank, ref, ["qv", "kvup"], pinned, 4)
     bank.residency.audit()
+
+
+def test_start_load_asks_for_the_host_image_and_waits_for_it(pinned, tmp_path):
+    """With a prefetcher: a cold adapter without a host image gets its build requested and
+    reports "building" (its rows wait, the engine thread builds nothing), then loads;
+    a build that fails sends the adapter to the blocking path, which raises the error."""
+    import dataclasses
+    import time as _time
+
+    from mlora.batch.catalog import AdapterError
+
+    bank = rbank(2, prefetch_workers=1)
+    try:
+        assert bank.start_load("qv", pinned) == "building" and bank.prefetcher.issued == 1
+        deadline = _time.monotonic() + 60
+        while (status := bank.start_load("qv", pinned)) == "building":
+            assert _time.monotonic() < deadline
+            _time.sleep(0.01)
+        assert status == "started" and [a for a, _ in bank.commit_device()] == ["qv"]
+        gone = dataclasses.replace(pinned["kvup"], modules=tuple(
+            dataclasses.replace(m, a=dataclasses.replace(m.a, path=str(tmp_path / "missing.safetensors")))
+            for m in pinned["kvup"].modules))
+        broken = {**pinned, "kvup": gone}
+        assert bank.start_load("kvup", broken) == "building"
+        deadline = _time.monotonic() + 60
+        while (status := bank.start_load("kvup", broken)) == "building":
+            assert _time.monotonic() < deadline
+            _time.sleep(0.01)
+        assert status == "sync"
+        with pytest.raises(AdapterError):
+            bank.ensure(["kvup"], broken)
+    finally:
+        bank.close()

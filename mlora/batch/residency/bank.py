@@ -97,6 +97,7 @@ class ResidencyBank(SlotTensors):
         self._device_loads: dict[str, tuple[str, object]] = {}
         self._async_failed: set[str] = set()  # keys whose asynchronous load failed: load them the blocking way
         self.loads_started_ahead = 0  # by start_load and prefetch_device
+        self._builds_requested: set[str] = set()  # host images start_load asked the prefetcher for
 
     @property
     def resident(self) -> dict[str, int]:
@@ -215,10 +216,11 @@ class ResidencyBank(SlotTensors):
         :meth:`commit_device` (or an ``ensure`` that needs it) validates and publishes it.
 
         Returns "resident" (nothing to do), "loading" (already started), "started",
-        "building" (its host image is being built in the background: ask again later),
-        "no-room" (no slot can be freed now) or "sync": load it the blocking way, through
-        ``ensure`` (no host image and none being built, an earlier asynchronous attempt
-        failed, or the adapter is refused), so retries and errors follow the demand path."""
+        "building" (its host image is being built in the background, asked for now if
+        need be: ask again later), "no-room" (no slot can be freed now) or "sync": load it
+        the blocking way, through ``ensure`` (no prefetcher, its requested build failed,
+        an earlier asynchronous attempt failed, or the adapter is refused), so retries and
+        errors follow the demand path."""
         p = pinned.get(adapter_id)
         if p is None or not p.ok or p.max_rank > self.max_rank:
             return "sync"
@@ -229,8 +231,18 @@ class ResidencyBank(SlotTensors):
             return "loading"
         if key in self._async_failed:
             return "sync"
+        if not res.host.cached(key) and self.prefetcher is not None:
+            self.prefetcher.collect()
         if not res.host.cached(key):
-            return "building" if self.prefetcher is not None and self.prefetcher.building(key) else "sync"
+            if self.prefetcher is None:
+                return "sync"
+            if self.prefetcher.building(key):
+                return "building"
+            if key in self._builds_requested:  # requested here before, and its build failed (or was
+                return "sync"                  # dropped): the blocking path raises or rebuilds
+            self._builds_requested.add(key)
+            return "building" if self.prefetch([adapter_id], pinned) else "sync"
+        self._builds_requested.discard(key)
         try:
             txn = res.begin(key)
         except AdmissionError:
