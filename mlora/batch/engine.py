@@ -371,13 +371,14 @@ class Engine:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             a = seq.req.adapter
+            held = aged and now - seq.arrival >= self.max_wait  # an aged row that waits: nobody overtakes it
             if a in loading:
-                if aged and now - seq.arrival >= self.max_wait:
+                if held:
                     break
                 continue
             if a is not None and a not in active and len(active) >= self.num_slots:
-                if aged and now - seq.arrival >= self.max_wait:
-                    break  # an aged row that does not fit: nobody overtakes it
+                if held:
+                    break
                 continue
             if a is not None and a not in active and self.async_loads and (chosen or self.running):
                 # a cold adapter: start its load now (the copy overlaps this iteration) and
@@ -388,7 +389,7 @@ class Engine:
                     if status != "building":
                         active.add(a)  # its slot is taken
                         loading.add(a)
-                    if aged and now - seq.arrival >= self.max_wait:
+                    if held:
                         break
                     continue
             n = min(seq.pending, budget)
@@ -561,9 +562,13 @@ class Engine:
         for a in dict.fromkeys(loaded):
             self.metrics.cache(tiers[a] == "host", "host")
             self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds / max(len(loaded), 1), True, tiers[a])
-        for _ in range(self.bank.stats.evictions - evictions):
-            self.metrics.eviction("device")
+        self._count_evictions(evictions)
         return slot_of
+
+    def _count_evictions(self, before: int) -> None:
+        """Device evictions since the bank's eviction count was ``before``, into the metrics."""
+        for _ in range(self.bank.stats.evictions - before):
+            self.metrics.eviction("device")
 
     def _commit_loads(self) -> None:
         """Publish the loads started ahead (admission's asynchronous loads, GPU-tier
@@ -575,8 +580,7 @@ class Engine:
             for a, seconds in done:
                 self.metrics.cache(True, "host")
                 self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds, True, "host")
-            for _ in range(self.bank.stats.evictions - evictions):
-                self.metrics.eviction("device")
+            self._count_evictions(evictions)
 
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]

@@ -67,11 +67,10 @@ class EngineSession:
             shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
             slots = num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
                                                                             max(max_rank, 1), dtype), device)
+            workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
-                                      host_cache_bytes=host_bytes,
-                                      prefetch_workers=prefetch_workers() if opts.prefetch_adapters else 0,
-                                      build_processes=prefetch_workers() if opts.prefetch_adapters
-                                      and device.type == "cuda" else 0)
+                                      host_cache_bytes=host_bytes, prefetch_workers=workers,
+                                      build_processes=workers if device.type == "cuda" else 0)
         self._switch = None
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             # the engine thread gives the GIL to the prefetch threads at every device sync and

@@ -166,8 +166,8 @@ class ResidencyBank(SlotTensors):
         started = 0
         host = self.residency.host
         for adapter_id in adapter_ids:
-            p = pinned.get(adapter_id)
-            if p is None or not p.ok or p.max_rank > self.max_rank:
+            p = self._loadable(adapter_id, pinned)
+            if p is None:
                 continue
             key = p.semantic_sha256
             if self.residency.catalog.get(key) is not None:
@@ -190,8 +190,8 @@ class ResidencyBank(SlotTensors):
         for adapter_id in adapter_ids:
             if started >= limit:
                 break
-            p = pinned.get(adapter_id)
-            if p is None or not p.ok or p.max_rank > self.max_rank:
+            p = self._loadable(adapter_id, pinned)
+            if p is None:
                 continue
             key = p.semantic_sha256
             if res.catalog.get(key) is not None or res.loading(key) is not None or not res.host.cached(key):
@@ -221,8 +221,8 @@ class ResidencyBank(SlotTensors):
         the blocking way, through ``ensure`` (no prefetcher, its requested build failed,
         an earlier asynchronous attempt failed, or the adapter is refused), so retries and
         errors follow the demand path."""
-        p = pinned.get(adapter_id)
-        if p is None or not p.ok or p.max_rank > self.max_rank:
+        p = self._loadable(adapter_id, pinned)
+        if p is None:
             return "sync"
         key, res = p.semantic_sha256, self.residency
         if res.catalog.get(key) is not None:
@@ -340,6 +340,12 @@ class ResidencyBank(SlotTensors):
             res.load(key)
         except AdapterLoadError as exc:
             raise AdapterLoadError(p.id, exc.attempts, exc.last) from exc.last
+
+    def _loadable(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter | None:
+        """The pinned record of an adapter these slots can hold, or None (unknown, unservable,
+        or above the bank's rank: the blocking path names the error)."""
+        p = pinned.get(adapter_id)
+        return p if p is not None and p.ok and p.max_rank <= self.max_rank else None
 
     def _artifact(self, p: PinnedAdapter) -> HostArtifact:
         """The verified host image of one pinned adapter, built on this thread."""

@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .host import HostArtifact, HostCache
 from .pool import Owner, PagePool
 from .states import BINDABLE, EVICTABLE_STATES, State, check_transition
-from .storage import Storage, probe_landed, validate_landed
+from .storage import Probe, Storage, probe_landed, validate_landed
 
 S = State
 
@@ -96,7 +96,7 @@ class Entry:
     last_touch: int = 0
     prefetched: bool = False
     txn: str | None = None  # the open transaction loading it or holding it as a victim
-    probe: object = None  # storage.Probe issued after its copies (read at validation), while loading
+    probe: Probe | None = None  # issued after its copies (read at validation), while loading
 
     @property
     def label(self) -> str:
@@ -940,8 +940,8 @@ class Residency:
         views = self.storage.views(slot.id, e.pages)
         name = e.artifact.name
         whole = {p.view for p in e.artifact.pieces if p.index == ()}
-        for name_, v in views.items():
-            if name_ not in whole:  # a whole-view piece writes every element of its view
+        for view_name, v in views.items():
+            if view_name not in whole:  # a whole-view piece writes every element of its view
                 self.copier.zero(v)
         for i, p in enumerate(e.artifact.pieces):
             self.copier.copy(views[p.view][p.index], p.src)

@@ -72,11 +72,12 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
 
     Fast path: every view's :func:`~.host.view_stats` (finite, non-zero count, two exact
     word sums) is computed on the device in one batch (by the probe, issued right after
-    the copies; without one, here, with one synchronisation) and compared with the host image's (``HostArtifact.view_checks``, built off the critical
-    path when the artifact was prefetched). Equal numbers accept the load without
-    reading the slot back. Any difference runs the exact diagnosis below (read back,
-    SHA-256 of the landed pieces, per-view tail counts), so the error code names what
-    is wrong; a difference the diagnosis cannot place is E_VALIDATE_DIGEST."""
+    the copies; without one, here, with one synchronisation) and compared with the host
+    image's (``HostArtifact.view_checks``, built off the critical path when the artifact
+    was prefetched). Equal numbers accept the load without reading the slot back. Any
+    difference runs the exact diagnosis below (read back, SHA-256 of the landed pieces,
+    per-view tail counts), so the error code names what is wrong; a difference the
+    diagnosis cannot place is E_VALIDATE_DIGEST."""
     what = f"adapter {artifact.name!r}"
     for p in artifact.pieces:
         dst = views[p.view][p.index] if p.view in views else None
