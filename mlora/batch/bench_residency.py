@@ -233,10 +233,14 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
         runs.append(dict(name=name, slots=slots, wall_s=summary.wall_s, job_tokens_per_s=summary.tokens_per_s,
                          tokens_per_s=m["tokens_per_s"], error_rows=summary.error_rows,
                          errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
-                         image_builds={k: summary.bank[k] for k in ("images_built_in_workers", "image_worker_failures")
-                                       if k in summary.bank},
+                         image_builds={k: v for k, v in summary.bank.items() if k.startswith("image")},
                          loads=sum(m["adapter_loads"].values()),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
+        if progress:  # each run's figures as soon as it ends: a later run that overruns a time limit loses only itself
+            r = runs[-1]
+            progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {r['loads']} loads, mean load "
+                     + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
+                     + f", amplification {m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     by = {r["name"]: r for r in runs}
     ratio = None

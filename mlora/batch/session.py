@@ -117,7 +117,10 @@ class EngineSession:
             bank["loads_started_ahead"] = self.bank.loads_started_ahead
         builder = getattr(self.bank, "builder", None)
         if builder is not None:  # host images built in worker processes, and builds they handed back
-            bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed)
+            bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed,
+                        image_worker_seconds=round(builder.worker_s, 3),
+                        image_round_trip_seconds=round(builder.round_trip_s, 3),
+                        image_receive_seconds=round(builder.receive_s, 3))
         return engine, bank
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ would raise. Must not know slots, leases or the device.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -36,7 +37,9 @@ def _ready() -> bool:
 
 
 def _build(layout, pinned) -> dict:
-    """In the worker: the image of ``pinned`` as plain picklable data."""
+    """In the worker: the image of ``pinned`` as plain picklable data (with the seconds the
+    worker spent on it)."""
+    t0 = time.perf_counter()
     art = layout.artifact(pinned)
     pieces = []
     for p in art.pieces:
@@ -44,7 +47,7 @@ def _build(layout, pinned) -> dict:
         pieces.append((p.view, p.index, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                        t.reshape(-1).view(torch.uint8).numpy().tobytes()))
     return {"key": art.key, "digest": art.digest, "name": art.name, "pages": art.pages, "meta": art.meta,
-            "checks": art.checks, "pieces": pieces}
+            "checks": art.checks, "pieces": pieces, "seconds": time.perf_counter() - t0}
 
 
 def from_wire(wire: dict, pin: bool) -> HostArtifact:
@@ -74,6 +77,9 @@ class ProcessBuilder:
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
         self.built = self.failed = self.broken = 0
+        # seconds summed over builds: in the workers, from submit to result here, placing the
+        # result into pinned memory (the receiving thread's share)
+        self.worker_s = self.round_trip_s = self.receive_s = 0.0
 
     def start(self) -> None:
         """Start the workers now, in the background (each spends a few seconds importing torch),
@@ -89,7 +95,13 @@ class ProcessBuilder:
             return None
         try:
             self.start()
-            art = from_wire(self._pool.submit(_build, layout, pinned).result(), pin)
+            t0 = time.perf_counter()
+            wire = self._pool.submit(_build, layout, pinned).result()
+            t1 = time.perf_counter()
+            art = from_wire(wire, pin)
+            self.worker_s += wire["seconds"]
+            self.round_trip_s += t1 - t0
+            self.receive_s += time.perf_counter() - t1
         except BrokenProcessPool:  # a worker died: start a fresh pool next time
             self.failed += 1
             self.broken += 1
