@@ -11,8 +11,8 @@ run stopped by a time limit still leaves its profile.
     PYTHONPATH=. python scripts/sample_engine.py --out /tmp/prof.txt -- \
         bench residency /tmp/rb --adapters 300 --rows 600 --slots 64 --runs limited
 
-``--no-build-processes`` builds host images on prefetch threads instead of worker
-processes (A/B of ``residency/build.py``).
+Found, in the sixth session, that host images built in worker processes starved
+the engine (BENCHMARKS.md, residency).
 """
 
 import argparse
@@ -29,19 +29,9 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=5.0)
     ap.add_argument("--flush-s", type=float, default=15.0)
     ap.add_argument("--top", type=int, default=45)
-    ap.add_argument("--no-build-processes", action="store_true")
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     argv = [a for a in args.argv if a != "--"]
-    if args.no_build_processes:
-        import mlora.batch.residency as residency_mod
-
-        class NoProcessBank(residency_mod.ResidencyBank):
-            def __init__(self, *a, **k):
-                k["build_processes"] = 0
-                super().__init__(*a, **k)
-
-        residency_mod.ResidencyBank = NoProcessBank
     main_id = threading.main_thread().ident
     incl: collections.Counter = collections.Counter()
     leaf: collections.Counter = collections.Counter()

@@ -63,6 +63,7 @@ class ResidencyBenchOptions:
     seed: int = 0
     runs: tuple[str, ...] = ("limited", "all-resident")
     prefetch_gpu_adapters: int = 4  # batch-run's option (0: loads block the engine)
+    image_build_processes: int = 0  # JobOptions.image_build_processes (0: prefetch threads build images)
 
 
 def module_shapes(p: dict) -> dict[str, tuple[int, int]]:
@@ -225,7 +226,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
             adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
             max_new_tokens=o.max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
             max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name == "all-resident",
-            gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters))
+            gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters,
+            image_build_processes=o.image_build_processes))
         with open(os.path.join(out, "_metrics.json")) as f:
             m = json.load(f)["metrics"]
         lat = m["histograms"]["adapter_load_latency_seconds"]

@@ -83,6 +83,10 @@ class JobOptions:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     prefetch_adapters: int = 16  # cold adapters of the waiting rows whose host images are built ahead
     prefetch_gpu_adapters: int = 4  # of those, loaded into free or unneeded GPU slots per iteration, ahead of use
+    # host images built in this many worker processes instead of on the prefetch threads
+    # (0 = threads; needs prefetch_adapters). Off by default: on the H200 four workers took 2.7 s per image and
+    # starved the engine of CPU (BENCHMARKS.md, residency, sixth session)
+    image_build_processes: int = 0
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
     bundle_operator: str = "auto"  # auto | three-stage | materialized (bundle members; mlora.batch.bundle_bank)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)

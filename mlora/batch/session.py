@@ -70,7 +70,7 @@ class EngineSession:
             workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes, prefetch_workers=workers,
-                                      build_processes=workers if device.type == "cuda" else 0)
+                                      build_processes=opts.image_build_processes if workers else 0)
         self._switch = None
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
@@ -137,8 +137,9 @@ SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while prefetch threads run
 
 def prefetch_workers() -> int:
     """Adapter host images built ahead at once (read, re-hash, lay out, pin): one per four
-    cores, at most four (one on a two-core machine). On a GPU each prefetch thread hands
-    its build to a worker process (``residency/build.py``) and only pins the result."""
+    cores, at most four (one on a two-core machine). With ``image_build_processes`` each
+    prefetch thread hands its build to a worker process (``residency/build.py``) and only
+    pins the result."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 

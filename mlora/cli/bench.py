@@ -215,6 +215,9 @@ def bench_residency(
     runs: str = typer.Option("limited,all-resident", "--runs", help="Which runs: limited, all-resident or both."),
     prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
                                               help="batch-run's option of the same name (0: loads block)."),
+    image_build_processes: int = typer.Option(0, "--image-build-processes", min=0,
+                                              help="Build host images in this many worker processes instead of "
+                                                   "the prefetch threads (GPU; A/B of residency/build.py)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -228,7 +231,8 @@ def bench_residency(
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
-                                 prefetch_gpu_adapters=prefetch_gpu_adapters)
+                                 prefetch_gpu_adapters=prefetch_gpu_adapters,
+                                 image_build_processes=image_build_processes)
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if _save(results, out, json_out):
         return

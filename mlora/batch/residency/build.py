@@ -4,11 +4,13 @@ Owns a small pool of spawned processes that run ``SlotLayout.artifact`` (read
 the pinned adapter files, re-hash them against the pinned digests, place the
 factors, lay out the slot views, compute the validation numbers) and send the
 image back as raw bytes; the receiving prefetch thread copies them into one
-pinned buffer. Threads in the engine's process cannot do this work without
-taking the interpreter lock from the engine thread: measured on the H200, a
-cold load that costs 1.8 ms alone took 16-40 ms inside a job next to
-thread builders (BENCHMARKS.md, residency), and pausing the builders while the
-engine works starved them instead.
+pinned buffer. Opt-in (``JobOptions.image_build_processes``; default: the
+prefetch threads build). Written because thread builders take the interpreter
+lock from the engine thread (a 1.8 ms load took 16-40 ms next to them when
+loads blocked the engine); once admission's loads became asynchronous that no
+longer cost throughput, and four workers measured on the H200 were far slower
+than threads (2.7 s per image at torch's default thread count; since then one
+thread per worker, not measured): BENCHMARKS.md, residency, sixth session.
 
 Trust: a worker only speeds up what the engine would do itself. Its image
 carries the same digests and is validated on the device like any other; when
@@ -34,6 +36,13 @@ from .host import HostArtifact, Piece, packed_buffer
 def _ready() -> bool:
     """In a worker: nothing (its imports, done on unpickling this function, are the warm-up)."""
     return True
+
+
+def _init_worker() -> None:
+    """In a new worker: one intra-op thread. With torch's default (one per core) four
+    workers ran 64 threads on the H200 host's 16 cores: 2.7 s per image, and the engine's
+    own host work slowed down (BENCHMARKS.md, residency, sixth session)."""
+    torch.set_num_threads(1)
 
 
 def _build(layout, pinned) -> dict:
@@ -85,7 +94,8 @@ class ProcessBuilder:
         """Start the workers now, in the background (each spends a few seconds importing torch),
         so that the first builds do not wait for them."""
         if self._pool is None and self.broken < MAX_BROKEN_POOLS:
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_worker)
             for _ in range(self.processes):
                 self._pool.submit(_ready)
 
