@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh step7      bf16-vs-fp32 logits of the 8B shape, then start-up (checkpoint to GPU, first token)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
+#   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
 export PYTHONPATH=.
@@ -58,6 +59,12 @@ case "${1:-quick}" in
   resident)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --runs all-resident \
       --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
+    ;;
+  bundle-data)  # step 5 serving benchmark, part 1: Mistral-7B base, 1,024 adapters, the bundle (compression timed)
+    timeout 570 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -4
+    ;;
+  bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the three runs
+    timeout 570 python -m mlora bench bundle /tmp/bb --out "$OUT/bundle-h200.json" 2>&1 | tail -16
     ;;
   compress)
     [ -d /tmp/cb7/adapters ] || timeout 200 python examples/make_compress_bench_data.py /tmp/cb7/adapters --adapters 1000 \

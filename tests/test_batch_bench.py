@@ -142,3 +142,35 @@ def test_bench_startup_on_a_tiny_checkpoint(tmp_path):
     assert r["checkpoint_bytes"] == size > 0
     assert 0 < r["load_s"] <= r["first_token_s"] and r["read_s"] > 0
     assert r["target_s"] == 1.5 * r["floor_s"] + 10.0 and r["met"] == (r["first_token_s"] <= r["target_s"])
+
+
+def test_bundle_bench_serves_the_same_collection_three_ways(tmp_path):
+    """bench_bundle: the bundle of an exactly shared collection (no noise, shared rank <= R)
+    serves the same greedy tokens as its uncompressed adapters through the matched number
+    of slots; the base run names no adapter; the compression record is kept and reused."""
+    import pyarrow.parquet as pq
+
+    from mlora.batch.bench_bundle import BundleBenchOptions, matched_slots, run_bundle_bench
+
+    o = BundleBenchOptions(preset="tiny", adapters=8, rank=4, shared_rank=4, noise=0.0, bundle_rank=8, clusters=1,
+                           rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, max_num_seqs=6, max_batch_tokens=48,
+                           device="cpu", dtype="float32")
+    r = run_bundle_bench(str(tmp_path), o)
+    assert [x["name"] for x in r["runs"]] == ["bundle", "adapters", "base"]
+    assert all(x["error_rows"] == 0 for x in r["runs"])
+    assert r["workspace"]["compress"]["worst_error"] < 1e-6
+    slots, need, slot = matched_slots(str(tmp_path), o)
+    assert r["slots"] == slots == max(1, need // slot) and need == r["bundle_device_bytes"] > 0
+    bundle, adapters, base = r["runs"]
+    assert bundle["loads"] == 0 and adapters["loads"] >= r["workspace"]["distinct_adapters_used"] >= 3
+    assert pq.read_table(str(tmp_path / "input-base.parquet")).column("adapter").null_count == 24
+
+    def tokens(name):
+        t = pq.read_table(str(tmp_path / f"out-{name}")).to_pydict()
+        return dict(zip(t["id"], t["completion_token_ids"]))
+
+    got = tokens("bundle")
+    assert len(got) == 24 and got == tokens("adapters")
+    first = r["workspace"]["compress"]["seconds"]
+    again = run_bundle_bench(str(tmp_path), BundleBenchOptions(**{**o.__dict__, "runs": ("base",)}))
+    assert again["workspace"]["compress"]["seconds"] == first and len(again["runs"]) == 1  # bundle reused

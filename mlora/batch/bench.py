@@ -55,6 +55,8 @@ from .model import DecoderLayer, DecoderModel, ModelConfig
 PRESETS: dict[str, dict] = {
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    "mistral-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
 }

@@ -259,6 +259,71 @@ def bench_residency(
                       f"{b.get('image_worker_failures', 0)} handed back and built on the engine thread")
 
 
+@bench_app.command("bundle")
+def bench_bundle(
+    workdir: Path = typer.Argument(..., help="Directory for the synthetic workspace and bundle (reused if complete)."),
+    preset: str = typer.Option("mistral-7b", "--preset", help="Model shape: mistral-7b, llama-3-8b, or tiny (CPU smoke test)."),
+    adapters: int = typer.Option(1024, "--adapters", min=1, help="Adapters in the collection (all bundle members)."),
+    rank: int = typer.Option(16, "--rank", min=1, help="The adapters' rank."),
+    targets: str = typer.Option("q_proj,k_proj,v_proj", "--targets", help="Modules every adapter targets."),
+    shared_rank: int = typer.Option(48, "--shared-rank", min=1, help="Rank of the subspace the collection shares."),
+    noise: float = typer.Option(0.05, "--noise", min=0.0, help="Independent noise, relative to the shared part."),
+    method: str = typer.Option("jd-full", "--method"),
+    bundle_rank: int = typer.Option(64, "--bundle-rank", min=1, help="The bundle's shared rank R."),
+    clusters: int = typer.Option(8, "--clusters", min=1),
+    compress_device: str = typer.Option("auto", "--compress-device", help="auto, cpu or cuda."),
+    rows: int = typer.Option(2048, "--rows", min=1),
+    zipf: float = typer.Option(0.0, "--zipf", help="Popularity exponent s (0 = adapters uniform over rows)."),
+    prompt_min: int = typer.Option(128, "--prompt-min", min=1),
+    prompt_max: int = typer.Option(1024, "--prompt-max", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    slots: Optional[int] = typer.Option(None, "--slots", min=1,
+                                        help="GPU slots of the uncompressed run (default: what the bundle's bytes hold)."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
+    max_batch_tokens: int = typer.Option(8192, "--max-batch-tokens", min=1),
+    device: str = typer.Option("cuda", "--device"),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    seed: int = typer.Option(0, "--seed"),
+    runs: str = typer.Option("bundle,adapters,base", "--runs",
+                             help="Which runs: bundle, adapters, base; none = only write the workspace and bundle."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """Serve bundle members (three-stage operator) against the uncompressed adapters under the same
+    GPU memory, and against the base model alone."""
+    from ..batch.bench_bundle import BundleBenchOptions, run_bundle_bench
+
+    err = Console(stderr=True)
+    _require_cuda(err, device)
+    opts = BundleBenchOptions(preset=preset, adapters=adapters, rank=rank,
+                              targets=tuple(t.strip() for t in targets.split(",") if t.strip()), shared_rank=shared_rank,
+                              noise=noise, method=method, bundle_rank=bundle_rank, clusters=clusters,
+                              compress_device=compress_device, rows=rows, zipf=zipf, prompt_min=prompt_min,
+                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
+                              max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
+                              seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none")))
+    results = run_bundle_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    if _save(results, out, json_out):
+        return
+    con = Console()
+    c = results["workspace"]["compress"]
+    con.print(f"{preset}: {adapters} adapters (rank {rank}, {targets}), {rows} rows; bundle {method} "
+              f"R={bundle_rank}, {clusters} clusters: compressed in {c['seconds']:.1f} s on {c['device']}, worst "
+              f"error {c['worst_error']:.3f}, {results['bundle_device_bytes'] / 2**30:.2f} GiB on the device = "
+              f"{results['slots']} uncompressed slots")
+    table = Table(title_justify="left")
+    for col in ("run", "tok/s (generation)", "wall s", "iterations", "loads", "load amplification", "error rows"):
+        table.add_column(col, justify="right")
+    for r in results["runs"]:
+        amp = r["load_amplification"]
+        table.add_row(r["name"], f"{r['tokens_per_s']:.0f}", f"{r['wall_s']:.1f}", str(r["iterations"]),
+                      str(r["loads"]), "-" if amp is None else f"{amp:.3f}", str(r["error_rows"]))
+    con.print(table)
+    fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    con.print(f"bundle / uncompressed: {fmt(results['bundle_vs_adapters'])} (target >= 1.5x); "
+              f"bundle / base: {fmt(results['bundle_vs_base'])} (target >= 0.8x)")
+
+
 @bench_app.command("peft")
 def bench_peft(
     preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
