@@ -306,6 +306,7 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     assert tokens == {k: r["completion_token_ids"] for k, r in b.items()}
     assert tokens == {k: r["completion_token_ids"] for k, r in c.items()}  # prefetch changes timing only
     assert few.bank["evictions"] > 0 and many.bank["evictions"] == 0  # the 3-slot job really swapped adapters
+    assert few.bank["load_device_ms_mean"] > 0 and few.bank["load_device_ms_p90"] > 0  # copy time per load
     m_few = json.loads((tmp_path / "few" / "_metrics.json").read_text())["metrics"]
     m_many = json.loads((tmp_path / "many" / "_metrics.json").read_text())["metrics"]
     # the whole input fits the scheduling window: adapter-aware admission loads each adapter once

@@ -969,6 +969,9 @@ def test_cuda_worker_built_images_and_gpu_tier_prefetch(pinned):
         done = [a for a, _ in bank.commit_device()]
         assert done == ["qv"] and bank.stats.rollbacks == 1  # kvup's corrupted copy was caught and rolled back
         _same(bank, ref, ["qv", "kvup"], pinned, 7, atol=1e-5)
+        # each committed load's copy-stream time (copies + validation reads), rolled-back ones not counted
+        assert len(bank.stats.load_device_seconds) == bank.stats.loads + bank.stats.prefetches
+        assert all(0 < t < 5 for t in bank.stats.load_device_seconds)
         bank.residency.audit()
     finally:
         bank.close()
@@ -1030,3 +1033,19 @@ def test_start_load_asks_for_the_host_image_and_waits_for_it(pinned, tmp_path):
             bank.ensure(["kvup"], broken)
     finally:
         bank.close()
+
+
+def test_every_committed_load_records_its_copy_time(pinned):
+    """Residency.stats.load_device_seconds: one figure per committed load or prefetch (the copy
+    stream's time between marks around the copies and validation reads; on the CPU the
+    synchronous copies' wall time), none for a rolled-back attempt; the job summary reports
+    their mean and 90th percentile."""
+    bank = rbank(2, prefetch_workers=0)
+    bank.residency.faults.corrupt(adapter="kvup", attempt=1, where="tail")
+    for a in ("qv", "kvup", "pattern", "all"):
+        bank.ensure([a], pinned)
+        bank.context(torch.zeros(1, dtype=torch.int32)).close()
+    s = bank.stats
+    assert s.rollbacks == 1 and s.load_attempts == s.loads + 1
+    assert len(s.load_device_seconds) == s.loads == 4 and all(t > 0 for t in s.load_device_seconds)
+    assert s.as_dict()["load_device_seconds"] == list(s.load_device_seconds)

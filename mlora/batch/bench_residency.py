@@ -20,7 +20,10 @@ for; the figures go into BENCHMARKS.md.
   metrics clock starts after pinning and model loading, which both runs pay
   alike), the job's wall time, load amplification, loads, evictions, prefetch
   precision, mean adapter load latency (the engine's wait for ``ensure``:
-  copy and validation, plus the host build when it was not prefetched), H2D
+  copy and validation, plus the host build when it was not prefetched; with
+  asynchronous loads only the part that did not overlap device work), the
+  copy stream's time per load (copies and validation reads, from CUDA
+  events: what the cold-load target compares with its floor), H2D
   bytes; and the ratio of the two throughputs. The cold-load floor is one adapter's
   bytes over the host-to-device bandwidth of pinned memory, measured in the
   same run (CUDA only).
@@ -237,12 +240,15 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
                          image_builds={k: v for k, v in summary.bank.items() if k.startswith("image")},
                          loads=sum(m["adapter_loads"].values()),
+                         load_device_ms_mean=summary.bank.get("load_device_ms_mean"),
+                         load_device_ms_p90=summary.bank.get("load_device_ms_p90"),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
         if progress:  # each run's figures as soon as it ends: a later run that overruns a time limit loses only itself
             r = runs[-1]
             progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {r['loads']} loads, mean load "
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
-                     + f", amplification {m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}")
+                     + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p90']} ms p90), amplification "
+                     f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     by = {r["name"]: r for r in runs}
     ratio = None

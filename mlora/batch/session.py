@@ -112,7 +112,12 @@ class EngineSession:
     def stats(self) -> tuple[dict, dict]:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
-        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k != "load_seconds"} if self.bank else {}
+        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in ("load_seconds", "load_device_seconds")} \
+            if self.bank else {}
+        device_s = sorted(getattr(self.bank.stats, "load_device_seconds", ()) if self.bank else ())
+        if device_s:  # the copy stream's time per load (copies + validation reads), not the engine's wait
+            bank.update(load_device_ms_mean=round(1e3 * sum(device_s) / len(device_s), 4),
+                        load_device_ms_p90=round(1e3 * device_s[int(0.9 * (len(device_s) - 1))], 4))
         if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
             bank["loads_started_ahead"] = self.bank.loads_started_ahead
         builder = getattr(self.bank, "builder", None)

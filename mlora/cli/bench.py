@@ -240,13 +240,15 @@ def bench_residency(
     table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, {targets}), Zipf({zipf}), {rows} rows",
                   title_justify="left")
     for col in ("run", "slots", "tok/s (generation)", "load amplification", "loads", "evictions", "prefetch precision",
-                "mean load ms", "error rows"):
+                "mean load ms", "copy ms", "error rows"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
         m, lat, pp, amp = r["metrics"], r["mean_load_s"], r["metrics"]["prefetch_precision"], r["metrics"]["load_amplification"]
         table.add_row(r["name"], str(r["slots"]), f"{r['tokens_per_s']:.0f}", "-" if amp is None else f"{amp:.3f}",
                       str(r["loads"]), str(sum(m["evictions"].values())), "-" if pp is None else f"{pp:.2f}",
-                      "-" if lat is None else f"{lat * 1e3:.1f}", str(r["error_rows"]))
+                      "-" if lat is None else f"{lat * 1e3:.1f}",
+                      "-" if r.get("load_device_ms_mean") is None else f"{r['load_device_ms_mean']:.2f}",
+                      str(r["error_rows"]))
     con.print(table)
     floor, ratio = results["cold_load_floor_s"], results["throughput_ratio"]
     con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "

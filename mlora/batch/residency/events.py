@@ -19,6 +19,7 @@ Two copiers, one protocol:
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Protocol
 
 import torch
@@ -44,6 +45,14 @@ class DoneEvent:
 
 
 DONE = DoneEvent()
+
+
+class StampEvent(DoneEvent):
+    """A completed event that remembers when it was recorded (the CPU copier's timing marks:
+    its copies are synchronous, so the time between two stamps is the copies' time)."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
 
 
 class ManualEvent:
@@ -88,6 +97,13 @@ class Copier(Protocol):
     def record(self) -> Event:
         """An event that completes once every copy issued so far has landed."""
 
+    def mark(self) -> Event:
+        """A timing mark on the copy stream: like ``record``, and :meth:`elapsed` measures
+        the device time between two marks once both completed."""
+
+    def elapsed(self, start: Event, end: Event) -> float | None:
+        """Seconds the copy stream spent between two completed marks (None if unknown)."""
+
     def compute_event(self) -> Event:
         """An event after the work issued so far on the compute stream (a launch's last use)."""
 
@@ -108,6 +124,14 @@ class CpuCopier:
 
     def record(self) -> Event:
         return DONE
+
+    def mark(self) -> Event:
+        return StampEvent()
+
+    def elapsed(self, start: Event, end: Event) -> float | None:
+        if isinstance(start, StampEvent) and isinstance(end, StampEvent):
+            return end.t - start.t
+        return None
 
     def compute_event(self) -> Event:
         return DONE
@@ -145,6 +169,17 @@ class CudaCopier:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+    def mark(self) -> Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def elapsed(self, start: Event, end: Event) -> float | None:
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            end.synchronize()  # recorded right after the validation reads the caller already waited for
+            return start.elapsed_time(end) / 1e3
+        return None
 
     def compute_event(self) -> Event:
         event = torch.cuda.Event()
