@@ -315,13 +315,15 @@ class Engine:
     def schedule(self) -> IterationPlan | None:
         budget = self.max_batch_tokens
         chosen: list[tuple[Sequence, int]] = []
-        # decodes first (one row each), then prefill chunks of running sequences
-        for seq in sorted(self.running, key=lambda s: s.pending != 1):
+        # decodes first (one row each), then prefill chunks of running sequences (a stable
+        # partition; a sequence's pending count does not change in this loop unless it is preempted)
+        pending = [(s, len(s.tokens) - s.num_computed) for s in self.running]
+        for seq, p in [x for x in pending if x[1] == 1] + [x for x in pending if x[1] != 1]:
             if budget <= 0:
                 break
             if not seq.is_running:  # preempted by an earlier reservation in this loop
                 continue
-            n = min(seq.pending, budget)
+            n = min(p, budget)
             if not self._reserve(seq, n):
                 break  # cache full even after preemption: the rest waits for the next iteration
             chosen.append((seq, n))
@@ -337,8 +339,9 @@ class Engine:
             budget = self._admit(chosen, budget)
         if not chosen:
             return None
-        prefill = [(s, n) for s, n in chosen if not (s.num_computed > 0 and s.pending == 1)]
-        decode = [(s, n) for s, n in chosen if s.num_computed > 0 and s.pending == 1]
+        prefill, decode = [], []
+        for s, n in chosen:
+            (decode if s.num_computed > 0 and len(s.tokens) - s.num_computed == 1 else prefill).append((s, n))
         ordered = prefill + decode  # phase-major packing (spec 0x03A)
         indptr = [0]
         for _, n in prefill:
@@ -466,6 +469,8 @@ class Engine:
         """Blocks for ``n`` more tokens of a running sequence, preempting the latest
         admitted other sequences (recompute) when the cache is full."""
         need = self._blocks_needed(seq, n)
+        if need == 0:  # most decode steps: the last block has room
+            return True
         while need > self.allocator.num_free:
             victims = [s for s in self.running if s is not seq]
             if not victims:
@@ -498,16 +503,23 @@ class Engine:
 
     def _forward(self, plan: IterationPlan) -> torch.Tensor:
         ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters = [], [], [], [0], [], [], [], []
-        bs = self.block_size
+        bs, end = self.block_size, 0
         for seq, n in zip(plan.seqs, plan.new_tokens):
-            p0 = seq.num_computed
-            ids += seq.tokens[p0 : p0 + n]
-            pos += range(p0, p0 + n)
-            slots_map += [seq.blocks[p // bs] * bs + p % bs for p in range(p0, p0 + n)]
-            starts.append(starts[-1] + n)
+            p0, blocks = seq.num_computed, seq.blocks
+            if n == 1:  # a decode row (the steady state: one append per list, no slicing)
+                ids.append(seq.tokens[p0])
+                pos.append(p0)
+                slots_map.append(blocks[p0 // bs] * bs + p0 % bs)
+                row_adapters.append(seq.req.adapter)
+            else:
+                ids += seq.tokens[p0 : p0 + n]
+                pos += range(p0, p0 + n)
+                slots_map += [blocks[p // bs] * bs + p % bs for p in range(p0, p0 + n)]
+                row_adapters += [seq.req.adapter] * n
+            end += n
+            starts.append(end)
             ctx.append(p0 + n)
-            tables.append(seq.blocks)  # read within this invocation only
-            row_adapters += [seq.req.adapter] * n
+            tables.append(blocks)  # read within this invocation only
         for b, s in enumerate(plan.sample):
             if s:
                 sample_rows.append(starts[b + 1] - 1)
