@@ -64,6 +64,17 @@ def main() -> None:
 
     eng.schedule, eng._forward, eng._advance = (timed("schedule", sched), timed("forward (launch)", fwd),
                                                  timed("advance (sync + sample)", adv))
+    # parts of the forward stage (each inside "forward (launch)"): the graph path's input copies,
+    # LoRA plan and replay; the replay call alone; the bank's per-invocation context
+    if eng.graphs is not None:
+        stages["  of which graphs.run"] = 0.0
+        stages["    of which graph.replay"] = 0.0
+        eng.graphs.run = timed("  of which graphs.run", eng.graphs.run)
+        replay = torch.cuda.CUDAGraph.replay
+        torch.cuda.CUDAGraph.replay = lambda self: timed("    of which graph.replay", replay)(self)
+    if bank is not None:
+        stages["  of which bank.context"] = 0.0
+        bank.context = timed("  of which bank.context", bank.context)
     t0 = time.perf_counter()
     for _ in range(args.iters):
         eng.step()
