@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench import PRESETS
-from .bench_residency import HF_NAMES, module_shapes, write_base, write_input
+from .bench_residency import HF_NAMES, fresh_output, module_shapes, save_adapter, write_base, write_input
 
 
 @dataclass
@@ -75,8 +75,6 @@ def write_collection(root: str, preset: str, n: int, rank: int, targets, shared_
     B = U0 S_i, A = T_i V0^T for a per-module pair (U0, V0) of rank ``shared_rank`` shared
     by the collection and random per-adapter mixes S_i, T_i, plus independent Gaussian
     noise of relative size ``noise``. Deterministic in ``seed``."""
-    from safetensors.torch import save_file
-
     p = PRESETS[preset]
     shapes = module_shapes(p)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -95,15 +93,7 @@ def write_collection(root: str, preset: str, n: int, rank: int, targets, shared_
             pre = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}.{m}"
             tensors[pre + ".lora_A.weight"] = (a / d_in ** 0.5).to(dtype).cpu()
             tensors[pre + ".lora_B.weight"] = (b * 0.01).to(dtype).cpu()
-        path = os.path.join(root, f"a{i:04d}")
-        os.makedirs(path, exist_ok=True)
-        save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-                  "target_modules": sorted(targets), "base_model_name_or_path": f"mlora-bench/{preset}",
-                  "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-                  "lora_dropout": 0.0, "inference_mode": True}
-        with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=1)
+        save_adapter(os.path.join(root, f"a{i:04d}"), tensors, preset, rank, targets)
         if progress and (i + 1) % 100 == 0:
             progress(f"{i + 1} adapters written")
 
@@ -192,11 +182,7 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     for name in ("bundle", "adapters", "base"):
         if name not in o.runs:
             continue
-        out = os.path.join(root, f"out-{name}")
-        if os.path.exists(out):
-            import shutil
-
-            shutil.rmtree(out)
+        out = fresh_output(root, name)
         if progress:
             progress(f"running {name}" + (f" ({slots} slots)" if name == "adapters" else ""))
         summary = run_job(JobOptions(

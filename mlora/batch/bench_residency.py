@@ -125,8 +125,6 @@ def write_base(path: str, preset: str, dtype: torch.dtype, seed: int, device: st
 
 def write_adapter(path: str, preset: str, rank: int, targets, seed: int, dtype: torch.dtype, device: str = "cpu") -> None:
     """One PEFT LoRA adapter (rank ``rank`` on ``targets`` of every layer, alpha = 2 * rank)."""
-    from safetensors.torch import save_file
-
     p = PRESETS[preset]
     shapes = module_shapes(p)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -137,6 +135,14 @@ def write_adapter(path: str, preset: str, rank: int, targets, seed: int, dtype: 
             pre = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}.{m}"
             tensors[pre + ".lora_A.weight"] = (torch.randn(rank, i, generator=gen, device=device) / i ** 0.5).to(dtype).cpu()
             tensors[pre + ".lora_B.weight"] = (torch.randn(o, rank, generator=gen, device=device) * 0.01).to(dtype).cpu()
+    save_adapter(path, tensors, preset, rank, targets)
+
+
+def save_adapter(path: str, tensors: dict, preset: str, rank: int, targets) -> None:
+    """A PEFT adapter directory: ``tensors`` in adapter_model.safetensors and the LoRA config
+    (alpha = 2 * rank, the benchmark base of ``preset``)."""
+    from safetensors.torch import save_file
+
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
@@ -207,6 +213,17 @@ def h2d_bandwidth(nbytes: int) -> float | None:
     return nbytes / sorted(times)[2]
 
 
+def fresh_output(root: str, name: str) -> str:
+    """``root/out-NAME``, an earlier run's output there removed (a benchmark's job always
+    writes a new output)."""
+    import shutil
+
+    out = os.path.join(root, f"out-{name}")
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    return out
+
+
 def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> dict:
     from .job import JobOptions, run_job
 
@@ -217,11 +234,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):
         if name not in o.runs:
             continue
-        out = os.path.join(root, f"out-{name}")
-        if os.path.exists(out):
-            import shutil
-
-            shutil.rmtree(out)
+        out = fresh_output(root, name)
         if progress:
             progress(f"running {name} ({slots} slots)")
         summary = run_job(JobOptions(
