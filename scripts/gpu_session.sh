@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
+#   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh step7      bf16-vs-fp32 logits of the 8B shape, then start-up (checkpoint to GPU, first token)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
@@ -29,6 +30,18 @@ case "${1:-quick}" in
     done
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
+    ;;
+  lookahead)  # batch-run --lookahead on the GPU: graph tests, the demo check, then the batch bench A/B part
+    timeout 150 python -m pytest -q tests/test_batch_lookahead.py tests/test_batch_graphs.py 2>&1 | tail -3
+    for dt in float32 bfloat16; do
+      rm -rf "/tmp/demo-la-$dt"
+      timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-la-$dt" --base examples/demo/base \
+        --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" --lookahead -q >/dev/null
+      echo "demo --lookahead $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-la-$dt" | tail -1)"
+    done
+    timeout 240 python -m mlora bench batch --rows 1024 --adapters 0,8 --lookahead --out "$OUT/batch-lookahead.json" 2>&1 \
+      | grep adapters
+    timeout 100 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --lookahead --iters 10 2>&1 | grep -v USDT | head -8
     ;;
   step7)
     timeout 200 python scripts/logits_check.py 2>&1 | tail -2

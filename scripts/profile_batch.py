@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode",
                     help="profile steady decode iterations, or the first (prefill-chunk) iterations")
     ap.add_argument("--graphs", action="store_true", help="decode steps from CUDA graphs (as batch-run on a GPU)")
+    ap.add_argument("--lookahead", action="store_true", help="batch-run's --lookahead")
     args = ap.parse_args()
     o = BatchBenchOptions(preset=args.preset, rows=args.rows, max_num_seqs=args.rows, prompt_max=args.prompt_max,
                           prompt_min=min(128, args.prompt_max))
@@ -39,7 +40,7 @@ def main() -> None:
     bank, pinned = random_bank(model, args.adapters, o.rank, 0) if args.adapters else (None, {})
     eng = engine_mod.Engine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
                             max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
-                            dtype=dtype, cuda_graphs=args.graphs)
+                            dtype=dtype, cuda_graphs=args.graphs, lookahead=args.lookahead)
     for r in _requests(o, config, args.adapters, args.rows, 100, 0):
         eng.add(r)
     if args.phase == "decode":

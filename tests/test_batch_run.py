@@ -169,14 +169,17 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
         assert rows[rid]["completion_token_ids"] == want
 
 
-def test_demo_workspace_outputs(tmp_path):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_demo_workspace_outputs(tmp_path, lookahead):
     from mlora.batch.job import JobOptions, run_job
 
     with open(os.path.join(DEMO, "expected.json")) as f:
         expected = json.load(f)
-    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
-                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
-                       max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32"))
+    summary = run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+                                 base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
+                                 max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32",
+                                 lookahead=lookahead))
+    assert summary.engine.get("lookahead_iterations", 0) > 0 if lookahead else "lookahead_iterations" not in summary.engine
     rows = _rows(tmp_path / "out")
     for i, _ in enumerate(expected["prompts"]):
         for a, outs in expected["outputs"].items():
@@ -225,7 +228,7 @@ def test_empty_input_and_missing_column(env, tmp_path, run_cli):
 
 def test_sampled_rows_do_not_depend_on_batch_options(env, tmp_path):
     kw = dict(temperature=0.9, top_p=0.9, top_k=20, seed=3)
-    _run(env, tmp_path / "a", max_num_seqs=64, max_batch_tokens=2048, **kw)
+    _run(env, tmp_path / "a", max_num_seqs=64, max_batch_tokens=2048, lookahead=True, **kw)
     _run(env, tmp_path / "b", max_num_seqs=2, max_batch_tokens=5, **kw)
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert {k: r["completion_token_ids"] for k, r in a.items()} == {k: r["completion_token_ids"] for k, r in b.items()}

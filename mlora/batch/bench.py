@@ -78,6 +78,7 @@ class BatchBenchOptions:
     dtype: str = "bfloat16"
     seed: int = 0
     cuda_graphs: bool = True  # decode steps from CUDA graphs (on a GPU), as batch-run does
+    lookahead: bool = False  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:
@@ -178,9 +179,9 @@ class _RecordingEngine(Engine):
 
     last_plan = None
 
-    def schedule(self):
-        self.last_plan = super().schedule()
-        return self.last_plan
+    def _forward(self, plan, ahead=None):  # every iteration's plan, scheduled or looked ahead
+        self.last_plan = plan
+        return super()._forward(plan, ahead)
 
 
 def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: int, kv_tokens: int, sampled: int,
@@ -256,7 +257,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     def engine():
         return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
                                 max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
-                                dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda")
+                                dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda", lookahead=o.lookahead)
 
     # compile the kernels outside the timed job: enough rows for full prefill chunks and
     # most of the integer specialisations Triton compiles lazily (the first scenario of

@@ -104,6 +104,25 @@ class IterationPlan:
         return sum(self.new_tokens)
 
 
+@dataclass
+class Lookahead:
+    """The inputs of the next iteration, built while the device still runs the current
+    one, on the guess that it will be "the same decode rows, one more token each"
+    (``Engine(lookahead=True)``). ``p0``: each row's position in that iteration (its
+    ``num_computed`` then); token ids are read from the rows once they are sampled.
+    ``staged``: the decode graphs' input buffers already hold positions, cache slots,
+    context lengths and block tables (copies queued behind the current iteration)."""
+
+    seqs: list[Sequence]
+    p0: list[int]
+    positions: list[int]
+    slots_map: list[int]
+    ctx: list[int]
+    tables: list[list[int]]
+    row_adapters: list[str | None]
+    staged: bool = False
+
+
 class Engine:
     def __init__(
         self,
@@ -126,6 +145,7 @@ class Engine:
         prefetch_depth: int = 16,
         prefetch_gpu: int = 4,
         async_loads: bool | None = None,
+        lookahead: bool = False,
     ):
         cfg = model.config
         if stop_strings and detokenize is None:
@@ -159,6 +179,12 @@ class Engine:
             async_loads = self.device.type == "cuda"
         self.async_loads = async_loads and bool(self.prefetch_gpu) and hasattr(bank, "start_load")
         self._prefetch_seen = (0, 0)
+        # build the next decode iteration's inputs while the device runs this one, and use them
+        # when the next schedule would be exactly that iteration (``Lookahead``); the device
+        # then does not wait for the host's input building between decode iterations
+        self.lookahead = lookahead
+        self._next: Lookahead | None = None
+        self.lookahead_used = 0
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
         self.waiting: deque[Sequence] = deque()
@@ -217,7 +243,11 @@ class Engine:
         if self.async_loads:
             self.bank.end_invocation()
             self._commit_loads()  # loads started during the last iteration: published now
-        plan = self.schedule()
+        ahead, self._next = self._next, None
+        plan = self._take(ahead) if ahead is not None else None
+        if plan is None:
+            ahead = None
+            plan = self.schedule()
         if plan is None and self.async_loads and self.bank.loads_in_flight():
             self._commit_loads()  # every waiting row waits for a load: wait for them here
             plan = self.schedule()
@@ -225,7 +255,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         try:
-            logits = self._forward(plan)
+            logits = self._forward(plan, ahead)
         except AdapterError as exc:  # e.g. its bytes changed since the job started: never served
             if self.metrics:
                 self.metrics.adapter_load(0, time.perf_counter() - t0, ok=False, tier_from="disk")
@@ -501,7 +531,14 @@ class Engine:
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
-    def _forward(self, plan: IterationPlan) -> torch.Tensor:
+    def _forward(self, plan: IterationPlan, ahead: Lookahead | None = None) -> torch.Tensor:
+        if ahead is not None:  # inputs built during the previous iteration (_look_ahead); ids known now
+            ids = [s.tokens[p] for s, p in zip(ahead.seqs, ahead.p0)]
+            pos, slots_map, ctx, tables, row_adapters = (ahead.positions, ahead.slots_map, ahead.ctx, ahead.tables,
+                                                         ahead.row_adapters)
+            starts, sample_rows = list(range(len(ids) + 1)), list(range(len(ids)))
+            return self._launch(plan, ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters,
+                                staged=ahead.staged)
         ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters = [], [], [], [0], [], [], [], []
         bs, end = self.block_size, 0
         for seq, n in zip(plan.seqs, plan.new_tokens):
@@ -523,6 +560,12 @@ class Engine:
         for b, s in enumerate(plan.sample):
             if s:
                 sample_rows.append(starts[b + 1] - 1)
+        return self._launch(plan, ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters)
+
+    def _launch(self, plan: IterationPlan, ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters,
+                staged: bool = False) -> torch.Tensor:
+        """Resolve the invocation's adapters to slots (loads, leases) and run the model on the
+        packed inputs (a decode graph when the iteration is decode-only and fits one)."""
         dev = self.device
         slot_list = None
         distinct = sorted({a for a in row_adapters if a is not None})
@@ -540,7 +583,7 @@ class Engine:
         # decode-only (one row per sequence, every row sampled): replay a captured graph
         if self.graphs is not None and plan.doff == 0 and len(sample_rows) == len(ids) \
                 and self.graphs.fits(len(ids), max(len(t) for t in tables)):
-            return self.graphs.run(ids, pos, slots_map, tables, ctx, slot_list)
+            return self.graphs.run(ids, pos, slots_map, tables, ctx, slot_list, staged=staged)
         lora = self.bank.context(torch.tensor(slot_list, dtype=torch.int32)) if slot_list is not None else None
         meta = AttentionMetadata(
             query_starts=starts, context_lens=ctx, block_tables=tables,
@@ -594,7 +637,52 @@ class Engine:
                 self.metrics.adapter_load(stored_adapter_bytes(self.pinned[a]), seconds, True, "host")
             self._count_evictions(evictions)
 
+    def _look_ahead(self, plan: IterationPlan) -> Lookahead | None:
+        """The next iteration's inputs if it is "every row of this decode-only iteration, one
+        more token each" (None when this iteration is not decode-only, other rows run or
+        could be admitted, or a row would need a block the cache does not have free). Rows
+        that will need a new KV block get it now: the schedule would give it to them anyway,
+        and a row that finishes instead frees it with its others."""
+        n = len(plan.seqs)
+        if plan.doff != 0 or n != len(self.running) or n > self.max_batch_tokens or not all(plan.sample) \
+                or (self.waiting and n < self.max_num_seqs):
+            return None
+        bs = self.block_size
+        p0 = [s.num_computed + 1 for s in plan.seqs]
+        if sum(p // bs >= len(s.blocks) for s, p in zip(plan.seqs, p0)) > self.allocator.num_free:
+            return None
+        positions, slots_map, ctx, tables, row_adapters = [], [], [], [], []
+        for seq, p in zip(plan.seqs, p0):
+            if p // bs >= len(seq.blocks):
+                seq.blocks += self.allocator.allocate(1)
+            positions.append(p)
+            slots_map.append(seq.blocks[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables.append(seq.blocks)
+            row_adapters.append(seq.req.adapter)
+        ahead = Lookahead(list(plan.seqs), p0, positions, slots_map, ctx, tables, row_adapters)
+        if self.graphs is not None and self.graphs.fits(n, max(len(t) for t in tables)):
+            # queued on the compute stream behind this iteration: the graph reads them next time
+            self.graphs.stage(positions, slots_map, tables, ctx)
+            ahead.staged = True
+        return ahead
+
+    def _take(self, ahead: Lookahead) -> IterationPlan | None:
+        """The plan ``schedule`` would return now, if it is the looked-ahead iteration: the same
+        rows, all running, each with exactly one new token at the expected position, no other
+        row running and none that could be admitted. Else None (the caller schedules)."""
+        n = len(ahead.seqs)
+        if n != len(self.running) or (self.waiting and n < self.max_num_seqs):
+            return None
+        for seq, p in zip(ahead.seqs, ahead.p0):
+            if not seq.is_running or seq.num_computed != p or len(seq.tokens) != p + 1:
+                return None
+        self.lookahead_used += 1
+        return IterationPlan(seqs=list(ahead.seqs), new_tokens=[1] * n, sample=[True] * n, prefill_indptr=[0], doff=0)
+
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
+        if self.lookahead:  # before sampling waits for the device: this host work overlaps its forward
+            self._next = self._look_ahead(plan)
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
         toks = sample(logits, self.sampling, [s.key for s in sampled], [s.num_generated for s in sampled])
         for seq, n in zip(plan.seqs, plan.new_tokens):

@@ -77,6 +77,10 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
+        # pinned host buffers of stage(), two sets used in turn: a set is refilled only after
+        # the copies out of it (two stages ago) completed, so no copy reads a half-written set
+        self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 1 <= num_seqs <= self.max_seqs and max_blocks <= self.width
@@ -115,22 +119,56 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[b] = (graph, logits)
 
+    def stage(self, positions: list[int], slots: list[int], tables: list[list[int]], context_lens: list[int]) -> None:
+        """Queue the copies of a coming decode iteration's positions, cache slots, block tables
+        and context lengths into the static buffers, behind the work already on the stream (the
+        iteration that still reads them), from pinned memory: the host does not wait. The
+        next :meth:`run` with ``staged=True`` copies only the token ids and the LoRA rows."""
+        n, nb = len(positions), max(len(t) for t in tables)
+        if not self._staging:
+            pin = dict(pin_memory=True)
+            self._staging = [(torch.zeros(2, self.max_seqs, dtype=torch.int64, **pin),
+                              torch.zeros(self.max_seqs, dtype=torch.int32, **pin),
+                              torch.zeros(self.max_seqs, self.width, dtype=torch.int32, **pin), None)
+                             for _ in range(2)]
+        i64, ctx, tab, done = self._staging[self._turn]
+        if done is not None:
+            done.synchronize()  # its copies were queued two stages ago: long finished
+        i64[0, :n] = torch.tensor(positions, dtype=torch.int64)
+        i64[1, :n] = torch.tensor(slots, dtype=torch.int64)
+        ctx[:n] = torch.tensor(context_lens, dtype=torch.int32)
+        tab[:n, :nb] = torch.from_numpy(pad_tables(tables, nb))
+        self.positions[:n].copy_(i64[0, :n], non_blocking=True)
+        self.slot_mapping[:n].copy_(i64[1, :n], non_blocking=True)
+        self.context_lens[:n].copy_(ctx[:n], non_blocking=True)
+        self.block_tables[:n, :nb].copy_(tab[:n, :nb], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staging[self._turn] = (i64, ctx, tab, event)
+        self._turn ^= 1
+
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int], row_slots: list[int] | None) -> torch.Tensor:
-        """Logits [len(ids), vocab] (float32) of one decode iteration; valid until the next call."""
+            context_lens: list[int], row_slots: list[int] | None, staged: bool = False) -> torch.Tensor:
+        """Logits [len(ids), vocab] (float32) of one decode iteration; valid until the next call.
+        ``staged``: :meth:`stage` already queued this iteration's positions, slots, tables and
+        context lengths (the same lists)."""
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
-            self._pad(0, b)
+            self._pad(0, b)  # overwrites whatever was staged: copy everything below
             self._capture(b)
+            staged = False
         self._pad(n, b)
-        nb = max(len(t) for t in tables)
-        host = torch.tensor([ids, positions, slots], dtype=torch.int64)
-        self.ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:n].copy_(host[2], non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
+        if staged:
+            self.ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        else:
+            nb = max(len(t) for t in tables)
+            host = torch.tensor([ids, positions, slots], dtype=torch.int64)
+            self.ids[:n].copy_(host[0], non_blocking=True)
+            self.positions[:n].copy_(host[1], non_blocking=True)
+            self.slot_mapping[:n].copy_(host[2], non_blocking=True)
+            self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
+            self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
             static = self.members if self.members is not None else self.launch[b]

@@ -81,6 +81,9 @@ class JobOptions:
     shard_rows: int = 10000
     schedule_window: int = 2048
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
+    # build the next decode iteration's inputs while the device runs this one (Engine lookahead;
+    # same outputs by construction). Off by default until measured on a GPU
+    lookahead: bool = False
     prefetch_adapters: int = 16  # cold adapters of the waiting rows whose host images are built ahead
     prefetch_gpu_adapters: int = 4  # of those, loaded into free or unneeded GPU slots per iteration, ahead of use
     # host images built in this many worker processes instead of on the prefetch threads

@@ -90,6 +90,7 @@ class EngineSession:
             device=device, dtype=dtype, cuda_graphs=opts.cuda_graphs and device.type == "cuda",
             prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
+            lookahead=opts.lookahead,
         )
 
     @property
@@ -112,6 +113,8 @@ class EngineSession:
     def stats(self) -> tuple[dict, dict]:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
+        if self.engine.lookahead:  # iterations that ran on inputs built during the one before
+            engine["lookahead_iterations"] = self.engine.lookahead_used
         bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in ("load_seconds", "load_device_seconds")} \
             if self.bank else {}
         device_s = sorted(getattr(self.bank.stats, "load_device_seconds", ()) if self.bank else ())

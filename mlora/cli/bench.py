@@ -136,6 +136,8 @@ def bench_batch(
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
     seed: int = typer.Option(0, "--seed"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs."),
+    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead",
+                                   help="batch-run's --lookahead: build each decode iteration's inputs during the one before."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -151,7 +153,7 @@ def bench_batch(
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
-                             cuda_graphs=cuda_graphs)
+                             cuda_graphs=cuda_graphs, lookahead=lookahead)
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]

@@ -1,0 +1,100 @@
+"""Engine(lookahead=True): the next decode iteration's inputs built while the device runs the
+current one, used only when the schedule would be exactly that iteration.
+
+Every test compares against the same engine without lookahead: same tokens, same
+iteration counts, and each taken lookahead plan equal to the plan ``schedule``
+returns at that moment."""
+
+import random
+
+import pytest
+import torch
+
+from mlora.batch.bench import preset_config, random_bank, random_model
+from mlora.batch.engine import Engine, Request
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+class CheckedEngine(Engine):
+    """Checks every taken lookahead against ``schedule`` (side-effect free there: no row can
+    be admitted and every row already holds its next block)."""
+
+    checked = 0
+
+    def _take(self, ahead):
+        plan = super()._take(ahead)
+        if plan is not None:
+            blocks = self.allocator.num_free
+            want = self.schedule()
+            assert self.allocator.num_free == blocks  # the lookahead already gave out the blocks
+            assert [id(s) for s in want.seqs] == [id(s) for s in plan.seqs]
+            assert (want.new_tokens, want.sample, want.prefill_indptr, want.doff) == \
+                (plan.new_tokens, plan.sample, plan.prefill_indptr, plan.doff)
+            CheckedEngine.checked += 1
+        return plan
+
+
+def _requests(n, adapters, vocab, seed, eos_every=0):
+    rng = random.Random(seed)
+    return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(2, 30))],
+                    adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, 14)) for i in range(n)]
+
+
+def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine):
+    eng = cls(model, bank, pinned, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+              max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=graphs, lookahead=lookahead)
+    for r in reqs:
+        assert eng.add(r) is None
+    out = {r.row: (r.token_ids, r.finish_reason) for r in eng.drain()}
+    return out, eng
+
+
+@pytest.mark.parametrize("max_num_seqs,num_blocks", [(6, 256), (16, 256), (8, 14)])
+def test_lookahead_gives_the_same_tokens_and_iterations(max_num_seqs, num_blocks):
+    """Mixed adapters and base rows, rows of different lengths finishing at different
+    iterations, waiting rows admitted as seats free up; (8, 14): a KV cache so small that
+    decode growth preempts and the lookahead must decline for want of blocks."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    bank, pinned = random_bank(model, 3, 4, seed=3)
+    reqs = _requests(40, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
+    plain, ref = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+    CheckedEngine.checked = 0
+    ahead, eng = _run(model, bank, pinned, reqs, lookahead=True, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                      cls=CheckedEngine)
+    assert ahead == plain and len(plain) == 40
+    assert eng.stats == ref.stats  # iterations, prefill/decode tokens, preemptions
+    assert eng.lookahead_used == CheckedEngine.checked > 0
+    assert eng.lookahead_used < eng.stats["iterations"]  # declined where rows finished or were admitted
+    assert eng.allocator.num_free == num_blocks  # every block back, looked-ahead ones included
+    if num_blocks == 14:
+        assert ref.stats["preemptions"] > 0
+
+
+def test_a_row_that_finishes_frees_its_looked_ahead_block():
+    """The lookahead gives a row crossing a block boundary its next block; the row then
+    finishes (max_new_tokens) and its blocks, that one included, go back."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
+    eng = Engine(model, None, {}, num_blocks=8, block_size=4, max_num_seqs=2, max_batch_tokens=64, lookahead=True)
+    eng.add(Request(row=0, id="0", prompt_ids=[5, 6, 7], adapter=None, max_new_tokens=2))
+    eng.step()  # prefill: 3 rows, token 1 sampled (4 tokens: one full block)
+    assert eng._next is None  # not a decode-only iteration
+    eng.step()  # decode position 3: looks ahead to position 4 (a new block), then the row finishes
+    ahead = eng._next
+    assert ahead.positions == [4] and len(ahead.tables[0]) == 2  # it did take a second block
+    assert not eng.running and not ahead.seqs[0].is_running and eng.allocator.num_free == 8
+    assert eng.step() == [] and eng.lookahead_used == 0  # nothing left: the stale lookahead is dropped
+
+
+@cuda
+def test_lookahead_with_decode_graphs_gives_the_eager_tokens():
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), torch.float32, seed=3)
+    bank, pinned = random_bank(model, 3, 4, seed=3)
+    reqs = _requests(23, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
+    eager, _ = _run(model, bank, pinned, reqs, lookahead=False, max_num_seqs=16)
+    graphed, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
+    assert eng.graphs.replays > 0 and eng.lookahead_used > 0
+    assert graphed == eager
