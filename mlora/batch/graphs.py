@@ -129,7 +129,7 @@ class DecodeGraphs:
             pin = dict(pin_memory=True)
             self._staging = [(torch.zeros(2, self.max_seqs, dtype=torch.int64, **pin),
                               torch.zeros(self.max_seqs, dtype=torch.int32, **pin),
-                              torch.zeros(self.max_seqs, self.width, dtype=torch.int32, **pin), None)
+                              torch.zeros(self.max_seqs * self.width, dtype=torch.int32, **pin), None)
                              for _ in range(2)]
         i64, ctx, tab, done = self._staging[self._turn]
         if done is not None:
@@ -137,11 +137,12 @@ class DecodeGraphs:
         i64[0, :n] = torch.tensor(positions, dtype=torch.int64)
         i64[1, :n] = torch.tensor(slots, dtype=torch.int64)
         ctx[:n] = torch.tensor(context_lens, dtype=torch.int32)
-        tab[:n, :nb] = torch.from_numpy(pad_tables(tables, nb))
+        table = tab[:n * nb].view(n, nb)  # contiguous: a strided pinned source would be staged through pageable memory
+        table.copy_(torch.from_numpy(pad_tables(tables, nb)))
         self.positions[:n].copy_(i64[0, :n], non_blocking=True)
         self.slot_mapping[:n].copy_(i64[1, :n], non_blocking=True)
         self.context_lens[:n].copy_(ctx[:n], non_blocking=True)
-        self.block_tables[:n, :nb].copy_(tab[:n, :nb], non_blocking=True)
+        self.block_tables[:n, :nb].copy_(table, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._staging[self._turn] = (i64, ctx, tab, event)
