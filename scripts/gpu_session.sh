@@ -54,10 +54,12 @@ case "${1:-quick}" in
     done
     ;;
   residency2k)  # the 2,000-row job of the fourth and fifth sessions' runs (BENCHMARKS.md, residency)
+    rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 \
       --runs limited,all-resident --out "$OUT/residency-2k.json" 2>&1 | tail -12
     ;;
   residency-blocking)  # the same limited run with loads blocking (attribution of the asynchronous loads)
+    rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 --runs limited \
       --prefetch-gpu-adapters 0 --out "$OUT/residency-2k-blocking.json" 2>&1 | tail -8
     ;;
@@ -66,14 +68,17 @@ case "${1:-quick}" in
     timeout 240 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     ;;
   residency)
+    rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --out "$OUT/residency-limited.json" 2>&1 | tail -12
     ;;
   resident)
+    rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --runs all-resident \
       --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
     ;;
   bundle-data)  # step 5 serving benchmark, part 1: Mistral-7B base, 1,024 adapters, the bundle (compression timed)
+    rm -rf /tmp/rb /tmp/cb7  # 35 GB of workspace: the residency one (30 GB) would not fit beside it on a 64 GB disk
     timeout 570 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -4
     ;;
   bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the three runs
