@@ -79,7 +79,7 @@ case "${1:-quick}" in
     ;;
   bundle-data)  # step 5 serving benchmark, part 1: Mistral-7B base, 1,024 adapters, the bundle (compression timed)
     rm -rf /tmp/rb /tmp/cb7  # 35 GB of workspace: the residency one (30 GB) would not fit beside it on a 64 GB disk
-    timeout 570 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -4
+    timeout 570 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -8
     ;;
   bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the three runs
     timeout 570 python -m mlora bench bundle /tmp/bb --out "$OUT/bundle-h200.json" 2>&1 | tail -16

@@ -138,8 +138,17 @@ def _compressed(root: str, o: BundleBenchOptions, progress=None) -> dict:
         progress(f"compressing {o.adapters} adapters: {o.method} R={o.bundle_rank}, {o.clusters} clusters on {dev}")
     t0 = time.perf_counter()
     col = load_collection([os.path.join(root, "adapters")])
+    if progress:
+        progress(f"collection validated in {time.perf_counter() - t0:.1f} s: {len(col.modules)} modules to fit")
+    fitted = [0]
+
+    def each(fit) -> None:  # a time limit that stops the fit still leaves its pace on the log
+        fitted[0] += 1
+        if progress and (fitted[0] % 8 == 0 or fitted[0] == len(col.modules)):
+            progress(f"{fitted[0]}/{len(col.modules)} modules fitted, {time.perf_counter() - t0:.1f} s")
+
     result = compress(col, CompressOptions(method=o.method, rank=o.bundle_rank, clusters=o.clusters,
-                                           max_error=o.max_error, seed=o.seed, device=dev))
+                                           max_error=o.max_error, seed=o.seed, device=dev), each)
     bad = result.offenders()
     if bad:
         raise RuntimeError(f"{len(bad)} member/module errors exceed {o.max_error} (worst "

@@ -315,6 +315,8 @@ def bench_bundle(
               f"R={bundle_rank}, {clusters} clusters: compressed in {c['seconds']:.1f} s on {c['device']}, worst "
               f"error {c['worst_error']:.3f}, {results['bundle_device_bytes'] / 2**30:.2f} GiB on the device = "
               f"{results['slots']} uncompressed slots")
+    if not results["runs"]:
+        return
     table = Table(title_justify="left")
     for col in ("run", "tok/s (generation)", "wall s", "iterations", "loads", "load amplification", "error rows"):
         table.add_column(col, justify="right")
