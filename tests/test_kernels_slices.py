@@ -249,3 +249,28 @@ def test_mixed_rank_classes_in_one_launch():
     assert torch.equal(y[rs == 3, 32:], y0[rs == 3, 32:])  # rank 0 in slice 1
     err = (y.cpu().double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[torch.float32], float(err)
+
+
+def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
+    """Every decode bucket of a 256-row engine, for each module shape of an 8B model and 8 or
+    64 slots, reaches the kernels with at most two sets of compile-time constants (split-K
+    or not): split and column groups vary with the batch size but are runtime arguments.
+    (As constants they compiled 14-24 kernels per job on the H200, inside the timed job.)"""
+    from mlora.batch.graphs import BLOCK_M, buckets_for
+    from mlora.kernels import tile_capacity
+    from mlora.kernels import triton_sgmv as ts
+
+    monkeypatch.setattr(ts, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ts, "_INTERPRET", False)
+    shapes = {"qkv": (3, 4096, (4096, 1024, 1024)), "o": (1, 4096, (4096,)), "gate_up": (2, 4096, (14336, 14336)),
+              "down": (1, 14336, (4096,))}
+    for slots in (8, 64):
+        for name, (n, d_in, widths) in shapes.items():
+            seen, splits = set(), set()
+            for b in buckets_for(256):
+                cfg = ts.launch_config(tile_capacity(b, slots, BLOCK_M), n, 16, d_in, widths, torch.device("cuda"),
+                                       True, BLOCK_M)
+                seen.add(tuple(cfg[k] for k in ts.COMPILE_KEYS) + (cfg["split"] > 1,))
+                splits.add(cfg["split"])
+            assert len(seen) <= 2, (slots, name, seen)
+            assert len(splits) >= 2  # the runtime split really varies: the constants above are what stays fixed

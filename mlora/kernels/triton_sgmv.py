@@ -17,7 +17,7 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
     into B).
   * Indexed rows: x and y stay in scheduler order; the LaunchPlan's
     ``sorted_rows`` is the row-address vector.
-  * Split-K shrink: ``SPLIT`` programs each reduce one contiguous chunk of
+  * Split-K shrink: ``split`` programs each reduce one contiguous chunk of
     d_in into their own fp32 partial ``zp[k]``; the last of them to arrive
     (an acquire-release arrival counter per tile and rank tile, reset by that
     program) sums the partials in the fixed order 0, 1, ... into ``zp[0]``,
@@ -39,11 +39,13 @@ exits at once, and every load of z, A or B past the true rank is masked (never
 issued), so padded tails cost no bytes and may hold NaN.
 
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
-shrink ``(tile_capacity, n * rank tiles, SPLIT)``, expand ``(tile_capacity,
+shrink ``(tile_capacity, n * rank tiles, split)``, expand ``(tile_capacity,
 column groups of all slices)`` where each expand program keeps its tile's z in
-registers and streams ``GROUP_TILES`` column tiles; programs past
+registers and streams ``group_tiles`` column tiles; programs past
 ``num_tiles`` exit. Together with no host synchronisation this makes a call
-capturable in a CUDA graph. Launch defaults come from ``scripts/kernel_sweep.py``
+capturable in a CUDA graph. ``split`` and ``group_tiles`` are runtime arguments
+(unspecialised): they change with the batch size, and as compile-time constants
+every new batch size compiled new kernels inside a job. Launch defaults come from ``scripts/kernel_sweep.py``
 on the H200 (BENCHMARKS.md); see docs/kernels.md.
 """
 
@@ -85,13 +87,13 @@ def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tile
     return valid, slot, u.to(tl.int64), m_ok, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
-    d_in, R, S, k_per_split,
+    d_in, R, S, k_per_split, split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
+    RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
@@ -111,30 +113,33 @@ def _shrink_kernel(
         if rank <= RANK_CLASS:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT)
+                         split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K)
         else:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT)
+                         split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K)
     else:
         _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT)
+                     split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K)
 
 
 @triton.jit
 def _shrink_rows(
     x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
-    stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
+    stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu, split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank.
 
-    With ``SPLIT > 1`` the last of the tile's split programs to arrive (an
-    acquire-release counter) sums the ``SPLIT`` partials in the fixed order
-    0, 1, ... into partial 0 and resets the counter: the result does not depend
-    on which program arrives last, and the expand reads one z, not ``SPLIT``."""
+    With ``SPLIT_K`` (``split > 1``) the last of the tile's ``split`` programs to
+    arrive (an acquire-release counter) sums the ``split`` partials in the fixed
+    order 0, 1, ... into partial 0 and resets the counter: the result does not
+    depend on which program arrives last, and the expand reads one z, not
+    ``split``. ``split`` is a runtime argument, not a compile-time constant: each
+    batch size gets its own split, and a constant would compile a kernel per
+    value (seconds of Triton compiles inside a job, BENCHMARKS.md)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -153,27 +158,28 @@ def _shrink_rows(
     zmask = m_ok[:, None] & r_ok[None, :]
     z0 = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
     tl.store(z0 + tl.program_id(2) * stride_zk, acc, mask=zmask)
-    if SPLIT > 1:
+    if SPLIT_K:
         tl.debug_barrier()  # every thread's partial is written before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == split - 1:
             z = tl.load(z0, mask=zmask, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
-            for k in tl.static_range(1, SPLIT):
+            for k in range(1, split):
                 z += tl.load(z0 + k * stride_zk, mask=zmask, other=0.0, cache_modifier=".cg")
             tl.store(z0, z, mask=zmask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr,
-    R, S, G1, G2, G3, O1, O2, O3, O4,
+    R, S, G1, G2, G3, O1, O2, O3, O4, group_tiles,
     stride_zu, stride_bs, stride_bn, stride_yt,
-    N_SLICES: tl.constexpr, GROUP_TILES: tl.constexpr,
+    N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One row tile x one group of GROUP_TILES column tiles of one slice: the
+    """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
+    argument, like the shrink's ``split``: one compiled kernel for every batch size): the
     tile's z (split partials summed once, in fixed order) stays in registers
     while the group's columns stream B and y.
 
@@ -206,29 +212,29 @@ def _expand_kernel(
     if rank == 0:
         return
     scale = tl.load(scales_ptr + j * S + slot)
-    n_first = n_lo + (pid_g - g_lo) * (GROUP_TILES * BLOCK_N)
+    n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
         if rank <= RANK_CLASS:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt,
-                            GROUP_TILES, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL)
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL)
         else:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt,
-                            GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
+                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
     else:
         _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
                         stride_zu, stride_bs, stride_bn, stride_yt,
-                        GROUP_TILES, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
+                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
 
 
 @triton.jit
 def _expand_columns(
     zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
-    stride_zu, stride_bs, stride_bn, stride_yt,
-    GROUP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_zu, stride_bs, stride_bn, stride_yt, group_tiles,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """The expand of one tile over its column group, z and B BLOCK_R wide (>= rank).
@@ -243,7 +249,7 @@ def _expand_columns(
     offs_n = n_first + tl.arange(0, BLOCK_N)
     mask = m_ok[:, None] & (offs_n < n_hi)[None, :]
     yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
-    n_stop = tl.minimum(n_hi, n_first + GROUP_TILES * BLOCK_N)  # end of this program's columns
+    n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)  # end of this program's columns
     if BLOCK_R <= 32:
         # y streams through once (evict_first); B stays cached for the slot's other tiles
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -258,7 +264,7 @@ def _expand_columns(
     else:
         zd = z
     if BLOCK_R <= 32:
-        for g in range(0, GROUP_TILES):
+        for g in range(0, group_tiles):
             offs_n2 = offs_n + BLOCK_N
             n_ok2 = offs_n2 < n_stop
             mask2 = m_ok[:, None] & n_ok2[None, :]
@@ -273,7 +279,7 @@ def _expand_columns(
             tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
             offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
     else:
-        for g in range(0, GROUP_TILES):
+        for g in range(0, group_tiles):
             offs = offs_n + g * BLOCK_N
             n_ok = offs < n_stop
             mk = m_ok[:, None] & n_ok[None, :]
@@ -343,6 +349,13 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
 
 MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arguments)
 
+# launch_config entries that reach the kernels as compile-time constants (with
+# ``split > 1``): a new combination compiles new kernels. ``split``,
+# ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
+# differ only in those share one compiled kernel.
+COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
+                "shrink_stages", "expand_warps", "expand_stages", "pdl")
+
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None):
     """Shrink then expand over ``lp``; y updated in place and returned. No host
@@ -381,10 +394,10 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
-        d_in, R, S, cfg["k_per_split"],
+        d_in, R, S, cfg["k_per_split"], cfg["split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT=cfg["split"],
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
         num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
@@ -399,9 +412,9 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     _expand_kernel[(lp.tile_capacity, groups[-1])](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales,
-        R, S, *g_args, *o_args,
+        R, S, *g_args, *o_args, gt,
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        N_SLICES=n, GROUP_TILES=gt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
+        N_SLICES=n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
