@@ -256,9 +256,15 @@ def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
     64 slots, reaches the kernels with at most two sets of compile-time constants (split-K
     or not): split and column groups vary with the batch size but are runtime arguments.
     (As constants they compiled 14-24 kernels per job on the H200, inside the timed job.)"""
+    import inspect
+
     from mlora.batch.graphs import BLOCK_M, buckets_for
     from mlora.kernels import tile_capacity
     from mlora.kernels import triton_sgmv as ts
+
+    for kernel, name in ((ts._shrink_kernel, "split"), (ts._expand_kernel, "group_tiles")):
+        param = inspect.signature(getattr(kernel, "fn", kernel)).parameters[name]
+        assert param.annotation is inspect.Parameter.empty, name  # a runtime argument, not tl.constexpr
 
     monkeypatch.setattr(ts, "_num_sms", lambda device: 132)
     monkeypatch.setattr(ts, "_INTERPRET", False)
