@@ -266,9 +266,10 @@ class Engine:
             self.bank.want({s.req.adapter for s in self.waiting if s.req.adapter is not None}, self.pinned)
         if self.prefetch_depth:
             self._prefetch()
+        record = self._iteration_record(plan) if self.metrics else None  # before _advance waits for the device
         done = self._advance(plan, logits)
-        if self.metrics:
-            self._record_iteration(plan, time.perf_counter() - t0)
+        if record is not None:
+            self.metrics.iteration(*record, time.perf_counter() - t0)
         return done
 
     def _prefetch(self) -> None:
@@ -302,9 +303,10 @@ class Engine:
             self.metrics.prefetch(pf.issued - issued, pf.used - used)
             self._prefetch_seen = (pf.issued, pf.used)
 
-    def _record_iteration(self, plan: IterationPlan, seconds: float) -> None:
-        """Iteration metrics; rank rows use each adapter's largest module rank
-        (true) against the bank's physical rank (padded)."""
+    def _iteration_record(self, plan: IterationPlan) -> tuple[int, int, int, int, int]:
+        """The iteration metrics' figures but its time: (prefill rows, decode rows, distinct
+        adapters, true rank rows, padded rank rows); rank rows use each adapter's largest
+        module rank (true) against the bank's physical rank (padded)."""
         true = padded = 0
         distinct = set()
         for seq, n in zip(plan.seqs, plan.new_tokens):
@@ -314,7 +316,7 @@ class Engine:
             distinct.add(a)
             true += n * self.pinned[a].max_rank
             padded += n * getattr(self.bank, "max_rank", 0)
-        self.metrics.iteration(plan.doff, plan.num_rows - plan.doff, len(distinct), true, padded, seconds)
+        return plan.doff, plan.num_rows - plan.doff, len(distinct), true, padded
 
     def _fail_adapter(self, adapter_id: str | None, code: str, message: str) -> list[Result]:
         """Retire an adapter that can no longer be served: every queued row that
