@@ -305,6 +305,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
             return None
         return dict(iterations=len(items), median_rows=statistics.median(d["rows"] for d in items),
                     median_s=statistics.median(d["seconds"] for d in items),
+                    total_s=sum(d["seconds"] for d in items), max_s=max(d["seconds"] for d in items),
                     median_floor_s=statistics.median(d["floor_s"] for d in items),
                     median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
                     bound=statistics.mode(d["bound"] for d in items))
@@ -316,6 +317,10 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                                floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
                                ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
                   adapter_bytes=adapter_bytes(model.config, o.rank, itemsize))
+    # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
+    # the decode outliers (max_s: graph captures, kernel compiles) it shows where a gap to the
+    # medians comes from
+    result["outside_iterations_s"] = wall - result["prefill"]["seconds"] - (result["decode"] or {}).get("total_s", 0.0)
     if progress:
         progress(result)
     return result

@@ -157,9 +157,12 @@ def bench_batch(
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]
+        dd = s["decode"]
         err.print(f"[dim]{s['adapters']:>4} adapters: {s['tokens_per_s']:9.1f} tok/s"
                   + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms" if d else "")
-                  + "[/dim]")
+                  + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
+                  + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
+                  + f" + {s['outside_iterations_s']:.1f} outside[/dim]", soft_wrap=True)
 
     try:
         results = run_batch_bench(opts, progress=None if json_out else progress)
@@ -235,7 +238,7 @@ def bench_residency(
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
                                  prefetch_gpu_adapters=prefetch_gpu_adapters,
                                  image_build_processes=image_build_processes)
-    results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
     if _save(results, out, json_out):
         return
     con = Console()
@@ -306,7 +309,7 @@ def bench_bundle(
                               prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                               max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                               seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none")))
-    results = run_bundle_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    results = run_bundle_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
     if _save(results, out, json_out):
         return
     con = Console()
@@ -425,7 +428,7 @@ def bench_gpus(
                             max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                             seed=seed)
     try:
-        results = run_gpus_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]")))
+        results = run_gpus_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
     except RuntimeError as exc:
         err.print(f"Error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1)
