@@ -81,6 +81,11 @@ def bench_kernels(
         raise typer.Exit(1)
 
 
+def _progress_line(err: Console):
+    """A benchmark's progress callback: one dim, unwrapped line on stderr per message (scripts grep them)."""
+    return lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)
+
+
 def _save(results: dict, out: Optional[Path], json_out: bool, indent: int | None = 2) -> bool:
     """Write ``results`` to ``--out`` if given; with ``--json`` print them on stdout and return True
     (the caller then prints no tables)."""
@@ -238,7 +243,7 @@ def bench_residency(
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
                                  prefetch_gpu_adapters=prefetch_gpu_adapters,
                                  image_build_processes=image_build_processes)
-    results = run_residency_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
+    results = run_residency_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if _save(results, out, json_out):
         return
     con = Console()
@@ -309,7 +314,7 @@ def bench_bundle(
                               prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                               max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                               seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none")))
-    results = run_bundle_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
+    results = run_bundle_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if _save(results, out, json_out):
         return
     con = Console()
@@ -428,7 +433,7 @@ def bench_gpus(
                             max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                             seed=seed)
     try:
-        results = run_gpus_bench(str(workdir), opts, progress=None if json_out else (lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True)))
+        results = run_gpus_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     except RuntimeError as exc:
         err.print(f"Error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1)
