@@ -258,7 +258,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
         if progress:  # each run's figures as soon as it ends: a later run that overruns a time limit loses only itself
             r = runs[-1]
-            progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {r['loads']} loads, mean load "
+            progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {m['iterations']} iterations taking "
+                     f"{m['iteration_seconds']:.1f} of {m['elapsed_s']:.1f} s, {r['loads']} loads, mean load "
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
                      + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p90']} ms p90), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}")
