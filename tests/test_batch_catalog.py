@@ -402,3 +402,36 @@ def test_triton_backend_equals_torch(ws, pinned):
     torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-5, atol=1e-5)
     assert torch.equal(out["triton"][row_slots < 0], y0[row_slots < 0])
     assert not torch.equal(out["torch"], y0)
+
+
+def test_static_launch_plan_is_refilled_only_when_the_row_slots_change(ws, pinned):
+    """SlotTensors._plans with a captured graph's LaunchPlan buffers: filled from the row
+    slots, left as they are (same SegmentPlan) when the next replay has the same row slots,
+    refilled when they change; another graph's buffers are filled on their own."""
+    from mlora.kernels import empty_launch_plan, make_launch_plan, tile_capacity
+    from mlora.kernels.plan import build_plan
+
+    bank = SlotBank(LAYERS, SHAPES, 4, 8, torch.float32, "cpu", backend="triton")
+    slots = bank.ensure(list(ADAPTERS), pinned)
+    s = sorted(slots.values())
+    static, other = (empty_launch_plan(8, tile_capacity(8, 4, 16), 16, "cpu") for _ in range(2))
+
+    def same(lp, rows):
+        want = make_launch_plan(build_plan(torch.tensor(rows, dtype=torch.int32)), block_m=16)
+        n, k = want.row_capacity, want.tile_capacity
+        return all(torch.equal(getattr(lp, f)[:m], getattr(want, f)) for f, m in
+                   (("sorted_rows", n), ("tile_slot", k), ("tile_start", k), ("tile_end", k))) \
+            and torch.equal(lp.num_tiles, want.num_tiles)
+
+    rows = [s[0], s[1], -1, s[0], s[2], s[3], -1, s[1]]
+    first = bank.context(torch.tensor(rows, dtype=torch.int32), static=static)
+    assert same(static, rows)
+    static.tile_slot.fill_(-7)  # only _plans writes these buffers: a skipped refill leaves this visible
+    again = bank.context(torch.tensor(rows, dtype=torch.int32), static=static)
+    assert again.plan is static and bool((static.tile_slot == -7).all())
+    bank.context(torch.tensor(rows, dtype=torch.int32), static=other)
+    assert same(other, rows)  # other buffers: filled, not taken for the first ones
+    changed = [s[3], s[3], s[0], -1, -1, s[2], s[1], s[1]]
+    bank.context(torch.tensor(changed, dtype=torch.int32), static=static)
+    assert same(static, changed)
+    assert first.plan is static
