@@ -28,6 +28,10 @@ case "${1:-quick}" in
         --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q >/dev/null 2>"$OUT/demo-$dt.err"
       echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-$dt" | tail -1)"
     done
+    rm -rf /tmp/demo-gpus0  # step 8's coordinator and one GPU worker process (never run on a GPU before)
+    timeout 120 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-gpus0 --base examples/demo/base \
+      --adapters examples/demo/adapters --max-new-tokens 40 --gpus 0 --dtype float32 -q >/dev/null 2>"$OUT/demo-gpus0.err"
+    echo "demo --gpus 0: $(python scripts/check_demo_outputs.py /tmp/demo-gpus0 | tail -1)"
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
     ;;
