@@ -107,3 +107,29 @@ def test_view_stats_of_a_strided_one_element_column():
     t = torch.arange(12, dtype=torch.int32).reshape(4, 3)[:, :1]  # "contiguous" by shape, stride 3
     assert view_stats(t).tolist()[:3] == [1, 3, 0 + 3 + 6 + 9]
     assert view_stats(t[:1]).tolist()[:3] == [1, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_word_stats_equal_the_reference(dtype):
+    """host._view_stats_fused (the one-pass Triton kernel large 16-bit views take on a GPU; here
+    under the interpreter) gives exactly the numbers of the host reference: lengths around
+    the block size and past the 65521-word weight period, zeros of both signs, a NaN or an
+    infinity, every word's position weighted."""
+    from mlora.batch.residency import host as host_mod
+
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 4095, 4097, 70001):
+        x = (torch.randn(n, generator=g) * 3).to(dtype)
+        if n > 8:
+            x[3], x[5] = 0.0, -0.0
+        want = host_mod._view_stats_host(x)
+        assert torch.equal(host_mod._view_stats_fused(x.clone()), want)
+        if n > 8:
+            for bad in (float("nan"), float("inf")):
+                y = x.clone()
+                y[7] = bad
+                got = host_mod._view_stats_fused(y)
+                assert got[0] == 0 and torch.equal(got, host_mod._view_stats_host(y))
+        y = x.clone()
+        y[n // 2] = -y[n // 2] if y[n // 2] != 0 else 1.0  # one word changed: the sums move
+        assert not torch.equal(host_mod._view_stats_fused(y), want)

@@ -44,14 +44,23 @@ SMALL_VIEW = 4096  # elements: views up to this size (ranks, scales) are read ba
 
 @dataclass
 class Probe:
-    """What validation reads of landed bytes: every view's :func:`~.host.view_stats` and host
-    copies of the small (metadata) views. Issued right after the copies on the copy stream
-    (:func:`probe_landed` with ``non_blocking``), so that by the time the copy-complete
-    event has completed the numbers are on the host and validation waits for nothing."""
+    """What validation reads of landed bytes: the :func:`~.host.view_stats` of every large
+    view, computed on the device, and host copies of the small (metadata) views, whose
+    numbers are computed on the host from those copies (a handful of tiny device kernels
+    per view would cost more than the copy). Issued right after the copies on the copy
+    stream (:func:`probe_landed` with ``non_blocking``), so that by the time the
+    copy-complete event has completed everything is on the host and validation waits
+    for nothing."""
 
-    names: list[str]
-    stats: torch.Tensor  # int64 [len(names), 4] on the host
+    names: list[str]  # every view, in order
+    large: list[str]  # the views ``stats`` holds, in order
+    stats: torch.Tensor  # int64 [len(large), 4] on the host
     small: dict[str, torch.Tensor]
+
+    def all_stats(self) -> list[list[int]]:
+        """view_stats of every view of ``names``, in order (read once the probe has landed)."""
+        large = dict(zip(self.large, self.stats.tolist()))
+        return [large[n] if n in large else view_stats(self.small[n]).tolist() for n in self.names]
 
 
 def probe_landed(views: dict[str, torch.Tensor], non_blocking: bool = False) -> Probe:
@@ -59,9 +68,10 @@ def probe_landed(views: dict[str, torch.Tensor], non_blocking: bool = False) -> 
     land when the stream reaches them (read them only after an event recorded later has
     completed); otherwise they are complete on return."""
     names = list(views)
-    stats = torch.stack([view_stats(views[n]) for n in names]) if names else torch.zeros((0, 4), dtype=torch.int64)
     small = {n: v.to("cpu", non_blocking=non_blocking) for n, v in views.items() if v.numel() <= SMALL_VIEW}
-    return Probe(names, stats.to("cpu", non_blocking=non_blocking), small)
+    large = [n for n in names if n not in small]
+    stats = torch.stack([view_stats(views[n]) for n in large]) if large else torch.zeros((0, 4), dtype=torch.int64)
+    return Probe(names, large, stats.to("cpu", non_blocking=non_blocking), small)
 
 
 def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact,
@@ -71,9 +81,10 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
     ``probe``: the numbers read right after the copy (:func:`probe_landed`), else read now.
 
     Fast path: every view's :func:`~.host.view_stats` (finite, non-zero count, two exact
-    word sums) is computed on the device in one batch (by the probe, issued right after
-    the copies; without one, here, with one synchronisation) and compared with the host
-    image's (``HostArtifact.view_checks``, built off the critical path when the artifact
+    word sums) -- the large views' on the device (one Triton pass per 16-bit view on a
+    GPU), the small metadata views' from their host copies -- read by the probe, issued
+    right after the copies (without one, here, with one synchronisation), and compared
+    with the host image's (``HostArtifact.view_checks``, built off the critical path when the artifact
     was prefetched). Equal numbers accept the load without reading the slot back. Any
     difference runs the exact diagnosis below (read back, SHA-256 of the landed pieces,
     per-view tail counts), so the error code names what is wrong; a difference the
@@ -88,7 +99,7 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
     storage.check_metadata({**views, **probe.small}, artifact)
     names = probe.names
     want = artifact.view_checks({n: (tuple(views[n].shape), views[n].dtype) for n in names})
-    got = probe.stats.tolist()
+    got = probe.all_stats()
     if all(g[0] == 1 and tuple(g) == tuple(want[n]) for n, g in zip(names, got)):
         return
     _diagnose(views, artifact, what)
