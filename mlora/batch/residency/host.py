@@ -164,50 +164,16 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
 
 
 FUSED_STATS_MIN = 1 << 16  # 16-bit views at least this long take the one-pass Triton kernel on a GPU
-_STATS_BLOCK = 4096
-
-
-def _stats_kernel():
-    """The Triton kernel of :func:`_view_stats_fused`, compiled on first use (host-only
-    processes never import Triton for it)."""
-    global _STATS_KERNEL
-    if _STATS_KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def kernel(w_ptr, n, out_ptr, EXP: tl.constexpr, MAG: tl.constexpr, MOD: tl.constexpr,
-                   BLOCK: tl.constexpr):
-            """out[0] += non-finite count, out[1] += non-zero count, out[2] += sum of words,
-            out[3] += sum of word x ((position mod MOD) + 1), over this program's words."""
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            ok = offs < n
-            w = tl.load(w_ptr + offs, mask=ok, other=0).to(tl.int32)
-            bad = ((w & EXP) == EXP) & ok
-            nz = (w & MAG) != 0
-            w64 = w.to(tl.int64)
-            tl.atomic_add(out_ptr + 0, tl.sum(bad.to(tl.int64), axis=0))
-            tl.atomic_add(out_ptr + 1, tl.sum(nz.to(tl.int64), axis=0))
-            tl.atomic_add(out_ptr + 2, tl.sum(w64, axis=0))
-            tl.atomic_add(out_ptr + 3, tl.sum(w64 * (offs % MOD + 1), axis=0))
-
-        _STATS_KERNEL = kernel
-    return _STATS_KERNEL
-
-
-_STATS_KERNEL = None
 
 
 def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     """:func:`view_stats` of a contiguous 1-D bfloat16/float16 tensor in one Triton pass
-    (a 16-bit element is one word: its bits decide finiteness and zero directly): one
-    kernel with exact int64 atomic sums (order-free, so deterministic) and one fix-up,
-    instead of about ten torch kernels with int32 temporaries twice the view's size."""
+    (``wordstats.py``) and one fix-up, instead of about ten torch kernels with int32
+    temporaries twice the view's size."""
+    from .wordstats import word_stats
+
     _, exp, mag = _FLOAT_BITS[flat.dtype]
-    out = torch.zeros(4, dtype=torch.int64, device=flat.device)
-    n = flat.numel()
-    _stats_kernel()[(-(-n // _STATS_BLOCK),)](flat.view(torch.int16), n, out, EXP=exp, MAG=mag, MOD=CHECK_MODULUS,
-                                               BLOCK=_STATS_BLOCK)
+    out = word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
     out[0] = out[0] == 0  # non-finite count -> "all finite"
     return out
 
