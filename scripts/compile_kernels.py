@@ -1,0 +1,59 @@
+"""Compile mlora's Triton kernels for an NVIDIA GPU target without a GPU (ptxas from the
+Triton wheel): catches a kernel that the CPU interpreter runs but the compiler rejects,
+before any device time is spent. Run with TRITON_INTERPRET unset.
+
+    python scripts/compile_kernels.py [--arch 90]
+
+Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
+rank tiles; one and three slices) and the residency word-stats kernel; prints one line
+per kernel and exits 1 on the first failure.
+"""
+
+import argparse
+import inspect
+import os
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter has nothing to compile", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mlora.batch.residency import wordstats
+    from mlora.kernels import triton_sgmv as sgmv
+
+    target = GPUTarget("cuda", args.arch, 32)
+    pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "zp_ptr": "*fp32",
+                "scales_ptr": "*fp32", "cnt_ptr": "*i32", "rows_ptr": "*i32", "tile_slot_ptr": "*i32",
+                "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
+                "w_ptr": "*i16", "out_ptr": "*i64"}
+
+    def build(kernel, consts: dict, label: str) -> None:
+        names = inspect.signature(kernel.fn).parameters
+        signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target)
+        print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin")
+
+    common = dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90)
+    for split_k in (False, True):
+        for block_r in (16, 64):
+            build(sgmv._shrink_kernel, dict(common, RANK_TILES=1, BLOCK_R=block_r, BLOCK_K=128, SPLIT_K=split_k),
+                  f"shrink split_k={split_k} block_r={block_r}")
+    for slices in (1, 3):
+        for block_r in (16, 64):
+            build(sgmv._expand_kernel, dict(common, N_SLICES=slices, BLOCK_N=128, BLOCK_R=block_r),
+                  f"expand slices={slices} block_r={block_r}")
+    build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK),
+          "residency word stats")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
