@@ -5,8 +5,9 @@ before any device time is spent. Run with TRITON_INTERPRET unset.
     python scripts/compile_kernels.py [--arch 90]
 
 Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
-rank tiles; one and three slices) and the residency word-stats kernel; prints one line
-per kernel and exits 1 on the first failure.
+rank tiles; one and three slices), the residency word-stats kernel and the paged
+attention kernel (decode and prefill tiles of an 8B shape); prints one line per kernel
+and exits 1 on the first failure.
 """
 
 import argparse
@@ -26,6 +27,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from mlora.batch import paged_attention as pa
     from mlora.batch.residency import wordstats
     from mlora.kernels import triton_sgmv as sgmv
 
@@ -33,7 +35,9 @@ def main() -> int:
     pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "zp_ptr": "*fp32",
                 "scales_ptr": "*fp32", "cnt_ptr": "*i32", "rows_ptr": "*i32", "tile_slot_ptr": "*i32",
                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
-                "w_ptr": "*i16", "out_ptr": "*i64"}
+                "w_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_starts_ptr": "*i32",
+                "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32"}
 
     def build(kernel, consts: dict, label: str) -> None:
         names = inspect.signature(kernel.fn).parameters
@@ -52,6 +56,11 @@ def main() -> int:
                   f"expand slices={slices} block_r={block_r}")
     build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK),
           "residency word stats")
+    group = 4  # 32 query heads over 8 KV heads, head_dim 128
+    for label, block_q in (("decode", pa.decode_block_q(group)), ("prefill", pa.PREFILL_ROWS // group)):
+        build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=pa.BLOCK_N,
+                                               HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True),
+              f"paged attention ({label} tiles)")
     return 0
 
 
