@@ -6,7 +6,8 @@ before any device time is spent. Run with TRITON_INTERPRET unset.
 
 Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
 rank tiles; one and three slices), the residency word-stats kernel and the paged
-attention kernel (decode and prefill tiles of an 8B shape); prints one line per kernel
+attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
+kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel
 and exits 1 on the first failure.
 """
 
@@ -27,6 +28,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from mlora.batch import fused
     from mlora.batch import paged_attention as pa
     from mlora.batch.residency import wordstats
     from mlora.kernels import triton_sgmv as sgmv
@@ -37,11 +39,13 @@ def main() -> int:
                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
                 "w_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_starts_ptr": "*i32",
-                "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32"}
+                "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32",
+                "h_ptr": "*bf16", "d_ptr": "*bf16", "hout_ptr": "*bf16", "eps": "fp32",
+                "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "gu_ptr": "*bf16"}
 
-    def build(kernel, consts: dict, label: str) -> None:
+    def build(kernel, consts: dict, label: str, types: dict | None = None) -> None:
         names = inspect.signature(kernel.fn).parameters
-        signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+        signature = {n: "constexpr" if n in consts else (types or pointers).get(n, "i32") for n in names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target)
         print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin")
 
@@ -61,6 +65,12 @@ def main() -> int:
         build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=pa.BLOCK_N,
                                                HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True),
               f"paged attention ({label} tiles)")
+    norm_ptrs = dict(pointers, w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16")  # the fused kernels' own pointer names
+    for delta in (False, True):
+        build(fused._add_rms_norm_kernel, dict(HAS_DELTA=delta, BLOCK=4096), f"fused add+RMSNorm (delta={delta})",
+              norm_ptrs)
+    build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64), "fused RoPE q/k", norm_ptrs)
+    build(fused._silu_mul_kernel, dict(BLOCK=1024), "fused SiLU product", norm_ptrs)
     return 0
 
 
