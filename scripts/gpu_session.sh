@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything pending on the GPU machine, in one call that fits the 10-minute limit
 # (run with the device tool from the repository root; results land in $OUT):
-#   bash scripts/gpu_session.sh quick      GPU-only tests + demo check + bench batch (about 6 min)
+#   bash scripts/gpu_session.sh quick      GPU-only tests + demo checks (also --gpus 0) + bench batch (about 6-7 min)
 #   bash scripts/gpu_session.sh residency2k the step-4 residency benchmark at 2,000 rows, both runs (about 5 min)
 #   bash scripts/gpu_session.sh residency-blocking  the limited run with --prefetch-gpu-adapters 0 (attribution)
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
@@ -33,7 +33,7 @@ case "${1:-quick}" in
       --adapters examples/demo/adapters --max-new-tokens 40 --gpus 0 --dtype float32 -q >/dev/null 2>"$OUT/demo-gpus0.err"
     echo "demo --gpus 0: $(python scripts/check_demo_outputs.py /tmp/demo-gpus0 | tail -1)"
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
-    timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -5
+    timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -8
     ;;
   lookahead)  # batch-run --lookahead on the GPU: graph tests, the demo check, then the batch bench A/B part
     timeout 150 python -m pytest -q tests/test_batch_lookahead.py tests/test_batch_graphs.py 2>&1 | tail -3
