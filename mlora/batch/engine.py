@@ -178,7 +178,8 @@ class Engine:
         if async_loads is None:
             async_loads = self.device.type == "cuda"
         self.async_loads = async_loads and bool(self.prefetch_gpu) and hasattr(bank, "start_load")
-        self._prefetch_seen = (0, 0)
+        pf = getattr(bank, "prefetcher", None)  # prefetches before this engine (e.g. a preload) are not its own
+        self._prefetch_seen = (pf.issued, pf.used) if pf is not None else (0, 0)
         # build the next decode iteration's inputs while the device runs this one, and use them
         # when the next schedule would be exactly that iteration (``Lookahead``); the device
         # then does not wait for the host's input building between decode iterations

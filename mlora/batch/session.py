@@ -79,8 +79,12 @@ class EngineSession:
             self._switch = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         if opts.preload_adapters and self.bank is not None and bundle is None:
-            # load the first num_slots adapters before the first row (and before the metrics clock)
-            self.bank.ensure(sorted(good)[:self.bank.num_slots], good)
+            # load the first num_slots adapters before the first row (and before the metrics clock);
+            # their host images are built on the prefetch threads meanwhile (ensure waits for each)
+            first = sorted(good)[:self.bank.num_slots]
+            if hasattr(self.bank, "prefetch"):
+                self.bank.prefetch(first, good)
+            self.bank.ensure(first, good)
         self.metrics = JobMetrics()
         self.engine = Engine(
             model, self.bank, pinned, metrics=self.metrics, num_blocks=kv_blocks(opts, config, dtype, device),
