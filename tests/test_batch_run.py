@@ -272,11 +272,11 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
-    def run(out, slots, prefetch=4, gpu=4, processes=0):
+    def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False):
         return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
                                   max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch,
-                                  prefetch_gpu_adapters=gpu, image_build_processes=processes))
+                                  prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead))
 
     few, many = run("few", 3), run("many", None)
     run("sync", 3, prefetch=0)
@@ -297,9 +297,10 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
         mp.setattr("mlora.batch.session.Engine", AsyncEngine)
         started_ahead = run("async", 3)
         in_workers = run("async-workers", 3, processes=1)  # host images built in a worker process
+        run("async-lookahead", 3, lookahead=True)  # and with the next decode step built ahead
     assert started_ahead.bank["loads_started_ahead"] > 0
     assert in_workers.bank["images_built_in_workers"] > 0 and in_workers.bank["image_worker_failures"] == 0
-    for out in ("async", "async-workers"):
+    for out in ("async", "async-workers", "async-lookahead"):
         assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / out).items()} == \
             {k: r["completion_token_ids"] for k, r in a.items()}, out
     m_async = json.loads((tmp_path / "async" / "_metrics.json").read_text())["metrics"]
