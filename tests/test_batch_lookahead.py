@@ -98,3 +98,22 @@ def test_lookahead_with_decode_graphs_gives_the_eager_tokens():
     graphed, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
     assert eng.graphs.replays > 0 and eng.lookahead_used > 0
     assert graphed == eager
+
+
+def test_a_row_that_arrives_with_a_free_seat_is_admitted_instead_of_the_lookahead():
+    """A row added between steps (the job feeds its input that way) while a seat is free: the
+    next step schedules and admits it, as the engine without lookahead would; the looked-ahead
+    decode-only iteration is dropped."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=2)
+    eng = Engine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64, lookahead=True)
+    for i in range(2):
+        eng.add(Request(row=i, id=str(i), prompt_ids=[3 + i, 4, 5], adapter=None, max_new_tokens=20))
+    while any(s.pending != 1 for s in eng.running) or eng._next is None:
+        eng.step()
+    used = eng.lookahead_used
+    eng.add(Request(row=9, id="9", prompt_ids=[7, 8, 9], adapter=None, max_new_tokens=5))
+    eng.step()
+    assert eng.lookahead_used == used  # dropped: the schedule had a row to admit
+    late = next(s for s in eng.running if s.req.row == 9)
+    assert late.num_computed == 3  # admitted and prefilled in this very step

@@ -647,8 +647,7 @@ class Engine:
         that will need a new KV block get it now: the schedule would give it to them anyway,
         and a row that finishes instead frees it with its others."""
         n = len(plan.seqs)
-        if plan.doff != 0 or n != len(self.running) or n > self.max_batch_tokens or not all(plan.sample) \
-                or (self.waiting and n < self.max_num_seqs):
+        if plan.doff != 0 or n > self.max_batch_tokens or not all(plan.sample) or not self._only_running(n):
             return None
         bs = self.block_size
         p0 = [s.num_computed + 1 for s in plan.seqs]
@@ -670,12 +669,17 @@ class Engine:
             ahead.staged = True
         return ahead
 
+    def _only_running(self, n: int) -> bool:
+        """``n`` rows are all the running rows and the next schedule admits none: no waiting row,
+        or no free seat (``schedule``'s admission condition, budget aside)."""
+        return n == len(self.running) and not (self.waiting and n < self.max_num_seqs)
+
     def _take(self, ahead: Lookahead) -> IterationPlan | None:
         """The plan ``schedule`` would return now, if it is the looked-ahead iteration: the same
         rows, all running, each with exactly one new token at the expected position, no other
         row running and none that could be admitted. Else None (the caller schedules)."""
         n = len(ahead.seqs)
-        if n != len(self.running) or (self.waiting and n < self.max_num_seqs):
+        if not self._only_running(n):
             return None
         for seq, p in zip(ahead.seqs, ahead.p0):
             if not seq.is_running or seq.num_computed != p or len(seq.tokens) != p + 1:

@@ -268,7 +268,7 @@ def bench_residency(
         b = r.get("image_builds") or {}
         if b:
             con.print(f"{r['name']}: {b.get('images_built_in_workers', 0)} host images built in worker processes, "
-                      f"{b.get('image_worker_failures', 0)} handed back and built on the engine thread")
+                      f"{b.get('image_worker_failures', 0)} handed back and built on a prefetch thread")
 
 
 @bench_app.command("bundle")

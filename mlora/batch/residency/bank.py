@@ -360,7 +360,7 @@ class ResidencyBank(SlotTensors):
             art = self.builder.build(self.layout, p, pin=self.residency.host.pin)
             if art is not None:
                 return art
-        return self.layout.artifact(p)
+        return self._artifact(p)
 
     def _check_meta(self, views: dict[str, torch.Tensor], name: str) -> None:
         """Ranks within [0, R]; scales finite, and zero wherever the rank is zero."""
