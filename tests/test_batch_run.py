@@ -272,11 +272,12 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
-    def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False):
+    def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False, window=2048):
         return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
                                   max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch,
-                                  prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead))
+                                  prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead,
+                                  schedule_window=window))
 
     few, many = run("few", 3), run("many", None)
     run("sync", 3, prefetch=0)
@@ -290,17 +291,42 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
     from mlora.batch import engine as engine_mod
 
     class AsyncEngine(engine_mod.Engine):
+        idle_steps = 0
+
         def __init__(self, *args, **kw):
             super().__init__(*args, **{**kw, "async_loads": True})
 
+        def step(self):  # a step that runs nothing, again and again: a deadlock (fail, do not hang)
+            before = self.stats["iterations"]
+            out = super().step()
+            AsyncEngine.idle_steps = 0 if self.stats["iterations"] > before else AsyncEngine.idle_steps + 1
+            assert AsyncEngine.idle_steps < 5000, "the engine stopped making progress"
+            return out
+
+    class CheckedEngine(engine_mod.Engine):  # the CPU default: blocking admission loads, GPU-tier prefetch on
+        def schedule(self):
+            # loads prefetch started are published before admission counts the slots (an
+            # uncommitted one held a slot admission did not see: E_ADMISSION_CAPACITY)
+            assert not self.bank.loads_in_flight()
+            return super().schedule()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("mlora.batch.session.Engine", CheckedEngine)
+        checked = run("few-checked", 3)
+    assert checked.bank["loads_started_ahead"] > 0
+    assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "few-checked").items()} == \
+        {k: r["completion_token_ids"] for k, r in a.items()}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("mlora.batch.session.Engine", AsyncEngine)
         started_ahead = run("async", 3)
         in_workers = run("async-workers", 3, processes=1)  # host images built in a worker process
         run("async-lookahead", 3, lookahead=True)  # and with the next decode step built ahead
+        # a window of 4 rows: most rows age, strict order applies while slots hold adapters that
+        # only waiting rows name (this deadlocked before: the aged row could not take their slot)
+        run("async-aged", 3, window=4)
     assert started_ahead.bank["loads_started_ahead"] > 0
     assert in_workers.bank["images_built_in_workers"] > 0 and in_workers.bank["image_worker_failures"] == 0
-    for out in ("async", "async-workers", "async-lookahead"):
+    for out in ("async", "async-workers", "async-lookahead", "async-aged"):
         assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / out).items()} == \
             {k: r["completion_token_ids"] for k, r in a.items()}, out
     m_async = json.loads((tmp_path / "async" / "_metrics.json").read_text())["metrics"]

@@ -117,19 +117,24 @@ def test_fused_word_stats_equal_the_reference(dtype):
     infinity, every word's position weighted."""
     from mlora.batch.residency import host as host_mod
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: compiled, not interpreted
+
+    def fused(t):
+        return host_mod._view_stats_fused(t.to(dev)).cpu()
+
     g = torch.Generator().manual_seed(11)
     for n in (1, 4095, 4097, 70001):
         x = (torch.randn(n, generator=g) * 3).to(dtype)
         if n > 8:
             x[3], x[5] = 0.0, -0.0
         want = host_mod._view_stats_host(x)
-        assert torch.equal(host_mod._view_stats_fused(x.clone()), want)
+        assert torch.equal(fused(x.clone()), want)
         if n > 8:
             for bad in (float("nan"), float("inf")):
                 y = x.clone()
                 y[7] = bad
-                got = host_mod._view_stats_fused(y)
+                got = fused(y)
                 assert got[0] == 0 and torch.equal(got, host_mod._view_stats_host(y))
         y = x.clone()
         y[n // 2] = -y[n // 2] if y[n // 2] != 0 else 1.0  # one word changed: the sums move
-        assert not torch.equal(host_mod._view_stats_fused(y), want)
+        assert not torch.equal(fused(y), want)

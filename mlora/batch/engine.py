@@ -28,8 +28,9 @@ generated tokens and recomputes its KV (same tokens, same random stream).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +40,9 @@ from .attention import AttentionMetadata
 from .catalog import AdapterError
 from .kvcache import BlockAllocator, KVCache, KVCacheFull
 from .sampling import SamplingParams, row_key, sample
+from .waiting import WaitingQueue
+
+_ARRIVAL = operator.attrgetter("arrival")
 
 
 @dataclass
@@ -188,7 +192,8 @@ class Engine:
         self.lookahead_used = 0
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # rows in queue order, with the number per adapter
+        self._ids_by_digest: tuple[int, dict[str, list[str]]] = (-1, {})  # (len(pinned) it was built at, map)
         self.running: list[Sequence] = []
         self._admissions = 0
         self.stats = dict(iterations=0, prefill_tokens=0, decode_tokens=0, generated_tokens=0, preemptions=0)
@@ -241,9 +246,11 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one iteration; return the rows that finished in it."""
-        if self.async_loads:
+        if self.prefetch_gpu:  # GPU-tier prefetch (and async_loads, which needs it) starts loads ahead
             self.bank.end_invocation()
-            self._commit_loads()  # loads started during the last iteration: published now
+            self._commit_loads()  # loads started during the last iteration: published now, so
+            # every slot this schedule counts on is published or free (an uncommitted load would
+            # hold a slot admission does not see: E_ADMISSION_CAPACITY in ensure)
         ahead, self._next = self._next, None
         plan = self._take(ahead) if ahead is not None else None
         if plan is None:
@@ -264,7 +271,7 @@ class Engine:
         # host work for later iterations, done while the device runs this one (the sampled
         # tokens are read in _advance): eviction ranking and prefetch of coming adapters
         if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need
-            self.bank.want({s.req.adapter for s in self.waiting if s.req.adapter is not None}, self.pinned)
+            self.bank.want(self.waiting.adapters(), self.pinned)
         if self.prefetch_depth:
             self._prefetch()
         record = self._iteration_record(plan) if self.metrics else None  # before _advance waits for the device
@@ -281,7 +288,7 @@ class Engine:
         free or unneeded slots (``ResidencyBank.prefetch_device``)."""
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
         resident = set(self.bank.resident)
-        _, small, big, rest = self._slot_plan(list(self.waiting), active)
+        _, small, big, rest = self._slot_plan(active)
         cold: list[str] = []
         for a in small + big + rest:
             p = self.pinned.get(a)
@@ -331,13 +338,8 @@ class Engine:
         for seq in [s for s in self.running if s.req.adapter == adapter_id]:
             self._drop(seq)
             out.append(self._error(seq, code, message))
-        keep = deque()
-        for seq in self.waiting:
-            if seq.req.adapter == adapter_id:
-                out.append(self._error(seq, code, message))
-            else:
-                keep.append(seq)
-        self.waiting = keep
+        for seq in self.waiting.take_if(lambda s: s.req.adapter == adapter_id):
+            out.append(self._error(seq, code, message))
         return out
 
     @staticmethod
@@ -393,14 +395,23 @@ class Engine:
             return budget  # nothing can be admitted: skip the ordering work (the steady decode state)
         now = self._admissions  # a row's wait is the number of rows admitted since it arrived
         active = {s.req.adapter for s in self.running if s.req.adapter is not None}
-        candidates = list(self.waiting)
+        # slots that must stay as they are this pass: running rows' adapters, adapters admitted
+        # or whose load started in this pass. ``active`` adds the adapters published for waiting
+        # rows, which no row holds yet (idle: a load may evict them)
+        busy = set(active)
         if self.async_loads:  # adapters loaded for waiting rows (asynchronous loads) hold their slots: run them
-            resident = set(self.bank.resident)
-            active |= {s.req.adapter for s in candidates if s.req.adapter is not None
-                       and getattr(self.pinned.get(s.req.adapter), "semantic_sha256", None) in resident}
-        aged = any(now - s.arrival >= self.max_wait for s in candidates)
-        if not aged:
-            candidates.sort(key=self._slot_order(candidates, active))
+            active |= self._resident_waiting_adapters()
+        aged = now - min(map(_ARRIVAL, self.waiting)) >= self.max_wait
+        if aged:
+            candidates = self.waiting  # strict queue order; the pass stops at the first aged row that waits
+        else:
+            # only rows this pass can admit: base rows, rows of active adapters and of the new
+            # adapters the free slots go to (_slot_plan's small and big; the rest cannot get a
+            # slot in this pass), then sorted. Keeps the pass's cost near the rows it admits
+            # when the scheduling window holds thousands of rows
+            order, admissible = self._slot_order(active)
+            candidates = [s for s in self.waiting if s.req.adapter is None or s.req.adapter in admissible]
+            candidates.sort(key=order)
         admitted = []
         loading: set[str] = set()  # adapters whose load this pass started (or found in flight): rows wait
         for seq in candidates:
@@ -412,10 +423,18 @@ class Engine:
                 if held:
                     break
                 continue
-            if a is not None and a not in active and len(active) >= self.num_slots:
-                if held:
-                    break
-                continue
+            if a is not None and a not in busy:
+                if a in active:  # published for waiting rows: its slot is there if the pass has room
+                    full = len(busy) >= self.num_slots
+                else:  # cold: needs a free slot. An aged row may also take the slot of an idle
+                    # adapter that only waiting rows name (otherwise, with every slot idle that way,
+                    # it would wait for rows it does not let pass: the deadlock of a 1,000-adapter /
+                    # 8,000-row job on the H200)
+                    full = len(active) >= self.num_slots and not (held and len(busy) < self.num_slots)
+                if full:
+                    if held:
+                        break
+                    continue
             if a is not None and a not in active and self.async_loads and (chosen or self.running):
                 # a cold adapter: start its load now (the copy overlaps this iteration) and
                 # run its rows once it is published; with nothing else to run, load it the
@@ -424,6 +443,7 @@ class Engine:
                 if status in ("started", "loading", "building"):
                     if status != "building":
                         active.add(a)  # its slot is taken
+                        busy.add(a)
                         loading.add(a)
                     if held:
                         break
@@ -442,12 +462,25 @@ class Engine:
             admitted.append(seq)
             if a is not None:
                 active.add(a)
-        if admitted:
-            gone = {id(s) for s in admitted}
-            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+                busy.add(a)
+        self.waiting.remove_ids({id(s) for s in admitted})
         return budget
 
-    def _slot_plan(self, candidates: list, active: set) -> tuple[Counter, list[str], list[str], list[str]]:
+    def _resident_waiting_adapters(self) -> set[str]:
+        """Adapters that some waiting row names and whose generation is published in the
+        bank (in time proportional to the smaller of the two sets, not to the queue)."""
+        resident, counts = self.bank.resident, self.waiting.counts
+        if len(resident) >= len(counts):
+            return {a for a in counts if getattr(self.pinned.get(a), "semantic_sha256", None) in resident}
+        built_at, by_digest = self._ids_by_digest
+        if built_at != len(self.pinned):
+            by_digest = {}
+            for a, p in self.pinned.items():
+                by_digest.setdefault(getattr(p, "semantic_sha256", None), []).append(a)
+            self._ids_by_digest = (len(self.pinned), by_digest)
+        return {a for d in resident for a in by_digest.get(d, ()) if a in counts}
+
+    def _slot_plan(self, active: set) -> tuple[Counter, list[str], list[str], list[str]]:
         """(waiting rows per adapter, small, big, rest): how one admission pass gives out
         the free adapter slots.
 
@@ -459,12 +492,12 @@ class Engine:
         adapters run alongside the popular ones from the start instead of being left
         for a tail in which every slot holds a row or two (before: 1.5x the
         iterations of an all-resident run with 64 slots; BENCHMARKS.md, residency)."""
-        waiting_rows = Counter(s.req.adapter for s in candidates if s.req.adapter is not None)
+        waiting_rows = self.waiting.counts  # waiting rows per adapter (kept by the queue, not counted here)
         new = sorted((a for a in waiting_rows if a not in active), key=lambda a: waiting_rows[a])
         free_slots = max(self.num_slots - len(active), 0)
         free_rows = self.max_num_seqs - len(self.running)
         free_rows -= sum(n for a, n in waiting_rows.items() if a in active)
-        free_rows -= sum(1 for s in candidates if s.req.adapter is None)
+        free_rows -= self.waiting.base_rows
         big, covered = [], 0
         for a in reversed(new):
             if covered >= free_rows or len(big) >= free_slots:
@@ -476,24 +509,17 @@ class Engine:
         chosen.update(small)
         return waiting_rows, small, big, [a for a in new if a not in chosen]
 
-    def _slot_order(self, candidates: list, active: set):
-        """Sort key of the waiting rows for one admission pass (stable: arrival order
-        within a class): the small adapters' rows, rows that need no slot (running
-        adapters, base), the big adapters' rows, then the rest (``_slot_plan``)."""
-        waiting_rows, small, big, _ = self._slot_plan(candidates, active)
-        small, big = set(small), set(big)
-
-        def order(seq: Sequence) -> tuple[int, int]:
-            a = seq.req.adapter
-            if a is None or a in active:
-                return (1, 0)
-            if a in small:
-                return (0, waiting_rows[a])
-            if a in big:
-                return (2, -waiting_rows[a])
-            return (3, waiting_rows[a])
-
-        return order
+    def _slot_order(self, active: set) -> tuple[Callable, set[str]]:
+        """(sort key, admissible adapters) of one admission pass. The key orders the waiting
+        rows (stable: queue order within a class): the small adapters' rows, rows that need
+        no slot (running adapters, base), the big adapters' rows, then the rest
+        (``_slot_plan``); the set holds ``active`` plus small and big."""
+        waiting_rows, small, big, rest = self._slot_plan(active)
+        key_of = {a: (0, waiting_rows[a]) for a in small}
+        key_of.update((a, (2, -waiting_rows[a])) for a in big)
+        key_of.update((a, (3, waiting_rows[a])) for a in rest)
+        # base rows and running adapters: (1, 0); second: the adapters a row may be admitted with
+        return (lambda seq: key_of.get(seq.req.adapter, (1, 0))), active.union(small, big)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.blocks))

@@ -26,7 +26,7 @@ Decisions:
   On a cluster, INPUT must be on a file system every node mounts; OUTPUT is
   written by the driver only.
 * One batch is one engine scheduling window (``batch_rows = --schedule-window``,
-  default 2048 rows): an actor runs each batch to completion. A window is
+  default 8192 rows): an actor runs each batch to completion. A window is
   ``num_workers`` batches, sorted by adapter as a whole, so each batch holds
   few adapters. Ray, not mlora, decides which actor gets which batch: an
   adapter is loaded at most once per actor while it stays in the actor's

@@ -57,7 +57,7 @@ def batch_run(
                                                   help="Host cache of loaded adapters (default: unbounded)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
-    schedule_window: int = typer.Option(2048, "--schedule-window", min=1,
+    schedule_window: int = typer.Option(8192, "--schedule-window", min=1,
                                         help="Input rows the scheduler may reorder to group rows by adapter."),
     prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
