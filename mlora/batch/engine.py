@@ -493,10 +493,10 @@ class Engine:
         for a tail in which every slot holds a row or two (before: 1.5x the
         iterations of an all-resident run with 64 slots; BENCHMARKS.md, residency)."""
         waiting_rows = self.waiting.counts  # waiting rows per adapter (kept by the queue, not counted here)
-        new = sorted((a for a in waiting_rows if a not in active), key=lambda a: waiting_rows[a])
+        new = sorted((a for a in waiting_rows if a not in active), key=waiting_rows.__getitem__)
         free_slots = max(self.num_slots - len(active), 0)
         free_rows = self.max_num_seqs - len(self.running)
-        free_rows -= sum(n for a, n in waiting_rows.items() if a in active)
+        free_rows -= sum(waiting_rows.get(a, 0) for a in active)
         free_rows -= self.waiting.base_rows
         big, covered = [], 0
         for a in reversed(new):

@@ -58,7 +58,7 @@ def batch_run(
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
     schedule_window: int = typer.Option(8192, "--schedule-window", min=1,
-                                        help="Input rows the scheduler may reorder to group rows by adapter."),
+                                        help="Input rows the scheduler may reorder to group rows by adapter: an adapter is loaded about once per window; up to a window of finished rows waits in memory for the output order."),
     prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
                                           help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
     prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
