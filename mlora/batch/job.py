@@ -79,7 +79,7 @@ class JobOptions:
     host_cache_gb: float | None = None
     block_size: int = 16
     shard_rows: int = 10000
-    schedule_window: int = 8192  # covers the issue-5 job (8,000 rows): each adapter loaded once (BENCHMARKS.md)
+    schedule_window: int = 8192  # covers an 8,000-row job: each adapter loaded about once (BENCHMARKS.md, residency)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     # build the next decode iteration's inputs while the device runs this one (Engine lookahead;
     # same outputs by construction). Off by default until measured on a GPU
