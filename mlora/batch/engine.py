@@ -193,7 +193,6 @@ class Engine:
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         self._seen_adapters: set[str] = set()
         self.waiting = WaitingQueue()  # rows in queue order, with the number per adapter
-        self._ids_by_digest: tuple[int, dict[str, list[str]]] = (-1, {})  # (len(pinned) it was built at, map)
         self.running: list[Sequence] = []
         self._admissions = 0
         self.stats = dict(iterations=0, prefill_tokens=0, decode_tokens=0, generated_tokens=0, preemptions=0)
@@ -468,17 +467,9 @@ class Engine:
 
     def _resident_waiting_adapters(self) -> set[str]:
         """Adapters that some waiting row names and whose generation is published in the
-        bank (in time proportional to the smaller of the two sets, not to the queue)."""
-        resident, counts = self.bank.resident, self.waiting.counts
-        if len(resident) >= len(counts):
-            return {a for a in counts if getattr(self.pinned.get(a), "semantic_sha256", None) in resident}
-        built_at, by_digest = self._ids_by_digest
-        if built_at != len(self.pinned):
-            by_digest = {}
-            for a, p in self.pinned.items():
-                by_digest.setdefault(getattr(p, "semantic_sha256", None), []).append(a)
-            self._ids_by_digest = (len(self.pinned), by_digest)
-        return {a for d in resident for a in by_digest.get(d, ()) if a in counts}
+        bank (in time proportional to the distinct waiting adapters, not to the queue)."""
+        resident = self.bank.resident
+        return {a for a in self.waiting.counts if getattr(self.pinned.get(a), "semantic_sha256", None) in resident}
 
     def _slot_plan(self, active: set) -> tuple[Counter, list[str], list[str], list[str]]:
         """(waiting rows per adapter, small, big, rest): how one admission pass gives out
