@@ -52,7 +52,8 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
 
     o = ResidencyBenchOptions(preset="tiny", adapters=6, rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, slots=2,
-                              max_num_seqs=6, max_batch_tokens=48, device="cpu", dtype="float32")
+                              max_num_seqs=6, max_batch_tokens=48, device="cpu", dtype="float32", warmup_rows=5,
+                              warmup_new_tokens=2)
     r = run_residency_bench(str(tmp_path), o)
     limited, full = r["runs"]
     assert (limited["slots"], full["slots"]) == (2, 6)
@@ -69,6 +70,10 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     got = tokens("limited")
     assert len(got) == 24 and all(len(v) == 3 for v in got.values())  # no EOS: every row to max_new_tokens
     assert got == tokens("all-resident")
+    for run in ("limited", "all-resident"):  # each run was preceded by its untimed warm-up job: the first 5 rows
+        warm = tokens(f"warmup-{run}")
+        assert sorted(warm, key=int) == [str(i) for i in range(5)]  # the input's first rows
+        assert all(v == got[k][:2] for k, v in warm.items())  # greedy: the same first two tokens
     again = run_residency_bench(str(tmp_path), o)  # the workspace is reused, outputs replaced
     assert again["runs"][0]["error_rows"] == 0
 
@@ -119,7 +124,8 @@ def test_few_slots_keep_the_batch_as_full_as_all_resident(tmp_path):
     from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
 
     o = ResidencyBenchOptions(preset="tiny", adapters=60, rows=240, prompt_min=3, prompt_max=9, max_new_tokens=8,
-                              slots=8, max_num_seqs=32, max_batch_tokens=256, device="cpu", dtype="float32")
+                              slots=8, max_num_seqs=32, max_batch_tokens=256, device="cpu", dtype="float32",
+                              warmup_rows=0)
     limited, full = run_residency_bench(str(tmp_path), o)["runs"]
     assert limited["error_rows"] == full["error_rows"] == 0
     assert sum(limited["metrics"]["evictions"].values()) > 0

@@ -15,7 +15,11 @@ for; the figures go into BENCHMARKS.md.
   bank, scheduler, prefetch, CUDA graphs) once with ``slots`` GPU adapter
   slots and once with every adapter resident from the start (slots = n,
   ``--preload-adapters``: loaded before the first row and before the job's
-  metrics clock, so its loads do not appear in its metrics).
+  metrics clock, so its loads do not appear in its metrics). Before each
+  timed run, a warm-up job over the first ``warmup_rows`` rows with the same
+  slots (16 new tokens, output discarded) compiles the Triton kernels that
+  run needs: the compile cache is on disk, so without it whichever run came
+  first paid ~25 s of compilation the other did not (eighth session).
 * Reported per run: generated tokens/s over the generation phase (the job's
   metrics clock starts after pinning and model loading, which both runs pay
   alike), the job's wall time, load amplification, loads, evictions, prefetch
@@ -67,6 +71,8 @@ class ResidencyBenchOptions:
     runs: tuple[str, ...] = ("limited", "all-resident")
     prefetch_gpu_adapters: int = 4  # batch-run's option (0: loads block the engine)
     image_build_processes: int = 0  # JobOptions.image_build_processes (0: prefetch threads build images)
+    warmup_rows: int = 256  # rows of the untimed warm-up job before each run (0: none)
+    warmup_new_tokens: int = 16
 
 
 def module_shapes(p: dict) -> dict[str, tuple[int, int]]:
@@ -231,19 +237,32 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     adapter_file = os.path.join(root, "adapters", "a0000", "adapter_model.safetensors")
     adapter_bytes = os.path.getsize(adapter_file)
     runs = []
+
+    def job(name: str, slots: int, rows_file: str, max_new_tokens: int):
+        return run_job(JobOptions(
+            input=rows_file, output=fresh_output(root, name), base=os.path.join(root, "base"),
+            adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
+            max_new_tokens=max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
+            max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name.endswith("all-resident"),
+            gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters,
+            image_build_processes=o.image_build_processes))
+
+    warm_input = os.path.join(root, "warmup.parquet")
+    if o.warmup_rows:
+        import pyarrow.parquet as pq
+
+        pq.write_table(pq.read_table(os.path.join(root, "input.parquet")).slice(0, o.warmup_rows), warm_input)
     for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):
         if name not in o.runs:
             continue
-        out = fresh_output(root, name)
+        if o.warmup_rows:
+            if progress:
+                progress(f"warm-up for {name}: {o.warmup_rows} rows, {o.warmup_new_tokens} new tokens (untimed)")
+            job(f"warmup-{name}", slots, warm_input, o.warmup_new_tokens)
         if progress:
             progress(f"running {name} ({slots} slots)")
-        summary = run_job(JobOptions(
-            input=os.path.join(root, "input.parquet"), output=out, base=os.path.join(root, "base"),
-            adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
-            max_new_tokens=o.max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
-            max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name == "all-resident",
-            gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters,
-            image_build_processes=o.image_build_processes))
+        out = os.path.join(root, f"out-{name}")
+        summary = job(name, slots, os.path.join(root, "input.parquet"), o.max_new_tokens)
         with open(os.path.join(out, "_metrics.json")) as f:
             m = json.load(f)["metrics"]
         lat = m["histograms"]["adapter_load_latency_seconds"]
@@ -252,6 +271,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          tokens_per_s=m["tokens_per_s"], error_rows=summary.error_rows,
                          errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
                          image_builds={k: v for k, v in summary.bank.items() if k.startswith("image")},
+                         pinned_pool={k: v for k, v in summary.bank.items() if k.startswith("pinned_pool")},
                          loads=sum(m["adapter_loads"].values()),
                          load_device_ms_mean=summary.bank.get("load_device_ms_mean"),
                          load_device_ms_p90=summary.bank.get("load_device_ms_p90"),
@@ -262,7 +282,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      f"{m['iteration_seconds']:.1f} of {m['elapsed_s']:.1f} s, {r['loads']} loads, mean load "
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
                      + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p90']} ms p90), amplification "
-                     f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}")
+                     f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     by = {r["name"]: r for r in runs}
     ratio = None

@@ -69,7 +69,7 @@ class EngineSession:
                                                                             max(max_rank, 1), dtype), device)
             workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
-                                      host_cache_bytes=host_bytes, prefetch_workers=workers,
+                                      host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
                                       build_processes=opts.image_build_processes if workers else 0)
         self._switch = None
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
@@ -127,6 +127,9 @@ class EngineSession:
                         load_device_ms_p90=round(1e3 * device_s[int(0.9 * (len(device_s) - 1))], 4))
         if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
             bank["loads_started_ahead"] = self.bank.loads_started_ahead
+        pool = getattr(self.bank, "pinned_pool", None)
+        if pool is not None:  # the pinned blocks of host images (pinned.py)
+            bank.update(pool.stats())
         builder = getattr(self.bank, "builder", None)
         if builder is not None:  # host images built in worker processes, and builds they handed back
             bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed,

@@ -228,6 +228,8 @@ def bench_residency(
     image_build_processes: int = typer.Option(0, "--image-build-processes", min=0,
                                               help="Build host images in this many worker processes instead of "
                                                    "the prefetch threads (GPU; A/B of residency/build.py)."),
+    warmup_rows: int = typer.Option(256, "--warmup-rows", min=0,
+                                    help="Rows of an untimed warm-up job before each run (compiles its kernels; 0: none)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -242,7 +244,7 @@ def bench_residency(
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
                                  prefetch_gpu_adapters=prefetch_gpu_adapters,
-                                 image_build_processes=image_build_processes)
+                                 image_build_processes=image_build_processes, warmup_rows=warmup_rows)
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if _save(results, out, json_out):
         return

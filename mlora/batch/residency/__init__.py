@@ -10,6 +10,7 @@ One concept per module::
     events.py    Event protocol; CPU and CUDA copiers (side stream + events)
     pool.py      the joint page ledger: free | reserved(txn) | owned(object, generation)
     host.py      verified host artifacts and the bounded host cache
+    pinned.py    page-locked blocks for host images, pinned once before the job
     storage.py   slot storage (fixed max-rank slots, vector pages) and validation of landed bytes
     faults.py    the test-only fault injector
     manager.py   Residency: counts, eligibility, load transactions, rollback, leases, launches, admission

@@ -44,6 +44,7 @@ from .events import Copier, copier_for
 from .faults import FaultInjector
 from .host import HostArtifact, HostCache, Piece
 from .manager import Handle, Launch, Residency
+from .pinned import PinnedPool
 from .pool import PagePool
 from .prefetch import HostPrefetcher
 from .states import BINDABLE, State
@@ -51,6 +52,8 @@ from .storage import SlotStorage
 
 
 WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
+DEFAULT_HOST_CACHE_IMAGES = 128  # host cache bound on a GPU without --host-cache-gb (images, in pinned blocks)
+PINNED_HEADROOM = 40  # pinned blocks beyond cache + slots: builds and loads in flight, a hotswap's image
 
 
 class BankError(ResidencyError):
@@ -67,7 +70,8 @@ class ResidencyBank(SlotTensors):
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
-                 prefetch_workers: int = 1, build_processes: int = 0):
+                 prefetch_workers: int = 1, build_processes: int = 0, expected_adapters: int | None = None,
+                 pinned_pool: PinnedPool | None = None):
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
@@ -82,8 +86,23 @@ class ResidencyBank(SlotTensors):
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
                                  {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()})
-        host = HostCache(host_cache_bytes, pin=self.device.type == "cuda")
-        self.residency = Residency(storage, pool, host, copier=copier or copier_for(self.device), faults=faults,
+        copier = copier or copier_for(self.device)
+        self.pinned_pool = pinned_pool  # given: tests stage images through unpinned blocks on the CPU
+        if pinned_pool is None and self.device.type == "cuda":
+            # every host image lives in a block pinned here, before the first row: pinning while
+            # the job runs stalls the engine thread's CUDA calls (pinned.py). Blocks: the host
+            # cache's images (default bound DEFAULT_HOST_CACHE_IMAGES), the images resident
+            # slots keep, headroom for builds and loads in flight; never more than the job's
+            # adapters need. An image that finds no free block stays pageable (counted).
+            block = self.layout.max_image_bytes()
+            if host_cache_bytes is None:
+                host_cache_bytes = DEFAULT_HOST_CACHE_IMAGES * block
+            blocks = host_cache_bytes // block + num_slots + PINNED_HEADROOM
+            if expected_adapters is not None:
+                blocks = min(blocks, expected_adapters + PINNED_HEADROOM)
+            self.pinned_pool = PinnedPool(block, blocks, fence=copier.record)
+        host = HostCache(host_cache_bytes, pin=self.pinned_pool is not None, pool=self.pinned_pool)
+        self.residency = Residency(storage, pool, host, copier=copier, faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
         self.stats = self.residency.stats
         self.prefetcher = HostPrefetcher(host, prefetch_workers) if prefetch_workers > 0 else None
@@ -357,7 +376,7 @@ class ResidencyBank(SlotTensors):
         thread. A worker's failure is not trusted to explain itself: the image is then
         built here, which raises the error a synchronous load would."""
         if self.builder is not None:
-            art = self.builder.build(self.layout, p, pin=self.residency.host.pin)
+            art = self.builder.build(self.layout, p, pin=self.residency.host.pin, pool=self.pinned_pool)
             if art is not None:
                 return art
         return self._artifact(p)
@@ -426,6 +445,15 @@ class SlotLayout:
                            meta={"targets": frozenset(targets), "artifact_sha256": p.artifact_sha256})
         art.view_checks(self.view_shapes)  # here, where the image is built, not at validation
         return art
+
+    def max_image_bytes(self) -> int:
+        """An upper bound on the packed size of any image :meth:`artifact` builds (each piece
+        64-byte aligned): every slot view whole, plus the alignment of the most pieces a
+        piecewise image can have (A and B per layer and slice, ranks and scales per group)."""
+        whole = sum(-(-math.prod(shape) * torch.empty((), dtype=dt).element_size() // 64) * 64
+                    for shape, dt in self.view_shapes.values())
+        pieces = 2 * self.num_layers * sum(len(self.widths[g]) for g in self.groups) + 2 * len(self.groups)
+        return whole + 64 * pieces
 
     def whole_views(self, pieces: list[Piece]) -> list[Piece] | None:
         """The same slot contents as one piece per slot view, the view's whole image (zeros,

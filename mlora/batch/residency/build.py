@@ -30,7 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 import torch
 
-from .host import HostArtifact, Piece, packed_buffer
+from .host import HostArtifact, Piece, image_buffer
 
 
 def _ready() -> bool:
@@ -59,18 +59,22 @@ def _build(layout, pinned) -> dict:
             "checks": art.checks, "pieces": pieces, "seconds": time.perf_counter() - t0}
 
 
-def from_wire(wire: dict, pin: bool) -> HostArtifact:
-    """A worker's image as a HostArtifact, every piece in one (pinned) buffer at 64-byte
-    aligned offsets."""
-    buf, offsets = packed_buffer([len(raw) for *_, raw in wire["pieces"]], pin)
+def from_wire(wire: dict, pin: bool, pool=None) -> HostArtifact:
+    """A worker's image as a HostArtifact, every piece in one buffer at 64-byte aligned
+    offsets: a block of ``pool`` when one is free (``host.image_buffer``), else pinned
+    when ``pin`` and there is no pool, else pageable."""
+    buf, offsets, pooled = image_buffer([len(raw) for *_, raw in wire["pieces"]], pin, pool)
     flat = buf.numpy()
     pieces = []
     for (view, index, dtype, shape, raw), off in zip(wire["pieces"], offsets):
         flat[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         src = buf[off:off + len(raw)].view(getattr(torch, dtype)).view(shape)
         pieces.append(Piece(view, index, src))
-    return HostArtifact(wire["key"], wire["digest"], pieces, wire["name"], wire["pages"], wire["meta"],
-                        checks=wire["checks"])
+    art = HostArtifact(wire["key"], wire["digest"], pieces, wire["name"], wire["pages"], wire["meta"],
+                       checks=wire["checks"], transfer_ready=pooled or (pin and pool is None))
+    if pooled:
+        pool.own(art, buf)
+    return art
 
 
 MAX_BROKEN_POOLS = 3  # pools that died before the builder gives up for the rest of the job
@@ -99,7 +103,7 @@ class ProcessBuilder:
             for _ in range(self.processes):
                 self._pool.submit(_ready)
 
-    def build(self, layout, pinned, pin: bool) -> HostArtifact | None:
+    def build(self, layout, pinned, pin: bool, pool=None) -> HostArtifact | None:
         """The image of ``pinned`` built by a worker, or None when the worker could not build it."""
         if self.broken >= MAX_BROKEN_POOLS:
             return None
@@ -108,7 +112,7 @@ class ProcessBuilder:
             t0 = time.perf_counter()
             wire = self._pool.submit(_build, layout, pinned).result()
             t1 = time.perf_counter()
-            art = from_wire(wire, pin)
+            art = from_wire(wire, pin, pool)
             self.worker_s += wire["seconds"]
             self.round_trip_s += t1 - t0
             self.receive_s += time.perf_counter() - t1

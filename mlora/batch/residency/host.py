@@ -54,6 +54,7 @@ class HostArtifact:
     image_sha256: str = ""
     nonzeros: dict[str, int] = field(default_factory=dict)
     checks: dict = field(default_factory=dict)  # view shapes -> expected view_stats (see view_checks)
+    transfer_ready: bool = False  # bytes in page-locked memory (or a PinnedPool's block): copies are asynchronous
 
     def __post_init__(self):
         self.name = self.name or self.key
@@ -72,20 +73,27 @@ class HostArtifact:
     def nbytes(self) -> int:
         return sum(p.src.numel() * p.src.element_size() for p in self.pieces)
 
-    def pinned(self) -> "HostArtifact":
+    def pinned(self, pool=None) -> "HostArtifact":
         """The same artifact in page-locked memory (for asynchronous host-to-device copies):
-        every piece copied into one pinned buffer (one page-locked allocation per artifact,
-        not one per piece: pinning is a driver call, and an all-module adapter has hundreds
-        of pieces), each piece at a 64-byte aligned offset."""
-        buf, offsets = packed_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], pin=True)
+        every piece copied into one buffer (one allocation per artifact, not one per piece),
+        each piece at a 64-byte aligned offset. With ``pool`` (a ``pinned.PinnedPool``) the
+        buffer is one of its blocks, given back when the new artifact is garbage collected,
+        and no driver call is made; when the pool has no free block, ``self`` is returned
+        unchanged (pageable: still correct, its copies are merely synchronous)."""
+        buf, offsets, pooled = image_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], True, pool)
+        if pool is not None and not pooled:
+            return self
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
             dst = buf[off:off + n].view(p.src.dtype).view(p.src.shape)
             dst.copy_(p.src)
             pieces.append(Piece(p.view, p.index, dst))
-        return HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
-                            dict(self.nonzeros), dict(self.checks))
+        art = HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
+                           dict(self.nonzeros), dict(self.checks), transfer_ready=True)
+        if pooled:
+            pool.own(art, buf)
+        return art
 
     def view_checks(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, tuple[int, ...]]:
         """Expected :func:`view_stats` of every destination view once this artifact landed
@@ -108,14 +116,28 @@ class HostArtifact:
         return self.checks[key]
 
 
-def packed_buffer(sizes: list[int], pin: bool) -> tuple[torch.Tensor, list[int]]:
-    """One uint8 host buffer (page-locked when ``pin``) for pieces of ``sizes`` bytes, and
-    each piece's offset in it (64-byte aligned, so every dtype view is aligned)."""
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Each piece's offset in one buffer (64-byte aligned, so every dtype view is aligned)
+    and the buffer's size."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // 64) * 64
-    return torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin), offsets
+    return offsets, max(total, 1)
+
+
+def image_buffer(sizes: list[int], pin: bool, pool=None) -> tuple[torch.Tensor, list[int], bool]:
+    """(uint8 host buffer, each piece's offset, whether the buffer is a block of ``pool``) for
+    pieces of ``sizes`` bytes. With ``pool``: a free block of it, else pageable memory
+    (never a new page-locked allocation: that takes the CUDA driver's lock, see
+    ``pinned.py``); without: page-locked when ``pin``."""
+    offsets, total = packed_offsets(sizes)
+    if pool is not None:
+        block = pool.take(total)
+        if block is not None:
+            return block, offsets, True
+        return torch.empty(total, dtype=torch.uint8), offsets, False
+    return torch.empty(total, dtype=torch.uint8, pin_memory=pin), offsets, False
 
 
 CHECK_MODULUS = 65521  # position weights 1 .. 65521
@@ -235,8 +257,8 @@ class HostCache:
     """digest -> :class:`HostArtifact`, least recently used first, at most ``capacity_bytes``
     (None: unbounded). ``key -> digest`` remembers which artifact an alias names now."""
 
-    def __init__(self, capacity_bytes: int | None = None, pin: bool = False):
-        self.capacity_bytes, self.pin = capacity_bytes, pin
+    def __init__(self, capacity_bytes: int | None = None, pin: bool = False, pool=None):
+        self.capacity_bytes, self.pin, self.pool = capacity_bytes, pin, pool  # pool: a pinned.PinnedPool
         self._cache: OrderedDict[str, HostArtifact] = OrderedDict()
         self._sources: dict[str, Callable[[], HostArtifact]] = {}
         self._current: dict[str, str] = {}
@@ -255,8 +277,9 @@ class HostCache:
         self._current[key] = digest
 
     def put(self, artifact: HostArtifact, key_names_it: bool = True) -> None:
-        if self.pin and artifact.pieces and not artifact.pieces[0].src.is_pinned():
-            artifact = artifact.pinned()
+        self.reclaim()
+        if self.needs_pinning(artifact):
+            artifact = artifact.pinned(self.pool)
         if artifact.digest in self._cache:
             self.bytes -= self._cache.pop(artifact.digest).nbytes
         self._cache[artifact.digest] = artifact
@@ -264,6 +287,14 @@ class HostCache:
         if key_names_it:
             self._current[artifact.key] = artifact.digest
         self._shrink(keep=artifact.digest)
+
+    def needs_pinning(self, artifact: HostArtifact) -> bool:
+        return self.pin and bool(artifact.pieces) and not artifact.transfer_ready
+
+    def reclaim(self) -> None:
+        """Free the pinned blocks of images that are gone (their copies fenced; ``PinnedPool.reclaim``)."""
+        if self.pool is not None:
+            self.pool.reclaim()
 
     def digest_of(self, key: str) -> str:
         if key not in self._current:

@@ -3,7 +3,7 @@
 Owns a small thread pool and the set of builds in flight. A build runs an
 adapter's registered verified source (``catalog.load_factors``: read the
 pinned file bytes, re-hash them against the pinned digests, lay the factors
-out for a slot, pin the memory for transfer) on a background thread, so that
+out for a slot, copy them into a pinned block) on a background thread, so that
 a cold adapter's disk read and digest check overlap the GPU work of the rows
 already running. Must not touch slots, the page ledger or the device: it only
 fills the host cache, from the main thread (``collect`` / ``wait``), so the
@@ -50,11 +50,11 @@ class HostPrefetcher:
         if source is None:
             return False
         source = build or source
-        pin = self.host.pin
+        host = self.host
 
         def build() -> HostArtifact:
             art = source()
-            return art.pinned() if pin and art.pieces and not art.pieces[0].src.is_pinned() else art
+            return art.pinned(host.pool) if host.needs_pinning(art) else art
 
         self._inflight[digest] = self._pool.submit(build)
         self.issued += 1
@@ -67,6 +67,7 @@ class HostPrefetcher:
 
     def collect(self) -> None:
         """Move finished builds into the cache (failed builds stay until someone needs them)."""
+        self.host.reclaim()
         for digest, fut in list(self._inflight.items()):
             if fut.done() and fut.exception() is None:
                 del self._inflight[digest]

@@ -1,0 +1,124 @@
+"""The pinned block pool of host images (mlora.batch.residency.pinned): blocks are handed out
+without driver calls, come back when their image is gone, and are reused only after a
+copy-stream fence recorded after their release completed. On the CPU the blocks are
+ordinary memory (``pin=False``); the semantics are the same."""
+
+import gc
+import random
+
+import pytest
+import torch
+
+from mlora.batch.bank import SlotBank
+from mlora.batch.residency import HostArtifact, HostCache, ManualEvent, Piece
+from mlora.batch.residency.pinned import BLOCK_ALIGN, PinnedPool
+from test_residency import LAYERS, SHAPES, _same, pinned, rbank  # noqa: F401 - pinned: the adapters fixture
+
+
+class Fences:
+    """A fence factory whose events the test completes by hand."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self):
+        self.events.append(ManualEvent(label=f"fence{len(self.events)}"))
+        return self.events[-1]
+
+
+def test_blocks_are_reused_only_after_their_fence_completes():
+    fences = Fences()
+    pool = PinnedPool(10_000, 2, fence=fences, pin=False)
+    assert pool.block_bytes == 12_288 and pool.block_bytes % BLOCK_ALIGN == 0 and pool.nbytes == 2 * 12_288
+    a, b = pool.take(12_288), pool.take(100)
+    assert a is not None and b is not None and a.data_ptr() != b.data_ptr()
+    assert pool.take(1) is None and pool.exhausted == 1  # both taken
+    a.fill_(7)
+    pool.give(a)
+    assert pool.reclaim() == 0 and pool.take(1) is None  # fenced, the fence not complete: a copy may still read it
+    assert pool.exhausted == 2
+    fences.events[0].complete()
+    assert pool.reclaim() == 1
+    again = pool.take(5)
+    assert again is not None and again.data_ptr() == a.data_ptr()
+    assert pool.take(12_289) is None  # larger than a block: never served, whatever is free
+    assert pool.stats()["pinned_pool_peak_blocks"] == 2 and pool.takes == 3
+
+
+def test_a_later_release_waits_for_its_own_fence():
+    fences = Fences()
+    pool = PinnedPool(64, 3, fence=fences, pin=False)
+    x, y = pool.take(64), pool.take(64)
+    pool.give(x)
+    pool.reclaim()  # fence0 covers x
+    pool.give(y)
+    pool.reclaim()  # fence1 covers y
+    fences.events[1].complete()
+    assert pool.reclaim() == 0  # fences free in order: y waits behind x's incomplete fence
+    fences.events[0].complete()
+    assert pool.reclaim() == 2 and pool.in_use == 0
+
+
+def _artifact(key: str, seed: int, n: int = 3) -> HostArtifact:
+    g = torch.Generator().manual_seed(seed)
+    pieces = [Piece("A", (i,), torch.randn(5, 7, generator=g)) for i in range(n)]
+    pieces.append(Piece("r", (), torch.randint(0, 9, (4,), dtype=torch.int32, generator=g)))
+    return HostArtifact(key, key, pieces, name=key)
+
+
+def test_pinned_artifact_is_the_same_bytes_in_one_block_given_back_when_gone():
+    pool = PinnedPool(4096, 1, pin=False)
+    art = _artifact("a", 1)
+    staged = art.pinned(pool)
+    assert staged is not art and staged.transfer_ready and pool.in_use == 1
+    for p, q in zip(art.pieces, staged.pieces):
+        assert (p.view, p.index) == (q.view, q.index) and q.src.dtype == p.src.dtype and torch.equal(p.src, q.src)
+    other = _artifact("b", 2)
+    assert other.pinned(pool) is other and not other.transfer_ready  # no free block: stays pageable
+    del staged
+    gc.collect()
+    assert pool.reclaim() == 1 and pool.in_use == 0  # no fence factory: a release is free at once
+    assert other.pinned(pool).transfer_ready
+
+
+def test_host_cache_recycles_blocks_as_it_evicts():
+    pool = PinnedPool(4096, 3, pin=False)
+    one = _artifact("x", 0).nbytes
+    host = HostCache(2 * one, pin=True, pool=pool)
+    for k in range(20):
+        host.register(f"k{k}", f"k{k}", lambda k=k: _artifact(f"k{k}", k))
+        art = host.get(f"k{k}")
+        want = _artifact(f"k{k}", k)
+        assert art.transfer_ready and all(torch.equal(p.src, q.src) for p, q in zip(art.pieces, want.pieces))
+        del art
+    gc.collect()
+    host.reclaim()
+    assert pool.takes == 20 and pool.exhausted == 0 and pool.in_use <= 2  # two cached images hold blocks
+
+
+def test_bank_through_a_small_pool_equals_the_plain_bank(pinned):
+    """Residency loads from pool blocks (two blocks for two slots and a one-image host cache:
+    blocks recycle and some images fall back to pageable memory) give exactly the deltas
+    of step 3's bank."""
+    pool = PinnedPool(rbank(2).layout.max_image_bytes(), 2, pin=False)
+    bank = rbank(2, pinned_pool=pool, host_cache_bytes=1)
+    ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
+    rng = random.Random(3)
+    names = sorted(pinned)
+    for step in range(16):
+        _same(bank, ref, rng.sample(names, rng.choice([1, 2])), pinned, step)
+        bank.residency.audit()
+        gc.collect()
+    assert bank.stats.evictions >= 5 and pool.takes > 2  # blocks were reused
+    assert pool.taken_peak == 2 and pool.exhausted > 0  # and some images stayed pageable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked blocks need CUDA")
+def test_cuda_bank_images_live_in_the_pinned_pool(pinned):
+    from mlora.batch.residency import ResidencyBank
+
+    bank = ResidencyBank(LAYERS, SHAPES, 2, 8, torch.float32, "cuda", expected_adapters=len(pinned))
+    assert bank.pinned_pool is not None and bank.pinned_pool.blocks == len(pinned) + 40
+    bank.ensure(["qv"], pinned)
+    art = bank.residency.host.get(pinned["qv"].semantic_sha256)
+    assert art.transfer_ready and art.pieces[0].src.is_pinned() and bank.pinned_pool.takes >= 1
