@@ -141,13 +141,21 @@ class CpuCopier:
         return contextlib.nullcontext()
 
 
+COPY_STREAM_PRIORITY = -1  # lower is higher (torch.cuda.Stream); the compute stream is at 0
+
+
 class CudaCopier:
     """Copies on a dedicated side stream; host sources must be pinned and stay alive until
     the recorded event completes (the residency transaction keeps its artifact until then)."""
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
+        # high priority: a load's validation kernels (a few microseconds of work) get SMs as
+        # soon as the compute stream's running blocks retire, instead of after every block of
+        # the kernel queued there (a prefill GEMM); copies use copy engines either way. The
+        # eighth session measured 1.21 ms mean per load on the copy stream at priority 0
+        # against a 0.35 ms copy floor; this change is not measured yet (BENCHMARKS.md).
+        self.stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
 
     def wait(self, event: Event | None) -> None:
         if event is None:
