@@ -54,7 +54,8 @@ def batch_run(
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use."),
     max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="GPU adapter slots (default: every adapter the job names, at most what fits in a quarter of the free GPU memory; one per adapter on the CPU)."),
     host_cache_gb: Optional[float] = typer.Option(None, "--host-cache-gb",
-                                                  help="Host cache of loaded adapters (default: unbounded)."),
+                                                  help="Host cache of adapter images, pinned at start on a GPU (default: 128 images on a GPU, "
+                                                       "unbounded on the CPU)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
     schedule_window: int = typer.Option(8192, "--schedule-window", min=1,
