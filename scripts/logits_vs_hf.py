@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--seqs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--residual-scale", action="store_true",
+                    help="o_proj and down_proj weights scaled by 1/sqrt(2 layers) (GPT-2's init: the residual stream "
+                         "stays O(1) through depth, as in trained models)")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,7 +67,13 @@ def main() -> int:
     cfg = LlamaConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rms_norm_eps=1e-5)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    hf = cast_parameters(LlamaForCausalLM(cfg).eval(), torch.bfloat16, "cpu")  # the weights, bfloat16 values
+    hf = LlamaForCausalLM(cfg).eval()
+    if args.residual_scale:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_((2 * cfg.num_hidden_layers) ** -0.5)
+    hf = cast_parameters(hf, torch.bfloat16, "cpu")  # the weights, bfloat16 values
     prompts = torch.randint(0, cfg.vocab_size, (args.seqs, args.tokens), generator=torch.Generator().manual_seed(1))
     out = {}
     with tempfile.TemporaryDirectory() as d:
@@ -80,7 +89,8 @@ def main() -> int:
     bf, fp = torch.bfloat16, torch.float32
     e_hf, e_ml = rel(out[("hf", bf)], out[("hf", fp)]), rel(out[("mlora", bf)], out[("mlora", fp)])
     print(f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, {args.seqs} x {args.tokens} tokens on "
-          f"{device}: bf16 vs fp32 logits relative error: transformers {e_hf:.2e}, mlora {e_ml:.2e}; "
+          f"{device}{', residual-scaled init' if args.residual_scale else ''}: "
+          f"bf16 vs fp32 logits relative error: transformers {e_hf:.2e}, mlora {e_ml:.2e}; "
           f"mlora fp32 vs transformers fp32 {rel(out[('mlora', fp)], out[('hf', fp)]):.2e}; "
           f"mlora bf16 vs transformers bf16 {rel(out[('mlora', bf)], out[('hf', bf)]):.2e}")
     return 0
