@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
+#   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
 #   bash scripts/gpu_session.sh step7      bf16-vs-fp32 logits of the 8B shape, then start-up (checkpoint to GPU, first token)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
@@ -46,6 +47,9 @@ case "${1:-quick}" in
     timeout 240 python -m mlora bench batch --rows 1024 --adapters 0,8 --lookahead --out "$OUT/batch-lookahead.json" 2>&1 \
       | grep adapters
     timeout 100 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --lookahead --iters 10 2>&1 | grep -v USDT | head -8
+    ;;
+  logits)  # bf16 logits error of mlora against transformers' over the same weights, 8B shape (then the check itself)
+    timeout 330 python scripts/logits_vs_hf.py --preset-8b --seqs 2 --tokens 512 2>&1 | grep layers
     ;;
   step7)
     timeout 200 python scripts/logits_check.py 2>&1 | tail -2

@@ -67,7 +67,8 @@ def main() -> int:
     cfg = LlamaConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rms_norm_eps=1e-5)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    hf = LlamaForCausalLM(cfg).eval()
+    with torch.device(device):  # random init on the GPU when there is one (8B on the CPU takes minutes)
+        hf = LlamaForCausalLM(cfg).eval()
     if args.residual_scale:
         with torch.no_grad():
             for name, p in hf.named_parameters():
