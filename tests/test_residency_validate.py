@@ -138,3 +138,32 @@ def test_fused_word_stats_equal_the_reference(dtype):
         y = x.clone()
         y[n // 2] = -y[n // 2] if y[n // 2] != 0 else 1.0  # one word changed: the sums move
         assert not torch.equal(fused(y), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_stats_rows_into_one_buffer_equal_view_stats(dtype):
+    """host.view_stats_into (what a load's probe issues: every large view's numbers added into
+    one zeroed int64 buffer; on a GPU one accumulating Triton launch per 16-bit view, here
+    forced through the interpreter) holds each view's view_stats, with column 0 being 0
+    exactly when the view is finite; a poisoned buffer row proves the row is written, not
+    reused. Sizes cross one program's 32K words and the 65521-word weight period."""
+    from mlora.batch.residency.host import view_stats, view_stats_into
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    views = [(torch.randn(n, generator=g) * 2).to(dtype) for n in (1, 4097, 32768 + 5, 70001)]
+    views[2][9] = float("nan")
+    views[3][70000] = float("-inf")
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    for fused in ([True, None] if sixteen else [None]):
+        rows = torch.zeros(len(views), 4, dtype=torch.int64, device=dev)
+        for i, v in enumerate(views):
+            view_stats_into(v.to(dev), rows[i], fused=fused)
+        for v, r in zip(views, rows.cpu().tolist()):
+            want = view_stats(v).tolist()
+            assert [int(r[0] == 0)] + r[1:] == want
+        assert rows[2, 0] != 0 and rows[3, 0] != 0 and rows[0, 0] == 0 and rows[1, 0] == 0
+    poisoned = torch.full((4,), 12345, dtype=torch.int64, device=dev)
+    view_stats_into(views[1].to(dev), poisoned, fused=False)  # the non-fused path overwrites its row
+    assert [int(poisoned[0] == 0)] + poisoned[1:].tolist() == view_stats(views[1]).tolist()
+

@@ -173,16 +173,46 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
     CPU are an order of magnitude slower, and the host side runs once per adapter
     load); a landed view whose numbers equal its host image's is accepted without
     reading it back."""
+    flat = _flat(t)
+    if flat.device.type == "cpu":
+        return _view_stats_host(flat)
+    if _fused_eligible(flat):
+        return _view_stats_fused(flat)
+    return _view_stats_torch(flat)
+
+
+def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = None) -> None:
+    """:func:`view_stats` of ``t`` into ``row`` (int64 [4] on ``t``'s device, contiguous, zeroed
+    by the caller), except that ``row[0]`` is 0 exactly when every value is finite (where
+    view_stats has 1): a large 16-bit view on a GPU is then one accumulating launch
+    (``wordstats.py``) with nothing after it, which keeps a load's validation to a few
+    operations on the engine thread. Any other view computes view_stats and stores
+    ``1 - flag``. ``fused``: force the Triton path (tests, under the interpreter) or the
+    other one; default: a GPU's large 16-bit views."""
+    flat = _flat(t)
+    if fused if fused is not None else (flat.device.type != "cpu" and _fused_eligible(flat)):
+        from .wordstats import word_stats_into
+
+        _, exp, mag = _FLOAT_BITS[flat.dtype]
+        word_stats_into(flat.view(torch.int16), row, exp, mag, CHECK_MODULUS)
+        return
+    s = view_stats(flat).to(row.device)
+    s[0] = 1 - s[0]
+    row.copy_(s)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D tensor (a copy only when its one stride is not 1)."""
     flat = t.detach().reshape(-1)
     if flat.numel() and flat.stride(0) != 1:  # e.g. a one-element column slice "contiguous" with stride > 1
         flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
     if flat.numel() * flat.element_size() > 2**32:
         raise ValueError("view_stats: a view of more than 2^31 words could overflow the weighted sum")
-    if flat.device.type == "cpu":
-        return _view_stats_host(flat)
-    if flat.dtype in (torch.bfloat16, torch.float16) and flat.numel() >= FUSED_STATS_MIN:
-        return _view_stats_fused(flat)
-    return _view_stats_torch(flat)
+    return flat
+
+
+def _fused_eligible(flat: torch.Tensor) -> bool:
+    return flat.dtype in (torch.bfloat16, torch.float16) and flat.numel() >= FUSED_STATS_MIN
 
 
 FUSED_STATS_MIN = 1 << 16  # 16-bit views at least this long take the one-pass Triton kernel on a GPU

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import ValidationError
-from .host import HostArtifact, pieces_sha256, view_stats
+from .host import HostArtifact, pieces_sha256, view_stats, view_stats_into
 
 
 class Storage(Protocol):
@@ -54,12 +54,12 @@ class Probe:
 
     names: list[str]  # every view, in order
     large: list[str]  # the views ``stats`` holds, in order
-    stats: torch.Tensor  # int64 [len(large), 4] on the host
+    stats: torch.Tensor  # int64 [len(large), 4] on the host; column 0 is 0 iff the view is all finite
     small: dict[str, torch.Tensor]
 
     def all_stats(self) -> list[list[int]]:
         """view_stats of every view of ``names``, in order (read once the probe has landed)."""
-        large = dict(zip(self.large, self.stats.tolist()))
+        large = {n: [int(r[0] == 0)] + r[1:] for n, r in zip(self.large, self.stats.tolist())}
         return [large[n] if n in large else view_stats(self.small[n]).tolist() for n in self.names]
 
 
@@ -70,7 +70,12 @@ def probe_landed(views: dict[str, torch.Tensor], non_blocking: bool = False) -> 
     names = list(views)
     small = {n: v.to("cpu", non_blocking=non_blocking) for n, v in views.items() if v.numel() <= SMALL_VIEW}
     large = [n for n in names if n not in small]
-    stats = torch.stack([view_stats(views[n]) for n in large]) if large else torch.zeros((0, 4), dtype=torch.int64)
+    if large:  # one zeroed buffer, one accumulating launch per large 16-bit view on a GPU, one read-back
+        stats = torch.zeros((len(large), 4), dtype=torch.int64, device=views[large[0]].device)
+        for i, n in enumerate(large):
+            view_stats_into(views[n], stats[i])
+    else:
+        stats = torch.zeros((0, 4), dtype=torch.int64)
     return Probe(names, large, stats.to("cpu", non_blocking=non_blocking), small)
 
 
