@@ -9,7 +9,9 @@ rows in input order. The model has the preset's shape and random weights made
 on the device; the ``n`` adapters are random rank-``rank`` LoRA on all seven
 projections (``lora_B`` non-zero so every adapter changes the output).
 
-Reported: generated tokens per second over the whole job (wall clock). The
+Reported: generated tokens per second over the whole job (wall clock, after
+the model and its adapters are built: ``setup_s``), and after every batch a
+progress call with the tokens and seconds so far. The
 batch size is the caller's: the largest that fits is found by trying (the
 issue's "largest batch that fits"); an out-of-memory batch raises.
 """
@@ -63,7 +65,9 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
     dev = torch.device(o.device)
     dtype = getattr(torch, o.dtype)
     config = preset_config(o.preset, o.dtype)
+    t_setup = time.perf_counter()
     model = add_adapters(hf_model(o.preset, dtype, dev, o.seed), n_adapters, o.rank, o.seed)
+    setup = time.perf_counter() - t_setup
     reqs = _requests(o, config, n_adapters, o.rows, o.max_new_tokens, o.seed)
     generated = 0
     if dev.type == "cuda":
@@ -84,10 +88,10 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
         with torch.no_grad():
             out = model.generate(**kwargs)
         generated += (out.shape[1] - width) * len(batch)
-        if progress:
-            progress(start + len(batch), len(reqs))
+        if progress:  # with the tokens so far: a run stopped by a time limit still tells its rate
+            progress(start + len(batch), len(reqs), generated, time.perf_counter() - t0, setup)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return dict(adapters=n_adapters, rows=len(reqs), batch_size=batch_size, generated_tokens=generated, wall_s=wall,
-                tokens_per_s=generated / wall)
+                tokens_per_s=generated / wall, setup_s=setup)

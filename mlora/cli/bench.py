@@ -364,8 +364,11 @@ def bench_peft(
     _require_cuda(err, device)
     opts = BatchBenchOptions(preset=preset, rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
                              max_new_tokens=max_new_tokens, device=device, dtype=dtype, seed=seed)
-    r = run_peft_baseline(opts, adapters, batch_size,
-                          progress=None if json_out else (lambda d, t: err.print(f"[dim]{d}/{t} rows[/dim]")))
+    def progress(done, total, tokens, seconds, setup):  # stderr, also with --json: a stopped run keeps its rate
+        err.print(f"[dim]{done}/{total} rows, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s; "
+                  f"model and adapters built in {setup:.1f} s)[/dim]")
+
+    r = run_peft_baseline(opts, adapters, batch_size, progress=progress)
     if not _save(r, out, json_out, indent=None):
         Console().print(f"transformers + PEFT, {adapters} adapters, batch {batch_size}: {r['tokens_per_s']:.1f} "
                         f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")
