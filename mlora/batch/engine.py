@@ -28,7 +28,6 @@ generated tokens and recomputes its KV (same tokens, same random stream).
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,8 +40,6 @@ from .catalog import AdapterError
 from .kvcache import BlockAllocator, KVCache, KVCacheFull
 from .sampling import SamplingParams, row_key, sample
 from .waiting import WaitingQueue
-
-_ARRIVAL = operator.attrgetter("arrival")
 
 
 @dataclass
@@ -400,7 +397,7 @@ class Engine:
         busy = set(active)
         if self.async_loads:  # adapters loaded for waiting rows (asynchronous loads) hold their slots: run them
             active |= self._resident_waiting_adapters()
-        aged = now - min(map(_ARRIVAL, self.waiting)) >= self.max_wait
+        aged = now - self.waiting.min_arrival() >= self.max_wait
         if aged:
             candidates = self.waiting  # strict queue order; the pass stops at the first aged row that waits
         else:
@@ -408,9 +405,15 @@ class Engine:
             # adapters the free slots go to (_slot_plan's small and big; the rest cannot get a
             # slot in this pass), then sorted. Keeps the pass's cost near the rows it admits
             # when the scheduling window holds thousands of rows
+            # A pass admits at most ``seats`` rows, and once it skips a row of an adapter it skips
+            # the rest of that adapter's rows: the first ``seats`` rows of each are all it can use
             order, admissible = self._slot_order(active)
-            candidates = [s for s in self.waiting if s.req.adapter is None or s.req.adapter in admissible]
-            candidates.sort(key=order)
+            seats = self.max_num_seqs - len(self.running)
+            candidates = self.waiting.rows_of(None, seats)
+            for a in admissible:
+                candidates += self.waiting.rows_of(a, seats)
+            position = self.waiting.position
+            candidates.sort(key=lambda s: (order(s), position(s)))
         admitted = []
         loading: set[str] = set()  # adapters whose load this pass started (or found in flight): rows wait
         for seq in candidates:
@@ -462,7 +465,7 @@ class Engine:
             if a is not None:
                 active.add(a)
                 busy.add(a)
-        self.waiting.remove_ids({id(s) for s in admitted})
+        self.waiting.discard(admitted)
         return budget
 
     def _resident_waiting_adapters(self) -> set[str]:
