@@ -45,6 +45,26 @@ def test_blocks_are_reused_only_after_their_fence_completes():
     assert pool.stats()["pinned_pool_peak_blocks"] == 2 and pool.takes == 3
 
 
+def test_a_host_that_cannot_pin_everything_keeps_what_it_pinned(monkeypatch):
+    """The constructor stops at the first refused allocation: the pool serves the blocks it
+    has, says why it has fewer, and images beyond them stay pageable."""
+    real, calls = torch.empty, []
+
+    def empty(*a, **k):
+        calls.append(a)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA error: out of memory (host)\nmore")
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pool = PinnedPool(4096, 5, pin=False, chunk_bytes=2 * 4096)  # chunks of two blocks: the second is refused
+    monkeypatch.setattr(torch, "empty", real)
+    assert (pool.blocks, pool.requested) == (2, 5) and pool.pin_error == "CUDA error: out of memory (host)"
+    st = pool.stats()
+    assert st["pinned_pool_blocks"] == 2 and st["pinned_pool_requested"] == 5 and "out of memory" in st["pinned_pool_error"]
+    assert pool.take(1) is not None and pool.take(1) is not None and pool.take(1) is None
+
+
 def test_a_later_release_waits_for_its_own_fence():
     fences = Fences()
     pool = PinnedPool(64, 3, fence=fences, pin=False)

@@ -80,9 +80,13 @@ class HostArtifact:
         buffer is one of its blocks, given back when the new artifact is garbage collected,
         and no driver call is made; when the pool has no free block, ``self`` is returned
         unchanged (pageable: still correct, its copies are merely synchronous)."""
-        buf, offsets, pooled = image_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], True, pool)
-        if pool is not None and not pooled:
-            return self
+        offsets, total = packed_offsets([p.src.numel() * p.src.element_size() for p in self.pieces])
+        if pool is not None:
+            buf = pool.take(total)
+            if buf is None:
+                return self
+        else:
+            buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
@@ -91,7 +95,7 @@ class HostArtifact:
             pieces.append(Piece(p.view, p.index, dst))
         art = HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
                            dict(self.nonzeros), dict(self.checks), transfer_ready=True)
-        if pooled:
+        if pool is not None:
             pool.own(art, buf)
         return art
 

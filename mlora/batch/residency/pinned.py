@@ -10,6 +10,10 @@ its bytes in its constructor (a few large allocations, before the first row) and
 afterwards only hands out and takes back fixed-size blocks: no driver call.
 
 Semantics:
+- The constructor pins ``blocks`` blocks; when the host refuses to lock that much
+  memory it keeps the blocks it could pin (``blocks`` < ``requested``,
+  ``pin_error`` says why, reported in the job's bank stats): images beyond them
+  stay pageable, slower but correct.
 - ``take(nbytes)`` returns a free block (a uint8 tensor of ``block_bytes``) or None
   when ``nbytes`` exceeds a block or every block is taken; the caller then keeps
   its image in pageable memory (correct, the copy is merely synchronous) and the
@@ -48,14 +52,19 @@ class PinnedPool:
         t0 = time.perf_counter()
         self._chunks: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
+        self.requested, self.pin_error = blocks, None
         left = blocks
         while left > 0:
             n = min(per_chunk, left)
-            chunk = torch.empty(n * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
+            try:
+                chunk = torch.empty(n * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError as exc:  # the host cannot lock that much memory: keep what it could
+                self.pin_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                break
             self._chunks.append(chunk)
             self._free.extend(chunk[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(n))
             left -= n
-        self.blocks = blocks
+        self.blocks = len(self._free)
         self.pin_seconds = time.perf_counter() - t0
         self._lock = threading.Lock()
         self._given: list[torch.Tensor] = []  # released, not yet fenced
@@ -109,6 +118,8 @@ class PinnedPool:
         return len(freed)
 
     def stats(self) -> dict:
-        return dict(pinned_pool_blocks=self.blocks, pinned_pool_bytes=self.nbytes,
+        short = {} if self.pin_error is None else dict(pinned_pool_requested=self.requested,
+                                                       pinned_pool_error=self.pin_error)
+        return short | dict(pinned_pool_blocks=self.blocks, pinned_pool_bytes=self.nbytes,
                     pinned_pool_pin_seconds=round(self.pin_seconds, 3), pinned_pool_peak_blocks=self.taken_peak,
                     pinned_pool_takes=self.takes, pinned_pool_exhausted=self.exhausted)
