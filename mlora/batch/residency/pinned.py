@@ -66,7 +66,8 @@ class PinnedPool:
             left -= n
         self.blocks = len(self._free)
         self.pin_seconds = time.perf_counter() - t0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the free list and the released list (any thread)
+        self._reclaiming = threading.Lock()  # the fenced list (reclaim)
         self._given: list[torch.Tensor] = []  # released, not yet fenced
         self._fenced: list[tuple[object, list[torch.Tensor]]] = []  # (event, blocks) oldest first
         self.exhausted = 0  # takes that found no free block (the image stayed pageable)
@@ -105,17 +106,18 @@ class PinnedPool:
     def reclaim(self) -> int:
         """Fence the blocks given back since the last call; free those whose fence completed.
         Returns the number freed."""
-        with self._lock:
-            given, self._given = self._given, []
-        if given:
-            self._fenced.append((self._fence() if self._fence is not None else None, given))
-        freed = []
-        while self._fenced and (self._fenced[0][0] is None or self._fenced[0][0].query()):
-            freed.extend(self._fenced.pop(0)[1])
-        if freed:
+        with self._reclaiming:  # one caller at a time (the engine's thread; a lock costs nothing there)
             with self._lock:
-                self._free.extend(freed)
-        return len(freed)
+                given, self._given = self._given, []
+            if given:
+                self._fenced.append((self._fence() if self._fence is not None else None, given))
+            freed = []
+            while self._fenced and (self._fenced[0][0] is None or self._fenced[0][0].query()):
+                freed.extend(self._fenced.pop(0)[1])
+            if freed:
+                with self._lock:
+                    self._free.extend(freed)
+            return len(freed)
 
     def stats(self) -> dict:
         short = {} if self.pin_error is None else dict(pinned_pool_requested=self.requested,
