@@ -167,3 +167,32 @@ def test_stats_rows_into_one_buffer_equal_view_stats(dtype):
     view_stats_into(views[1].to(dev), poisoned, fused=False)  # the non-fused path overwrites its row
     assert [int(poisoned[0] == 0)] + poisoned[1:].tolist() == view_stats(views[1]).tolist()
 
+
+def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
+    """If the accumulating kernel fails (e.g. it does not compile on some GPU), validation
+    computes the same numbers with the per-view path, says so once, and keeps doing so;
+    forced (``fused=True``) the error surfaces."""
+    from mlora.batch.residency import host as host_mod
+    from mlora.batch.residency import wordstats
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no such instruction\ndetails")
+
+    monkeypatch.setattr(wordstats, "word_stats_into", broken)
+    monkeypatch.setattr(host_mod, "_ACCUMULATE_FAILED", None)
+    monkeypatch.setattr(host_mod, "_accumulates", lambda flat: True)  # as a GPU's large 16-bit view would
+    x = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
+    want = view_stats(x).tolist()
+    row = torch.full((4,), 99, dtype=torch.int64)  # poisoned: the fallback must overwrite it
+    with pytest.warns(RuntimeWarning, match="no such instruction"):
+        host_mod.view_stats_into(x, row)
+    assert host_mod._ACCUMULATE_FAILED == "RuntimeError: no such instruction"
+    assert [int(row[0] == 0)] + row[1:].tolist() == want
+    again = torch.zeros(4, dtype=torch.int64)
+    host_mod.view_stats_into(x, again)  # no second attempt, no second warning
+    assert calls == [1] and [int(again[0] == 0)] + again[1:].tolist() == want
+    with pytest.raises(RuntimeError):
+        host_mod.view_stats_into(x, torch.zeros(4, dtype=torch.int64), fused=True)

@@ -14,6 +14,7 @@ what the eviction predicate asks for (``host_source_verified``, 0x05D).
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -193,16 +194,28 @@ def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = Non
     operations on the engine thread. Any other view computes view_stats and stores
     ``1 - flag``. ``fused``: force the Triton path (tests, under the interpreter) or the
     other one; default: a GPU's large 16-bit views."""
+    global _ACCUMULATE_FAILED
     flat = _flat(t)
-    if fused if fused is not None else (flat.device.type != "cpu" and _fused_eligible(flat)):
+    if fused if fused is not None else (_ACCUMULATE_FAILED is None and _accumulates(flat)):
         from .wordstats import word_stats_into
 
         _, exp, mag = _FLOAT_BITS[flat.dtype]
-        word_stats_into(flat.view(torch.int16), row, exp, mag, CHECK_MODULUS)
-        return
+        try:
+            word_stats_into(flat.view(torch.int16), row, exp, mag, CHECK_MODULUS)
+            return
+        except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
+            if fused:
+                raise
+            # the same numbers the slower way, for the rest of the process; said once
+            _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"mlora: the accumulating word-stats kernel failed ({_ACCUMULATE_FAILED}); load "
+                          "validation uses the per-view kernels instead (slower, same numbers)", RuntimeWarning)
     s = view_stats(flat).to(row.device)
     s[0] = 1 - s[0]
     row.copy_(s)
+
+
+_ACCUMULATE_FAILED: str | None = None  # why word_stats_into could not run in this process (None: it can)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -213,6 +226,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     if flat.numel() * flat.element_size() > 2**32:
         raise ValueError("view_stats: a view of more than 2^31 words could overflow the weighted sum")
     return flat
+
+
+def _accumulates(flat: torch.Tensor) -> bool:
+    """view_stats_into's default: the accumulating kernel for a GPU's large 16-bit views."""
+    return flat.device.type != "cpu" and _fused_eligible(flat)
 
 
 def _fused_eligible(flat: torch.Tensor) -> bool:
