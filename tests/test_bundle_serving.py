@@ -129,6 +129,62 @@ def test_non_members_and_bad_slots_are_refused(served, tmp_path):
     assert keyed == {p.semantic_sha256: bb.index[p.bundle_member] for p in pinned.values()}
 
 
+def test_fewer_core_slots_serve_every_member_exactly_as_all_resident(served):
+    """Two core slots for the demo's members: ensure loads cores into free slots, then evicts
+    the least recently used member the call does not name; every invocation's deltas equal
+    the all-resident bank's (poisoned outputs, fresh inputs), base rows stay bit-identical,
+    and a call naming more members than slots, or a slot that holds no member, is refused."""
+    bundle, pinned, shapes, layers = served
+    members = bundle.member_ids()
+    assert len(members) >= 3
+    by_member = {p.bundle_member: a for a, p in pinned.items()}
+    full = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned)
+    few = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned, core_slots=2)
+    assert few.num_slots == 2 and few.resident == {} and few.stats.loads == 0
+    with pytest.raises(BankError) as e:
+        few.context(torch.tensor([0, -1], dtype=torch.int32))
+    assert e.value.code == "E_BANK_SLOT_EMPTY"
+    calls = [members[:2], members[2:3], [members[0], members[2]], members[1:3], members[-1:]]
+    for step, names in enumerate(calls):
+        ids = [by_member[m] for m in names]
+        slot_f, slot_w = full.ensure(ids, pinned), few.ensure(ids, pinned)
+        assert len(set(slot_w.values())) == len(ids) and all(0 <= s < 2 for s in slot_w.values())
+        g = torch.Generator().manual_seed(10 + step)
+        pick = [None] + ids + [ids[k] for k in torch.randint(0, len(ids), (6,), generator=g).tolist()]
+        ctx_f = full.context(torch.tensor([-1 if a is None else slot_f[a] for a in pick], dtype=torch.int32))
+        ctx_w = few.context(torch.tensor([-1 if a is None else slot_w[a] for a in pick], dtype=torch.int32))
+        changed = 0
+        for layer in range(layers):
+            for group in GROUPS:
+                if group not in shapes:
+                    continue
+                x = torch.randn(len(pick), shapes[group][0], generator=g)
+                y = torch.randn(len(pick), sum(shapes[group][1]), generator=g)  # fresh, non-zero outputs
+                a, b = y.clone(), y.clone()
+                ctx_f.apply(layer, group, x, a)
+                ctx_w.apply(layer, group, x, b)
+                assert torch.equal(a, b) and torch.equal(b[0], y[0])
+                changed += not torch.equal(b[1:], y[1:])
+        assert changed  # the members' deltas were really applied in this step
+    # an obviously-right LRU over the same calls: which members stay, how many loads and evictions
+    lru, loads, evictions = [], 0, 0
+    for names in calls:
+        for m in dict.fromkeys(names):
+            if m in lru:
+                lru.remove(m)
+            else:
+                loads += 1
+                if len(lru) == 2:
+                    lru.remove(next(x for x in lru if x not in names))
+                    evictions += 1
+            lru.append(m)
+    assert (few.stats.loads, few.stats.evictions) == (loads, evictions) and evictions >= 3
+    assert list(few.resident) == [pinned[by_member[m]].semantic_sha256 for m in lru]  # least recently used first
+    with pytest.raises(BankError) as e:
+        few.ensure([by_member[m] for m in members[:3]], pinned)
+    assert e.value.code == "E_BANK_FULL"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")
 def test_graph_replay_of_the_bundle_context_equals_eager(served):
     bundle, pinned, shapes, layers = served

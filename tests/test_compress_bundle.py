@@ -217,6 +217,13 @@ def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_
     assert sum(metrics["adapter_loads"].values()) == 0  # every member resident from the start: no loads
     sha = {r: s for r, s in zip(a["adapter"], a["adapter_sha256"]) if r}
     assert len(set(sha.values())) == len(members)  # one identity per member
+    # two core slots for the members: cores loaded and evicted as rows need them, same tokens
+    assert run_cli("batch-run", prompts, tmp_path / "two-slots", "--adapters", bundle, *common,
+                   "--max-gpu-adapters", 2)[0] == 0
+    two = pq.read_table(str(tmp_path / "two-slots")).to_pydict()
+    assert two["completion_token_ids"] == a["completion_token_ids"] and all(e is None for e in two["error_code"])
+    metrics = json.loads((tmp_path / "two-slots" / "_metrics.json").read_text())["metrics"]
+    assert sum(metrics["adapter_loads"].values()) >= len(members) and sum(metrics["evictions"].values()) >= 1
 
     # a tampered bundle serves nothing: every member's rows fail closed with the bundle's code
     for f in os.listdir(bundle):

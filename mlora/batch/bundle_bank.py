@@ -22,20 +22,27 @@ depends on the batch's data, so an invocation needs no host synchronisation
 and can be captured in a CUDA graph (the LoRA inputs are one ``row_member``
 vector, refilled per replay).
 
-Residency (spec 0x06G9): the bases and every member's core are loaded once,
-when the job starts, and stay resident for the whole job: a basis is never
-evicted while a member is in flight because nothing is ever evicted, and a
-core is only ever used with the basis generation it was fitted with (both
-come from the one verified bundle). Device memory is therefore the bundle's
-parameter count (:meth:`BundleBank.bytes_needed`); the job refuses a bundle
-larger than the adapters' share of GPU memory at start (``E_BUNDLE_TOO_LARGE``,
-``mlora.batch.session``) rather than serving it partially. Not built yet: per-cluster eviction of bases and cores under a
-memory budget, and a Triton path (this one runs dense torch GEMMs on either
-device).
+Residency (spec 0x06G9): the shared bases are loaded when the job starts and
+stay resident for the whole job, so a basis is never evicted while a member is
+in flight, and a core is only ever used with the basis generation it was
+fitted with (both come from the one verified bundle, checked at pin time).
+Members' cores live in ``core_slots`` device slots (all members' cores for
+all modules of one member in one slot row). When every member has a slot
+(the default when the bundle fits in the adapters' share of GPU memory) all
+are loaded at start and slot = member index. With fewer slots
+(``--max-gpu-adapters``, or the bundle larger than the share while its bases
+fit), ``ensure`` copies a member's cores from host memory into a free slot or
+the least recently used one the call does not name, on the current stream:
+the kernels of earlier invocations that read the slot were enqueued before the
+copy, so stream order retires them first. More distinct members in one call
+than slots is E_BANK_FULL (the scheduler admits at most ``num_slots``). Not
+built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``), and a
+Triton path (this one runs dense torch GEMMs on either device).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +54,10 @@ from .lora import GROUPS, ROLE_SLICE
 
 @dataclass
 class _Module:
-    """Device tensors of one (layer, role): ``V`` [d_in, K*R], ``Ut`` [K*R, d_out],
-    ``cores`` [M+1, R, R] (JD-Full) or [M+1, R] (JD-Diag) with row M all zero,
-    ``cluster`` int64 [M+1] (member -> cluster, 0 for M), ``adapts`` bool [M+1]."""
+    """Device tensors of one (layer, role): ``V`` [d_in, K*R], ``Ut`` [K*R, d_out], and
+    views of the bank's slot tables: ``cores`` [S+1, R, R] (JD-Full) or [S+1, R] (JD-Diag)
+    with row S all zero, ``cluster`` int64 [S+1] (slot -> its member's cluster, 0 for S),
+    ``adapts`` bool [S+1] (False for S and for members that do not adapt the module)."""
 
     V: torch.Tensor
     Ut: torch.Tensor
@@ -61,14 +69,15 @@ class _Module:
 
 
 class BundleBank:
-    """All members of one bundle resident, each member a "slot" (its index in the
-    bundle's member order). Implements the bank protocol the engine uses:
-    ``ensure``, ``context``, ``resident``, ``stats``, ``num_slots``, ``max_rank``."""
+    """One bundle's shared bases resident and its members' cores in ``num_slots`` slots
+    (``core_slots``; default one per member, loaded at start, slot = member index).
+    Implements the bank protocol the engine uses: ``ensure``, ``context``, ``resident``,
+    ``stats``, ``num_slots``, ``max_rank``."""
 
     error = BankError
 
     def __init__(self, bundle, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype,
-                 device, pinned: dict[str, PinnedAdapter] | None = None):
+                 device, pinned: dict[str, PinnedAdapter] | None = None, core_slots: int | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers = num_layers
@@ -76,15 +85,23 @@ class BundleBank:
         self.method = bundle.method
         self.members = bundle.member_ids()
         self.index = {m: i for i, m in enumerate(self.members)}
-        self.num_slots = len(self.members)
+        M = len(self.members)
+        self.num_slots = S = M if core_slots is None else max(1, min(M, int(core_slots)))
         self.max_rank = int(bundle.manifest["options"]["rank"])
         self.groups = tuple(g for g in GROUPS if g in shapes)
         self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in self.groups}
         self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
         self.stats = BankStats()
-        self.modules: dict[tuple[int, str], _Module] = {}
-        M = self.num_slots
-        for name, mod in bundle.manifest["modules"].items():
+        R, diag = self.max_rank, self.method == "jd-diag"
+        names = sorted(bundle.manifest["modules"])
+        core_shape = (R,) if diag else (R, R)
+        # host tables, member-major: one member's cores for every module are one contiguous row
+        host_cores = torch.zeros((M, len(names)) + core_shape, dtype=torch.float32)
+        host_cluster = torch.zeros(M, len(names), dtype=torch.int64)
+        host_adapts = torch.zeros(M, len(names), dtype=torch.bool)
+        bases = {}
+        for mi, name in enumerate(names):
+            mod = bundle.manifest["modules"][name]
             parts = name.split(".")
             layer, role = int(parts[2]), parts[-1]
             group, j = ROLE_SLICE[role]
@@ -94,53 +111,76 @@ class BundleBank:
             if (int(mod["d_out"]), int(mod["d_in"])) != (d_out, d_in):
                 raise BankError("E_BANK_SHAPE", f"bundle module {name} is [{mod['d_out']}, {mod['d_in']}], the model "
                                 f"has [{d_out}, {d_in}]")
-            K, R = int(mod["clusters"]), self.max_rank
+            K = int(mod["clusters"])
             V = torch.cat([bundle.bases[f"{name}/cluster{k}/V"] for k in range(K)], dim=1)  # [d_in, K*R]
             Ut = torch.cat([bundle.bases[f"{name}/cluster{k}/U"] for k in range(K)], dim=1).T  # [K*R, d_out]
-            diag = self.method == "jd-diag"
-            cores = torch.zeros((M + 1, R) if diag else (M + 1, R, R), dtype=torch.float32)
-            cluster = torch.zeros(M + 1, dtype=torch.int64)
-            adapts = torch.zeros(M + 1, dtype=torch.bool)
             for member, c in mod["assignments"].items():
                 i = self.index[member]
-                cores[i] = bundle.cores[f"{name}/{member}"]
-                cluster[i], adapts[i] = int(c), True
-            self.modules[(layer, role)] = _Module(
-                V=V.to(self.device, dtype).contiguous(), Ut=Ut.to(self.device, dtype).contiguous(),
-                cores=cores.to(self.device, dtype), cluster=cluster.to(self.device), adapts=adapts.to(self.device),
-                K=K, R=R)
+                host_cores[i, mi] = bundle.cores[f"{name}/{member}"]
+                host_cluster[i, mi], host_adapts[i, mi] = int(c), True
+            bases[(layer, role)] = (mi, V.to(self.device, dtype).contiguous(), Ut.to(self.device, dtype).contiguous(), K)
+        # device slot tables; row S is the base model's (zero core, adapts nothing)
+        self.slot_cores = torch.zeros((S + 1, len(names)) + core_shape, dtype=dtype, device=self.device)
+        self.slot_cluster = torch.zeros(S + 1, len(names), dtype=torch.int64, device=self.device)
+        self.slot_adapts = torch.zeros(S + 1, len(names), dtype=torch.bool, device=self.device)
+        self.modules: dict[tuple[int, str], _Module] = {
+            key: _Module(V=V, Ut=Ut, cores=self.slot_cores[:, mi], cluster=self.slot_cluster[:, mi],
+                         adapts=self.slot_adapts[:, mi], K=K, R=R)
+            for key, (mi, V, Ut, K) in bases.items()}
         self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in self.modules)
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # member -> slot, least recently used first
+        if S == M:  # every member has its slot, for the whole job
+            self.slot_cores[:M] = host_cores.to(self.device, dtype)
+            self.slot_cluster[:M], self.slot_adapts[:M] = host_cluster.to(self.device), host_adapts.to(self.device)
+            self._slot_of.update((i, i) for i in range(M))
+            self._host = None
+        else:  # cores stay on the host (page-locked on a GPU: copies are asynchronous) until a slot takes them
+            tables = (host_cores.to(dtype), host_cluster, host_adapts)
+            self._host = tuple(t.pin_memory() for t in tables) if self.device.type == "cuda" else tables
         # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
-        self._resident = {p.semantic_sha256: self.index[p.bundle_member] for p in (pinned or {}).values()
-                          if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
+        self._sha_of = {self.index[p.bundle_member]: p.semantic_sha256 for p in (pinned or {}).values()
+                        if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
 
     @staticmethod
-    def bytes_needed(bundle, dtype: torch.dtype) -> int:
-        """Device bytes the resident bundle takes (bases, cores with one zero row, tables)."""
+    def bytes_needed(bundle, dtype: torch.dtype, core_slots: int | None = None) -> int:
+        """Device bytes of the bank with ``core_slots`` slots (None: one per member)."""
+        bases, per_slot = BundleBank.split_bytes(bundle, dtype)
+        slots = len(bundle.member_ids()) if core_slots is None else core_slots
+        return bases + (slots + 1) * per_slot
+
+    @staticmethod
+    def split_bytes(bundle, dtype: torch.dtype) -> tuple[int, int]:
+        """(device bytes of the shared bases, device bytes of one core slot: every module's
+        core, cluster and adapts entries)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        M = len(bundle.member_ids())
         R = int(bundle.manifest["options"]["rank"])
         core = R if bundle.method == "jd-diag" else R * R
-        total = 0
+        bases = per_slot = 0
         for mod in bundle.manifest["modules"].values():
-            total += int(mod["clusters"]) * R * (int(mod["d_in"]) + int(mod["d_out"])) * elem
-            total += (M + 1) * (core * elem + 9)
-        return total
+            bases += int(mod["clusters"]) * R * (int(mod["d_in"]) + int(mod["d_out"])) * elem
+            per_slot += core * elem + 9
+        return bases, per_slot
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for m in self.modules.values()
-                   for t in (m.V, m.Ut, m.cores, m.cluster, m.adapts))
+        tables = sum(t.numel() * t.element_size() for t in (self.slot_cores, self.slot_cluster, self.slot_adapts))
+        return tables + sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.V, m.Ut))
 
     @property
     def resident(self) -> dict[str, int]:
-        """semantic_sha256 -> slot of every member pinned for the job (all resident, always)."""
-        return dict(self._resident)
+        """semantic_sha256 -> slot of every pinned member whose cores are in a slot, least
+        recently used first."""
+        return {self._sha_of[i]: slot for i, slot in self._slot_of.items() if i in self._sha_of}
+
+    def source_tier(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> str:
+        """Where a member's load copies from: its cores are held in host memory."""
+        return "host"
 
     def ensure(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> dict[str, int]:
-        """adapter id -> slot (its member index); every member is already resident. An id
-        that is not a servable member of this bundle raises BankError (never served as the
-        base model or another member)."""
-        out = {}
+        """adapter id -> slot of every listed member, loading the cores of members without a
+        slot (LRU eviction among members this call does not name). An id that is not a
+        servable member of this bundle raises BankError (never served as the base model or
+        another member); more distinct members than slots raise E_BANK_FULL."""
+        member_of = {}
         for adapter_id in adapter_ids:
             p = pinned.get(adapter_id)
             if p is None:
@@ -152,22 +192,53 @@ class BundleBank:
                 raise BankError("E_BANK_BUNDLE_MISMATCH", f"adapter {adapter_id!r} is not a member of the bundle "
                                 f"{self.bundle_sha256[:16]} this job serves with the three-stage operator; serve "
                                 "mixed jobs with --bundle-operator materialized")
-            out[adapter_id] = self.index[p.bundle_member]
-            self.stats.hits += 1
-        return out
+            member_of[adapter_id] = self.index[p.bundle_member]
+        wanted = dict.fromkeys(member_of.values())
+        if len(wanted) > self.num_slots:
+            raise BankError("E_BANK_FULL", f"{len(wanted)} distinct bundle members requested at once, the bank has "
+                            f"{self.num_slots} core slots; the scheduler must admit at most that many")
+        for i in wanted:
+            if i in self._slot_of:
+                self.stats.hits += 1
+                self._slot_of.move_to_end(i)
+            else:
+                self.stats.misses += 1
+                self._load(i, wanted)
+        return {a: self._slot_of[i] for a, i in member_of.items()}
+
+    def _load(self, member: int, keep) -> None:
+        """Copy ``member``'s cores into a free slot, else into the least recently used slot of
+        a member not in ``keep``."""
+        used = set(self._slot_of.values())
+        free = next((s for s in range(self.num_slots) if s not in used), None)
+        if free is None:
+            victim = next(i for i in self._slot_of if i not in keep)  # exists: len(keep) <= num_slots
+            free = self._slot_of.pop(victim)
+            self.stats.evictions += 1
+        cores, cluster, adapts = self._host
+        self.slot_cores[free].copy_(cores[member], non_blocking=True)
+        self.slot_cluster[free].copy_(cluster[member], non_blocking=True)
+        self.slot_adapts[free].copy_(adapts[member], non_blocking=True)
+        self._slot_of[member] = free
+        self.stats.loads += 1
 
     def close(self) -> None:
         """Nothing runs in the background (no loads, no prefetch threads)."""
 
     def context(self, row_slots: torch.Tensor, static=None) -> "BundleContext":
-        """The LoraContext of one invocation. ``row_slots`` [T]: each packed row's member
-        index, -1 for the base model. ``static``: a [T] int64 device buffer (a captured
-        graph's) to copy the row members into; the context then reads that buffer."""
+        """The LoraContext of one invocation. ``row_slots`` [T]: each packed row's slot (from
+        :meth:`ensure`), -1 for the base model; a slot that holds no member is refused (it
+        would serve the base model silently). ``static``: a [T] int64 device buffer (a
+        captured graph's) to copy the row slots into; the context then reads that buffer."""
         if row_slots.dim() != 1:
             raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
         host = row_slots.to("cpu", torch.int64)
         if host.numel() and (int(host.min()) < -1 or int(host.max()) >= self.num_slots):
             raise BankError("E_BANK_SLOT_EMPTY", f"row_slots must lie in [-1, {self.num_slots}); -1 = base only")
+        if len(self._slot_of) < self.num_slots:
+            empty = set(host.tolist()) - {-1} - set(self._slot_of.values())
+            if empty:
+                raise BankError("E_BANK_SLOT_EMPTY", f"slots {sorted(empty)} hold no member (ensure loads them)")
         members = torch.where(host < 0, self.num_slots, host)  # the zero core's row
         if static is not None:
             static[: members.numel()].copy_(members, non_blocking=True)

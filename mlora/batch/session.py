@@ -54,12 +54,20 @@ class EngineSession:
             from .bundle_bank import BundleBank
             from .job import ADAPTER_MEMORY_SHARE, JobError, _usable_gpu_bytes
 
-            need = BundleBank.bytes_needed(bundle, dtype)
-            if device.type == "cuda" and need > ADAPTER_MEMORY_SHARE * _usable_gpu_bytes(opts, device):
-                raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle needs {need / 2**30:.2f} GiB resident, more than "
-                               "the adapters' share of GPU memory; serve its members through slots with "
-                               "--bundle-operator materialized, or raise --gpu-memory-utilization")
-            self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good)
+            members = len(bundle.member_ids())
+            core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
+            if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
+                share = ADAPTER_MEMORY_SHARE * _usable_gpu_bytes(opts, device)
+                bases, per_slot = BundleBank.split_bytes(bundle, dtype)
+                fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
+                if fit < 1:
+                    need = BundleBank.bytes_needed(bundle, dtype, 1)
+                    raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases need {need / 2**30:.2f} GiB "
+                                   "resident, more than the adapters' share of GPU memory; serve its members through "
+                                   "slots with --bundle-operator materialized, or raise --gpu-memory-utilization")
+                core_slots = min(core_slots, fit)
+            self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
+                                   core_slots=core_slots)
         elif good:
             host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
             # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
