@@ -53,6 +53,7 @@ from .storage import SlotStorage
 
 WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
 DEFAULT_HOST_CACHE_IMAGES = 128  # host cache bound on a GPU without --host-cache-gb (images, in pinned blocks)
+DEFAULT_PINNED_BYTES = 16 << 30  # and the default pool's bytes at most (pinned at start: ~2-7 GB/s)
 PINNED_HEADROOM = 40  # pinned blocks beyond cache + slots: builds and loads in flight, a hotswap's image
 
 
@@ -95,11 +96,14 @@ class ResidencyBank(SlotTensors):
             # slots keep, headroom for builds and loads in flight; never more than the job's
             # adapters need. An image that finds no free block stays pageable (counted).
             block = self.layout.max_image_bytes()
-            if host_cache_bytes is None:
+            default = host_cache_bytes is None
+            if default:
                 host_cache_bytes = DEFAULT_HOST_CACHE_IMAGES * block
             blocks = host_cache_bytes // block + num_slots + PINNED_HEADROOM
             if expected_adapters is not None:
                 blocks = min(blocks, expected_adapters + PINNED_HEADROOM)
+            if default:  # large adapters: bounded start-up pinning (images beyond stay pageable, counted)
+                blocks = min(blocks, max(1, DEFAULT_PINNED_BYTES // block))
             self.pinned_pool = PinnedPool(block, blocks, fence=copier.record)
         host = HostCache(host_cache_bytes, pin=self.pinned_pool is not None, pool=self.pinned_pool)
         self.residency = Residency(storage, pool, host, copier=copier, faults=faults,
