@@ -142,3 +142,46 @@ def test_cuda_bank_images_live_in_the_pinned_pool(pinned):
     bank.ensure(["qv"], pinned)
     art = bank.residency.host.get(pinned["qv"].semantic_sha256)
     assert art.transfer_ready and art.pieces[0].src.is_pinned() and bank.pinned_pool.takes >= 1
+
+
+def _bank_tests():
+    """test_residency's bank tests (they build banks through ``rbank``) that take only the
+    ``pinned`` and ``tmp_path`` fixtures."""
+    import inspect
+
+    import test_residency as tr
+
+    out = []
+    for name, fn in vars(tr).items():
+        if name.startswith("test_") and callable(fn) and not hasattr(fn, "pytestmark") \
+                and "rbank(" in inspect.getsource(fn) and set(inspect.signature(fn).parameters) <= {"pinned", "tmp_path"}:
+            out.append(name)
+    return sorted(out)
+
+
+@pytest.mark.parametrize("name", _bank_tests())
+def test_bank_tests_hold_with_images_in_a_three_block_pool(name, pinned, tmp_path, monkeypatch):
+    """Every bank test of test_residency (loads, evictions, rollbacks, fault injection,
+    hotswap) again with host images staged through a pool of three blocks: blocks recycle,
+    some images stay pageable, and nothing the tests check changes."""
+    import inspect
+
+    import test_residency as tr
+
+    real, pools = tr.rbank, []
+
+    def pooled(slots=2, **kw):
+        if "pinned_pool" not in kw:
+            kw["pinned_pool"] = PinnedPool(real(slots).layout.max_image_bytes(), 3, pin=False)
+            pools.append(kw["pinned_pool"])
+        return real(slots, **kw)
+
+    monkeypatch.setattr(tr, "rbank", pooled)
+    fn = getattr(tr, name)
+    args = {"pinned": pinned, "tmp_path": tmp_path}
+    fn(**{p: args[p] for p in inspect.signature(fn).parameters})
+    assert pools and sum(p.takes for p in pools) > 0  # the test's banks really staged images in blocks
+
+
+def test_the_pooled_bank_tests_are_many():
+    assert len(_bank_tests()) >= 10  # the parametrisation above really covers the bank tests
