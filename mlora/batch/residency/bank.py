@@ -54,7 +54,7 @@ from .storage import SlotStorage
 WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
 DEFAULT_HOST_CACHE_IMAGES = 128  # host cache bound on a GPU without --host-cache-gb (images, in pinned blocks)
 DEFAULT_PINNED_BYTES = 16 << 30  # and the default pool's bytes at most (pinned at start: ~2-7 GB/s)
-PINNED_HEADROOM = 40  # pinned blocks beyond cache + slots: builds and loads in flight, a hotswap's image
+PINNED_HEADROOM = 40  # pinned blocks beyond the cache's: builds and loads in flight, a hotswap's image
 
 
 class BankError(ResidencyError):
@@ -92,14 +92,15 @@ class ResidencyBank(SlotTensors):
         if pinned_pool is None and self.device.type == "cuda":
             # every host image lives in a block pinned here, before the first row: pinning while
             # the job runs stalls the engine thread's CUDA calls (pinned.py). Blocks: the host
-            # cache's images (default bound DEFAULT_HOST_CACHE_IMAGES), the images resident
-            # slots keep, headroom for builds and loads in flight; never more than the job's
-            # adapters need. An image that finds no free block stays pageable (counted).
+            # cache's images (default bound DEFAULT_HOST_CACHE_IMAGES) and headroom for builds
+            # and loads in flight (a published adapter keeps no image: HostArtifact.header);
+            # never more than the job's adapters need. An image that finds no free block stays
+            # pageable (counted).
             block = self.layout.max_image_bytes()
             default = host_cache_bytes is None
             if default:
                 host_cache_bytes = DEFAULT_HOST_CACHE_IMAGES * block
-            blocks = host_cache_bytes // block + num_slots + PINNED_HEADROOM
+            blocks = host_cache_bytes // block + PINNED_HEADROOM
             if expected_adapters is not None:
                 blocks = min(blocks, expected_adapters + PINNED_HEADROOM)
             if default:  # large adapters: bounded start-up pinning (images beyond stay pageable, counted)

@@ -70,6 +70,14 @@ class HostArtifact:
                 self.nonzeros[p.view] = self.nonzeros.get(p.view, 0) + int(torch.count_nonzero(p.src))
         return self.image_sha256, self.nonzeros
 
+    def header(self) -> "HostArtifact":
+        """The same artifact without its bytes (no pieces): what a published entry keeps
+        (identity, name, pages, metadata, check numbers). A rollback restores a victim from
+        the host cache or its verified source, never from the entry, so a resident adapter
+        holds no host memory (no pinned block) of its own."""
+        return HostArtifact(self.key, self.digest, [], self.name, self.pages, self.meta, self.image_sha256,
+                            dict(self.nonzeros), dict(self.checks))
+
     @property
     def nbytes(self) -> int:
         return sum(p.src.numel() * p.src.element_size() for p in self.pieces)

@@ -606,6 +606,8 @@ class Residency:
             if txn.entry.digest not in self._loaded_digests:
                 self._loaded_digests.add(txn.entry.digest)
                 self.stats.unique_load_bytes += txn.entry.artifact.nbytes
+            if txn.entry.state in BINDABLE:  # landed and validated: the entry needs no host bytes any more
+                txn.entry.artifact = txn.entry.artifact.header()
             self.stats.prefetches += txn.prefetch
             self.stats.loads += not txn.prefetch
             self.stats.load_seconds.append(time.perf_counter() - txn.started)
@@ -680,6 +682,7 @@ class Residency:
         self._move(e, S.VALIDATED)
         self._log(f"validate {e.label}")
         self._publish_entry(e, slot, txn.id)
+        e.artifact = e.artifact.header()  # restored and validated: no host bytes held (see _commit)
         e.txn = None
         slot.txn = None
         self.stats.restores += 1
