@@ -27,7 +27,8 @@ for; the figures go into BENCHMARKS.md.
   copy and validation, plus the host build when it was not prefetched; with
   asynchronous loads only the part that did not overlap device work), the
   copy stream's time per load (copies and validation reads, from CUDA
-  events: what the cold-load target compares with its floor), H2D
+  events: what the cold-load target compares with its floor; mean, median,
+  p90, and the copies alone), H2D
   bytes; and the ratio of the two throughputs. The cold-load floor is one adapter's
   bytes over the host-to-device bandwidth of pinned memory, measured in the
   same run (CUDA only).
@@ -274,14 +275,19 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          pinned_pool={k: v for k, v in summary.bank.items() if k.startswith("pinned_pool")},
                          loads=sum(m["adapter_loads"].values()),
                          load_device_ms_mean=summary.bank.get("load_device_ms_mean"),
+                         load_device_ms_p50=summary.bank.get("load_device_ms_p50"),
                          load_device_ms_p90=summary.bank.get("load_device_ms_p90"),
+                         load_copy_ms_mean=summary.bank.get("load_copy_ms_mean"),
+                         load_copy_ms_p50=summary.bank.get("load_copy_ms_p50"),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
         if progress:  # each run's figures as soon as it ends: a later run that overruns a time limit loses only itself
             r = runs[-1]
             progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {m['iterations']} iterations taking "
                      f"{m['iteration_seconds']:.1f} of {m['elapsed_s']:.1f} s, {r['loads']} loads, mean load "
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
-                     + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p90']} ms p90), amplification "
+                     + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p50']} p50, "
+                     f"{r['load_device_ms_p90']} p90; copies alone {r['load_copy_ms_mean']} mean, "
+                     f"{r['load_copy_ms_p50']} p50), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     by = {r["name"]: r for r in runs}

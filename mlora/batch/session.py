@@ -127,12 +127,15 @@ class EngineSession:
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
-        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in ("load_seconds", "load_device_seconds")} \
-            if self.bank else {}
-        device_s = sorted(getattr(self.bank.stats, "load_device_seconds", ()) if self.bank else ())
-        if device_s:  # the copy stream's time per load (copies + validation reads), not the engine's wait
-            bank.update(load_device_ms_mean=round(1e3 * sum(device_s) / len(device_s), 4),
-                        load_device_ms_p90=round(1e3 * device_s[int(0.9 * (len(device_s) - 1))], 4))
+        per_load = ("load_seconds", "load_device_seconds", "load_copy_seconds")
+        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in per_load} if self.bank else {}
+        # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's wait
+        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds")):
+            times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
+            if times:
+                bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
+                             f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
+                             f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
         if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
             bank["loads_started_ahead"] = self.bank.loads_started_ahead
         pool = getattr(self.bank, "pinned_pool", None)

@@ -97,7 +97,7 @@ class Entry:
     prefetched: bool = False
     txn: str | None = None  # the open transaction loading it or holding it as a victim
     probe: Probe | None = None  # issued after its copies (read at validation), while loading
-    timing: tuple | None = None  # (start, end) copier marks around its copies and validation reads
+    timing: tuple | None = None  # (start, copied, end) copier marks: before the copies, after them, after validation's reads
 
     @property
     def label(self) -> str:
@@ -205,11 +205,14 @@ class ResidencyStats:
     # device time of each committed load's copies and validation reads on the copy stream (the
     # cold-load figure of the step-4 target; CPU: the synchronous copies' wall time)
     load_device_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    # of which the copies alone (start mark to the mark after the last copy)
+    load_copy_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
         out["load_seconds"] = list(self.load_seconds)
         out["load_device_seconds"] = list(self.load_device_seconds)
+        out["load_copy_seconds"] = list(self.load_copy_seconds)
         return out
 
 
@@ -612,10 +615,13 @@ class Residency:
             self.stats.loads += not txn.prefetch
             self.stats.load_seconds.append(time.perf_counter() - txn.started)
             if txn.entry.timing is not None:
-                device_s = self.copier.elapsed(*txn.entry.timing)
+                start, copied, end = txn.entry.timing
+                device_s, copy_s = self.copier.elapsed(start, end), self.copier.elapsed(start, copied)
                 txn.entry.timing = None
                 if device_s is not None:
                     self.stats.load_device_seconds.append(device_s)
+                if copy_s is not None:
+                    self.stats.load_copy_seconds.append(copy_s)
         return Admission(txn.id, handle, tuple(txn.kv if txn.request else ()), txn.request)
 
     # ---- rollback (0x05F) -------------------------------------------------------------
@@ -963,10 +969,11 @@ class Residency:
                 self.faults.check("copy", e.key, name, attempt)
         if not e.artifact.pieces:
             self.faults.check("copy", e.key, name, attempt)
+        copied = self.copier.mark()
         with self.copier.side():  # ordered after the copies: injected corruption, then validation's reads
             self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
             e.probe = probe_landed(views, non_blocking=True)  # queued behind the copies: nothing waits at validation
-        e.timing = (start, self.copier.mark())
+        e.timing = (start, copied, self.copier.mark())
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)
