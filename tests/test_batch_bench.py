@@ -107,6 +107,41 @@ def test_peft_baseline_runs_the_same_job(run_cli):
     assert r["rows"] == 5 and r["generated_tokens"] == 5 * 4 and r["tokens_per_s"] > 0
 
 
+def test_peft_baseline_finds_the_largest_batch_that_fits(monkeypatch):
+    """--batch-size 0: batches that run out of memory are retried at half the size, the size
+    that worked is kept, every row is generated once, and the failed attempts' time is
+    reported apart from the baseline's."""
+    from mlora.batch import bench_peft
+    from mlora.batch.bench import BatchBenchOptions
+
+    real, sizes = bench_peft.add_adapters, []
+
+    def limited(model, n, rank, seed=0):
+        peft = real(model, n, rank, seed)
+        generate = peft.generate
+
+        def capped(**kw):
+            sizes.append(len(kw["input_ids"]))
+            if len(kw["input_ids"]) > 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return generate(**kw)
+
+        peft.generate = capped
+        return peft
+
+    monkeypatch.setattr(bench_peft, "add_adapters", limited)
+    o = BatchBenchOptions(preset="tiny", rows=7, rank=4, prompt_min=3, prompt_max=9, max_new_tokens=2, device="cpu",
+                          dtype="float32")
+    r = bench_peft.run_peft_baseline(o, 2, 0)
+    assert sizes == [7, 3, 3, 1] and r["batch_size"] == 3 and r["generated_tokens"] == 7 * 2
+    assert r["out_of_memory_s"] >= 0 and r["tokens_per_s"] > 0
+    sizes.clear()
+    import pytest
+
+    with pytest.raises(torch.OutOfMemoryError):  # a fixed batch size that does not fit raises
+        bench_peft.run_peft_baseline(o, 2, 5)
+
+
 def test_peft_baseline_adapters_change_the_output():
     from mlora.batch.bench_peft import add_adapters, hf_model
 

@@ -10,10 +10,12 @@ on the device; the ``n`` adapters are random rank-``rank`` LoRA on all seven
 projections (``lora_B`` non-zero so every adapter changes the output).
 
 Reported: generated tokens per second over the whole job (wall clock, after
-the model and its adapters are built: ``setup_s``), and after every batch a
-progress call with the tokens and seconds so far. The
-batch size is the caller's: the largest that fits is found by trying (the
-issue's "largest batch that fits"); an out-of-memory batch raises.
+the model and its adapters are built: ``setup_s``, without the time of
+batches that ran out of memory: ``out_of_memory_s``), and after every batch a
+progress call with the tokens and seconds so far. Batch size: the caller's
+(an out-of-memory batch raises), or 0 for the largest that fits (the issue's
+"largest batch that fits"): ``AUTO_START`` rows, halved after each
+out-of-memory batch, the size that worked kept for the rest of the job.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from .bench import BatchBenchOptions, PRESETS, _requests, preset_config
 
+AUTO_START = 256  # --batch-size 0: the first batch size tried
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,11 +72,15 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
     model = add_adapters(hf_model(o.preset, dtype, dev, o.seed), n_adapters, o.rank, o.seed)
     setup = time.perf_counter() - t_setup
     reqs = _requests(o, config, n_adapters, o.rows, o.max_new_tokens, o.seed)
-    generated = 0
+    generated, lost = 0, 0.0  # lost: seconds of batches that ran out of memory (not the baseline's time)
+    auto = batch_size == 0
+    if auto:  # the largest batch that fits: start high, halve on out-of-memory, keep what worked
+        batch_size = min(len(reqs), AUTO_START)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for start in range(0, len(reqs), batch_size):
+    start = 0
+    while start < len(reqs):
         batch = reqs[start : start + batch_size]
         width = max(len(r.prompt_ids) for r in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -85,13 +92,25 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
                       do_sample=False, pad_token_id=0)  # no EOS id: every row runs to max_new_tokens
         if n_adapters:
             kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
-        with torch.no_grad():
-            out = model.generate(**kwargs)
+        t_batch = time.perf_counter()
+        try:
+            with torch.no_grad():
+                out = model.generate(**kwargs)
+        except torch.OutOfMemoryError:
+            if not auto or batch_size == 1:
+                raise
+            del kwargs, ids, mask
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            lost += time.perf_counter() - t_batch
+            batch_size //= 2
+            continue
         generated += (out.shape[1] - width) * len(batch)
+        start += len(batch)
         if progress:  # with the tokens so far: a run stopped by a time limit still tells its rate
-            progress(start + len(batch), len(reqs), generated, time.perf_counter() - t0, setup)
+            progress(start, len(reqs), generated, time.perf_counter() - t0 - lost, setup)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - lost
     return dict(adapters=n_adapters, rows=len(reqs), batch_size=batch_size, generated_tokens=generated, wall_s=wall,
-                tokens_per_s=generated / wall, setup_s=setup)
+                tokens_per_s=generated / wall, setup_s=setup, out_of_memory_s=lost)

@@ -346,7 +346,8 @@ def bench_peft(
     rows: int = typer.Option(512, "--rows", min=1),
     adapters: int = typer.Option(8, "--adapters", min=0, help="Distinct adapters (0 = base only)."),
     rank: int = typer.Option(16, "--rank", min=1),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Rows per generate() call (use the largest that fits)."),
+    batch_size: int = typer.Option(0, "--batch-size", min=0,
+                                   help="Rows per generate() call; 0: the largest that fits (256, halved on out-of-memory)."),
     prompt_min: int = typer.Option(128, "--prompt-min", min=1),
     prompt_max: int = typer.Option(1024, "--prompt-max", min=1),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
@@ -370,7 +371,7 @@ def bench_peft(
 
     r = run_peft_baseline(opts, adapters, batch_size, progress=progress)
     if not _save(r, out, json_out, indent=None):
-        Console().print(f"transformers + PEFT, {adapters} adapters, batch {batch_size}: {r['tokens_per_s']:.1f} "
+        Console().print(f"transformers + PEFT, {adapters} adapters, batch {r['batch_size']}: {r['tokens_per_s']:.1f} "
                         f"generated tokens/s ({r['generated_tokens']} tokens in {r['wall_s']:.1f} s)")
 
 
