@@ -110,6 +110,28 @@ def test_static_buffer_context_equals_a_fresh_one(served):
     assert torch.equal(a, b) and not torch.equal(a, y0)
 
 
+def test_a_context_serving_two_passes_gathers_its_rows_again(served):
+    """A graph's context serves a warm-up pass, then the captured one: the rows' tables are
+    gathered again when a pass starts (a (layer, group) applied a second time), so a pass
+    after the row members changed (as a replay's refill does) uses the new members."""
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    members = torch.empty(4, dtype=torch.int64)
+    ctx = bb.graph_context(members)  # every row the base model's zero core
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, shapes["qkv"][0], generator=g)
+    y0 = torch.randn(4, sum(shapes["qkv"][1]), generator=g)
+    warm = y0.clone()
+    for layer in range(layers):  # the warm-up pass: base rows only, nothing changes
+        ctx.apply(layer, "qkv", x, warm if layer == 0 else torch.randn(4, sum(shapes["qkv"][1]), generator=g))
+    assert torch.equal(warm, y0)
+    bb.context(torch.tensor([0, -1, 1, 0], dtype=torch.int32), static=members)  # refill, as before a replay
+    got, want = y0.clone(), y0.clone()
+    ctx.apply(0, "qkv", x, got)  # the next pass
+    bb.context(torch.tensor([0, -1, 1, 0], dtype=torch.int32)).apply(0, "qkv", x, want)
+    assert torch.equal(got, want) and not torch.equal(got, y0) and torch.equal(got[1], y0[1])
+
+
 def test_non_members_and_bad_slots_are_refused(served, tmp_path):
     bundle, pinned, shapes, layers = served
     bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu")

@@ -66,6 +66,7 @@ class _Module:
     adapts: torch.Tensor
     K: int
     R: int
+    index: int  # its column in the bank's slot tables
 
 
 class BundleBank:
@@ -125,7 +126,7 @@ class BundleBank:
         self.slot_adapts = torch.zeros(S + 1, len(names), dtype=torch.bool, device=self.device)
         self.modules: dict[tuple[int, str], _Module] = {
             key: _Module(V=V, Ut=Ut, cores=self.slot_cores[:, mi], cluster=self.slot_cluster[:, mi],
-                         adapts=self.slot_adapts[:, mi], K=K, R=R)
+                         adapts=self.slot_adapts[:, mi], K=K, R=R, index=mi)
             for key, (mi, V, Ut, K) in bases.items()}
         self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in self.modules)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # member -> slot, least recently used first
@@ -253,10 +254,25 @@ class BundleBank:
 
 
 class BundleContext:
-    """``mlora.batch.lora.LoraContext`` of a BundleBank for one invocation."""
+    """``mlora.batch.lora.LoraContext`` of a BundleBank for one invocation. The rows' clusters
+    and adapts flags for every module are gathered once per forward pass, at its first
+    ``apply``, not once per module. A context can serve several passes (a graph's warm-up
+    run, then its capture): a pass starts when a (layer, group) is applied again, and then
+    gathers anew, so a captured pass records its own gathers and a replay redoes them for
+    its rows (reusing the warm-up's tensors would replay stale rows)."""
 
     def __init__(self, bank: BundleBank, row_members: torch.Tensor):
         self.bank, self.row_members = bank, row_members
+        self._rows = None  # (arange(T), clusters [T, modules], adapts [T, modules]) of this pass
+        self._applied: set = set()  # the (layer, group) pairs applied in this pass
+
+    def _row_tables(self, key, T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._rows is None or key in self._applied or self._rows[0].numel() != T:
+            m_idx = self.row_members
+            self._rows = (torch.arange(T, device=device), self.bank.slot_cluster[m_idx], self.bank.slot_adapts[m_idx])
+            self._applied = set()
+        self._applied.add(key)
+        return self._rows
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the members' three-stage deltas to ``y`` in place (semantics: module docstring)."""
@@ -264,14 +280,14 @@ class BundleContext:
         if (layer, group) not in bank.targeted:
             return
         T = x.shape[0]
-        rows = torch.arange(T, device=x.device)
+        rows, clusters, adapts = self._row_tables((layer, group), T, x.device)
         m_idx = self.row_members
         for j, role in enumerate(GROUPS[group]):
             mod = bank.modules.get((layer, role))
             if mod is None:
                 continue
             H = (x @ mod.V).view(T, mod.K, mod.R)  # every cluster's projection
-            c = mod.cluster[m_idx]
+            c = clusters[:, mod.index]
             h = H[rows, c]  # [T, R]: the row's own cluster
             core = mod.cores[m_idx]
             h = h * core if core.dim() == 2 else torch.bmm(core, h.unsqueeze(-1)).squeeze(-1)
@@ -280,4 +296,4 @@ class BundleContext:
             delta = onehot.view(T, mod.K * mod.R) @ mod.Ut
             off, w = bank.offsets[group][j], bank.widths[group][j]
             out = y[:, off : off + w]
-            out.copy_(torch.where(mod.adapts[m_idx][:, None], out + delta.to(out.dtype), out))
+            out.copy_(torch.where(adapts[:, mod.index, None], out + delta.to(out.dtype), out))
