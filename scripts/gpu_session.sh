@@ -79,6 +79,7 @@ case "${1:-quick}" in
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 120 python -m pytest -q tests/test_residency_pinned.py tests/test_residency.py tests/test_residency_validate.py \
       2>&1 | tail -2
+    timeout 60 python scripts/load_breakdown.py --loads 48 2>&1 | tail -7  # one cold load on an idle GPU, by stage
     # sampled: a run stopped by the time limit still leaves where the engine's time went (seventh session)
     timeout 560 python scripts/sample_engine.py --out "$OUT/prof-limited.txt" -- bench residency /tmp/rb --adapters 1000 \
       --rows 8000 --slots 64 --runs limited --out "$OUT/residency-limited.json" 2>&1 | tail -12
