@@ -42,6 +42,10 @@ CHUNK_BYTES = 1 << 30  # pinned in chunks of this size (torch rounds a pinned al
 
 
 class PinnedPool:
+    """``blocks`` host blocks of ``block_bytes`` (rounded up to 4 KiB), page-locked when
+    ``pin`` (tests use ordinary memory), handed out by ``take`` and reused after ``give``
+    and a completed ``fence`` (semantics: module docstring)."""
+
     def __init__(self, block_bytes: int, blocks: int, *, fence: Callable[[], object] | None = None, pin: bool = True,
                  chunk_bytes: int = CHUNK_BYTES):
         if block_bytes <= 0 or blocks < 0:
