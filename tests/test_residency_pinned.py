@@ -5,6 +5,7 @@ ordinary memory (``pin=False``); the semantics are the same."""
 
 import gc
 import random
+import time
 
 import pytest
 import torch
@@ -77,6 +78,43 @@ def test_a_later_release_waits_for_its_own_fence():
     assert pool.reclaim() == 0  # fences free in order: y waits behind x's incomplete fence
     fences.events[0].complete()
     assert pool.reclaim() == 2 and pool.in_use == 0
+
+
+def test_threads_taking_and_giving_never_share_a_block():
+    """Prefetch threads take and give blocks while the engine's thread reclaims: a block is
+    never handed to two holders at once, and every block is free again at the end."""
+    import threading
+
+    pool = PinnedPool(4096, 5, pin=False, fence=lambda: ManualEvent(polls=2))  # each fence completes at its 2nd poll
+    held, lock, errors, stop = set(), threading.Lock(), [], threading.Event()
+
+    def worker(seed):
+        rng, got, deadline = random.Random(seed), 0, time.monotonic() + 30
+        while got < 25 and time.monotonic() < deadline:
+            block = pool.take(rng.randrange(1, 4097))
+            if block is None:
+                time.sleep(0.0005)  # none free: wait for the engine thread's reclaim
+                continue
+            got += 1
+            with lock:
+                if block.data_ptr() in held:
+                    errors.append(block.data_ptr())
+                held.add(block.data_ptr())
+            block.fill_(seed)  # the holder writes its block
+            with lock:
+                held.discard(block.data_ptr())
+            pool.give(block)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        pool.reclaim()
+    for t in threads:
+        t.join()
+    for _ in range(4):  # the last releases: fence, then free
+        pool.reclaim()
+    assert not errors and pool.in_use == 0 and pool.takes == 4 * 25  # every worker got its 25 blocks: they cycled
 
 
 def _artifact(key: str, seed: int, n: int = 3) -> HostArtifact:
