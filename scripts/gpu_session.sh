@@ -83,11 +83,14 @@ case "${1:-quick}" in
     # sampled: a run stopped by the time limit still leaves where the engine's time went (seventh session)
     timeout 560 python scripts/sample_engine.py --out "$OUT/prof-limited.txt" -- bench residency /tmp/rb --adapters 1000 \
       --rows 8000 --slots 64 --runs limited --out "$OUT/residency-limited.json" 2>&1 | tail -12
+    cp "$OUT/residency-limited.json" /tmp/residency-limited.json 2>/dev/null  # for `resident`'s --compare
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
+    # with the limited run's JSON of the call before (copy it to /tmp/residency-limited.json there) for the ratio
+    cmp=""; [ -f /tmp/residency-limited.json ] && cmp="--compare /tmp/residency-limited.json"
     timeout 560 python scripts/sample_engine.py --out "$OUT/prof-resident.txt" -- bench residency /tmp/rb --adapters 1000 \
-      --rows 8000 --runs all-resident --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
+      --rows 8000 --runs all-resident $cmp --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
     ;;
   bundle-data)  # step 5 serving benchmark, part 1: Mistral-7B base, 1,024 adapters, the bundle (compression timed)
     rm -rf /tmp/rb /tmp/cb7  # 35 GB of workspace: the residency one (30 GB) would not fit beside it on a 64 GB disk

@@ -81,6 +81,26 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     assert again["runs"][0]["error_rows"] == 0
 
 
+def test_residency_runs_of_two_calls_combine_into_one_ratio(tmp_path, run_cli):
+    """--compare: the all-resident run of one call and the limited run of an earlier call of
+    the same job give the ratio; a different job is refused before running (exit 2)."""
+    common = ("--preset", "tiny", "--adapters", 4, "--rows", 10, "--prompt-min", 3, "--prompt-max", 6,
+              "--max-new-tokens", 2, "--slots", 2, "--max-num-seqs", 4, "--max-batch-tokens", 32, "--device", "cpu",
+              "--dtype", "float32", "--warmup-rows", 0, "--json")
+    code, _, err = run_cli("bench", "residency", tmp_path / "w", *common, "--runs", "limited", "--out", tmp_path / "a.json")
+    assert code == 0, err
+    code, out, err = run_cli("bench", "residency", tmp_path / "w", *common, "--runs", "all-resident",
+                             "--compare", tmp_path / "a.json")
+    assert code == 0, err
+    r = json.loads(out)
+    runs = {x["name"]: x for x in r["runs"]}
+    assert set(runs) == {"limited", "all-resident"} and runs["limited"]["from_earlier_call"]
+    assert r["throughput_ratio"] == runs["limited"]["tokens_per_s"] / runs["all-resident"]["tokens_per_s"]
+    code, _, err = run_cli("bench", "residency", tmp_path / "w", *common[:-1], "--rows", 11, "--json",
+                           "--runs", "all-resident", "--compare", tmp_path / "a.json")
+    assert code == 2 and "E_BENCH_COMPARE" in err and "rows 10" in err
+
+
 def test_mixed_floor_counts_causal_pairs_and_the_sampled_head():
     from mlora.batch.bench import layer_params, mixed_floor
 

@@ -294,7 +294,41 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     ratio = None
     if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
         ratio = by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
-    return dict(options=o.__dict__ | {"targets": list(o.targets), "runs": list(o.runs)}, workspace=ws,
+    return dict(options=options_record(o), workspace=ws,
                 adapter_bytes=adapter_bytes, h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None,
                 runs=runs, throughput_ratio=ratio,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() and o.device == "cuda" else "cpu")
+
+
+COMPARABLE = ("preset", "adapters", "rank", "targets", "rows", "zipf", "prompt_min", "prompt_max", "max_new_tokens",
+              "max_num_seqs", "max_batch_tokens", "dtype", "seed")
+
+
+def options_record(o: ResidencyBenchOptions) -> dict:
+    """The options as the results record them (JSON types)."""
+    return o.__dict__ | {"targets": list(o.targets), "runs": list(o.runs)}
+
+
+def check_comparable(options: dict, other: dict) -> None:
+    """Raise ValueError unless ``other`` (a result) is of the job ``options`` describe."""
+    b = other.get("options", {}) if isinstance(other, dict) else {}
+    differ = [k for k in COMPARABLE if options.get(k) != b.get(k)]
+    if differ or not isinstance(other.get("runs"), list):
+        raise ValueError("not the same job: " + (", ".join(f"{k} {b.get(k)!r} there, {options.get(k)!r} here"
+                                                          for k in differ) or "it has no runs"))
+
+
+def combine(results: dict, other: dict) -> dict:
+    """``results`` with the runs of ``other`` (an earlier ``run_residency_bench`` result of the
+    same job, e.g. the other run written by another call) that it lacks, and the throughput
+    ratio recomputed. Raises ValueError when the two are not the same job (an option of
+    ``COMPARABLE`` differs)."""
+    check_comparable(results["options"], other)
+    have = {r["name"] for r in results["runs"]}
+    runs = results["runs"] + [dict(r, from_earlier_call=True) for r in other["runs"] if r["name"] not in have]
+    by = {r["name"]: r for r in runs}
+    ratio = None
+    if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
+        ratio = by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
+    return dict(results, runs=runs, throughput_ratio=ratio)
+

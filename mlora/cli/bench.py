@@ -230,6 +230,8 @@ def bench_residency(
                                                    "the prefetch threads (GPU; A/B of residency/build.py)."),
     warmup_rows: int = typer.Option(256, "--warmup-rows", min=0,
                                     help="Rows of an untimed warm-up job before each run (compiles its kernels; 0: none)."),
+    compare: Optional[Path] = typer.Option(None, "--compare", help="The JSON (--out) of an earlier call of the same job "
+                                           "with the other run: its run joins these results and the ratio."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -245,7 +247,22 @@ def bench_residency(
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
                                  prefetch_gpu_adapters=prefetch_gpu_adapters,
                                  image_build_processes=image_build_processes, warmup_rows=warmup_rows)
+    earlier = None
+    if compare is not None:  # read and check before the long run, not after it
+        from ..batch.bench_residency import check_comparable, options_record
+
+        try:
+            earlier = json.loads(Path(compare).read_text())
+            check_comparable(options_record(opts), earlier)
+        except (OSError, ValueError, AttributeError) as exc:
+            err.print(f"[red]error[/red] E_BENCH_COMPARE: {compare}: {exc}; compare with the --out of a call "
+                      "of the same job")
+            raise typer.Exit(2) from None
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
+    if earlier is not None:
+        from ..batch.bench_residency import combine
+
+        results = combine(results, earlier)
     if _save(results, out, json_out):
         return
     con = Console()
