@@ -52,7 +52,7 @@ def batch_run(
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="Sequences decoded together."),
     max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", min=1, help="Token budget of one iteration (chunked prefill)."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use."),
-    max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="GPU adapter slots (default: every adapter the job names, at most what fits in a quarter of the free GPU memory; one per adapter on the CPU)."),
+    max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="GPU adapter slots (default: every adapter the job names, at most what fits in a quarter of the free GPU memory; one per adapter on the CPU). For a bundle served three-stage: the members' core slots."),
     host_cache_gb: Optional[float] = typer.Option(None, "--host-cache-gb",
                                                   help="Host cache of adapter images, pinned at start on a GPU (default: 128 images on a GPU, "
                                                        "unbounded on the CPU)."),
