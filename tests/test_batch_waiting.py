@@ -49,7 +49,7 @@ def test_counts_follow_every_operation_on_random_sequences():
             out.append(r)
         elif op == 3:
             gone = rng.sample(rows, min(len(rows), rng.randrange(40)))
-            q.discard(gone) if rng.random() < 0.7 else q.remove_ids({id(r) for r in gone})
+            q.discard(gone + gone[:1])  # a row named twice leaves once
             rows = [r for r in rows if all(r is not g for g in gone)]
             out += gone
         else:

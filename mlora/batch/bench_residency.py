@@ -240,8 +240,10 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     runs = []
 
     def job(name: str, slots: int, rows_file: str, max_new_tokens: int):
-        return run_job(JobOptions(
-            input=rows_file, output=fresh_output(root, name), base=os.path.join(root, "base"),
+        """(output directory, summary) of one batch-run job over ``rows_file``."""
+        out = fresh_output(root, name)
+        return out, run_job(JobOptions(
+            input=rows_file, output=out, base=os.path.join(root, "base"),
             adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
             max_new_tokens=max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
             max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name.endswith("all-resident"),
@@ -262,8 +264,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
             job(f"warmup-{name}", slots, warm_input, o.warmup_new_tokens)
         if progress:
             progress(f"running {name} ({slots} slots)")
-        out = os.path.join(root, f"out-{name}")
-        summary = job(name, slots, os.path.join(root, "input.parquet"), o.max_new_tokens)
+        out, summary = job(name, slots, os.path.join(root, "input.parquet"), o.max_new_tokens)
         with open(os.path.join(out, "_metrics.json")) as f:
             m = json.load(f)["metrics"]
         lat = m["histograms"]["adapter_load_latency_seconds"]
@@ -290,13 +291,9 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      f"{r['load_copy_ms_p50']} p50), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
-    by = {r["name"]: r for r in runs}
-    ratio = None
-    if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
-        ratio = by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
     return dict(options=options_record(o), workspace=ws,
                 adapter_bytes=adapter_bytes, h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None,
-                runs=runs, throughput_ratio=ratio,
+                runs=runs, throughput_ratio=throughput_ratio(runs),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() and o.device == "cuda" else "cpu")
 
 
@@ -309,9 +306,19 @@ def options_record(o: ResidencyBenchOptions) -> dict:
     return o.__dict__ | {"targets": list(o.targets), "runs": list(o.runs)}
 
 
-def check_comparable(options: dict, other: dict) -> None:
+def throughput_ratio(runs: list[dict]) -> float | None:
+    """Tokens/s of the limited run over the all-resident run's (None without both)."""
+    by = {r["name"]: r for r in runs}
+    if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
+        return by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
+    return None
+
+
+def check_comparable(options: dict, other) -> None:
     """Raise ValueError unless ``other`` (a result) is of the job ``options`` describe."""
-    b = other.get("options", {}) if isinstance(other, dict) else {}
+    if not isinstance(other, dict) or not isinstance(other.get("options"), dict):
+        raise ValueError("not a bench residency result (no options)")
+    b = other["options"]
     differ = [k for k in COMPARABLE if options.get(k) != b.get(k)]
     if differ or not isinstance(other.get("runs"), list):
         raise ValueError("not the same job: " + (", ".join(f"{k} {b.get(k)!r} there, {options.get(k)!r} here"
@@ -326,9 +333,5 @@ def combine(results: dict, other: dict) -> dict:
     check_comparable(results["options"], other)
     have = {r["name"] for r in results["runs"]}
     runs = results["runs"] + [dict(r, from_earlier_call=True) for r in other["runs"] if r["name"] not in have]
-    by = {r["name"]: r for r in runs}
-    ratio = None
-    if "limited" in by and "all-resident" in by and by["all-resident"]["tokens_per_s"]:
-        ratio = by["limited"]["tokens_per_s"] / by["all-resident"]["tokens_per_s"]
-    return dict(results, runs=runs, throughput_ratio=ratio)
+    return dict(results, runs=runs, throughput_ratio=throughput_ratio(runs))
 

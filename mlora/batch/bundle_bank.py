@@ -143,11 +143,10 @@ class BundleBank:
                         if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
 
     @staticmethod
-    def bytes_needed(bundle, dtype: torch.dtype, core_slots: int | None = None) -> int:
-        """Device bytes of the bank with ``core_slots`` slots (None: one per member)."""
+    def bytes_needed(bundle, dtype: torch.dtype) -> int:
+        """Device bytes of the bank with one core slot per member (and the base model's zero row)."""
         bases, per_slot = BundleBank.split_bytes(bundle, dtype)
-        slots = len(bundle.member_ids()) if core_slots is None else core_slots
-        return bases + (slots + 1) * per_slot
+        return bases + (len(bundle.member_ids()) + 1) * per_slot
 
     @staticmethod
     def split_bytes(bundle, dtype: torch.dtype) -> tuple[int, int]:

@@ -403,10 +403,9 @@ class Engine:
         else:
             # only rows this pass can admit: base rows, rows of active adapters and of the new
             # adapters the free slots go to (_slot_plan's small and big; the rest cannot get a
-            # slot in this pass), then sorted. Keeps the pass's cost near the rows it admits
-            # when the scheduling window holds thousands of rows
-            # A pass admits at most ``seats`` rows, and once it skips a row of an adapter it skips
-            # the rest of that adapter's rows: the first ``seats`` rows of each are all it can use
+            # slot in this pass), then sorted. A pass admits at most ``seats`` rows, and once it
+            # skips a row of an adapter it skips the rest of that adapter's rows: the first
+            # ``seats`` rows of each are all it can use, whatever the scheduling window holds
             order, admissible = self._slot_order(active)
             seats = self.max_num_seqs - len(self.running)
             candidates = self.waiting.rows_of(None, seats)
@@ -504,15 +503,15 @@ class Engine:
         return waiting_rows, small, big, [a for a in new if a not in chosen]
 
     def _slot_order(self, active: set) -> tuple[Callable, set[str]]:
-        """(sort key, admissible adapters) of one admission pass. The key orders the waiting
-        rows (stable: queue order within a class): the small adapters' rows, rows that need
-        no slot (running adapters, base), the big adapters' rows, then the rest
-        (``_slot_plan``); the set holds ``active`` plus small and big."""
-        waiting_rows, small, big, rest = self._slot_plan(active)
+        """(sort key, admissible adapters) of one admission pass. The key orders the rows of
+        admissible adapters (with queue position as tie-break): the small adapters' rows, rows
+        that need no slot (active adapters, base), then the big adapters' rows
+        (``_slot_plan``); the set holds ``active`` plus small and big (the other adapters get
+        no slot in this pass, and their rows are not candidates)."""
+        waiting_rows, small, big, _ = self._slot_plan(active)
         key_of = {a: (0, waiting_rows[a]) for a in small}
         key_of.update((a, (2, -waiting_rows[a])) for a in big)
-        key_of.update((a, (3, waiting_rows[a])) for a in rest)
-        # base rows and running adapters: (1, 0); second: the adapters a row may be admitted with
+        # base rows and active adapters: (1, 0); second: the adapters a row may be admitted with
         return (lambda seq: key_of.get(seq.req.adapter, (1, 0))), active.union(small, big)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:

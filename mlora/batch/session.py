@@ -61,8 +61,8 @@ class EngineSession:
                 bases, per_slot = BundleBank.split_bytes(bundle, dtype)
                 fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
                 if fit < 1:
-                    need = BundleBank.bytes_needed(bundle, dtype, 1)
-                    raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases need {need / 2**30:.2f} GiB "
+                    raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
+                                   f"{(bases + 2 * per_slot) / 2**30:.2f} GiB "
                                    "resident, more than the adapters' share of GPU memory; serve its members through "
                                    "slots with --bundle-operator materialized, or raise --gpu-memory-utilization")
                 core_slots = min(core_slots, fit)

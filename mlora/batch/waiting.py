@@ -69,10 +69,6 @@ class WaitingQueue:
         if self._dead > 64 and self._dead > len(self._pos):
             self._compact()
 
-    def remove_ids(self, gone: set[int]) -> None:
-        """Drop the rows whose ``id()`` is in ``gone``."""
-        self.discard([s for _, s in self._live_entries(self._rows) if id(s) in gone])
-
     def take_if(self, pred: Callable) -> list:
         """Remove and return (in queue order) the rows for which ``pred(seq)`` holds."""
         out = [s for s in self if pred(s)]

@@ -254,7 +254,7 @@ def bench_residency(
         try:
             earlier = json.loads(Path(compare).read_text())
             check_comparable(options_record(opts), earlier)
-        except (OSError, ValueError, AttributeError) as exc:
+        except (OSError, ValueError) as exc:
             err.print(f"[red]error[/red] E_BENCH_COMPARE: {compare}: {exc}; compare with the --out of a call "
                       "of the same job")
             raise typer.Exit(2) from None

@@ -89,13 +89,9 @@ class HostArtifact:
         buffer is one of its blocks, given back when the new artifact is garbage collected,
         and no driver call is made; when the pool has no free block, ``self`` is returned
         unchanged (pageable: still correct, its copies are merely synchronous)."""
-        offsets, total = packed_offsets([p.src.numel() * p.src.element_size() for p in self.pieces])
-        if pool is not None:
-            buf = pool.take(total)
-            if buf is None:
-                return self
-        else:
-            buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        buf, offsets, pooled = image_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], True, pool)
+        if pool is not None and not pooled:
+            return self  # the pageable buffer image_buffer fell back to is not used: malloc, never touched
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
@@ -104,7 +100,7 @@ class HostArtifact:
             pieces.append(Piece(p.view, p.index, dst))
         art = HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
                            dict(self.nonzeros), dict(self.checks), transfer_ready=True)
-        if pool is not None:
+        if pooled:
             pool.own(art, buf)
         return art
 
@@ -189,7 +185,7 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
     flat = _flat(t)
     if flat.device.type == "cpu":
         return _view_stats_host(flat)
-    if _fused_eligible(flat):
+    if _fused_eligible(flat) and _ACCUMULATE_FAILED is None:  # the one Triton kernel, unless it cannot run here
         return _view_stats_fused(flat)
     return _view_stats_torch(flat)
 
@@ -214,16 +210,17 @@ def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = Non
         except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
             if fused:
                 raise
-            # the same numbers the slower way, for the rest of the process; said once
+            # the same numbers the slower way (view_stats then takes torch reductions: the per-view
+            # path shares this kernel), for the rest of the process; said once
             _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            warnings.warn(f"mlora: the accumulating word-stats kernel failed ({_ACCUMULATE_FAILED}); load "
-                          "validation uses the per-view kernels instead (slower, same numbers)", RuntimeWarning)
+            warnings.warn(f"mlora: the word-stats kernel failed ({_ACCUMULATE_FAILED}); load validation uses "
+                          "torch reductions instead (slower, same numbers)", RuntimeWarning)
     s = view_stats(flat).to(row.device)
     s[0] = 1 - s[0]
     row.copy_(s)
 
 
-_ACCUMULATE_FAILED: str | None = None  # why word_stats_into could not run in this process (None: it can)
+_ACCUMULATE_FAILED: str | None = None  # why the word-stats kernel could not run in this process (None: it can)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
