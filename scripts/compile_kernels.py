@@ -52,7 +52,8 @@ def main() -> int:
     common = dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90)
     for split_k in (False, True):
         for block_r in (16, 64):
-            build(sgmv._shrink_kernel, dict(common, RANK_TILES=1, BLOCK_R=block_r, BLOCK_K=128, SPLIT_K=split_k),
+            build(sgmv._shrink_kernel,
+                  dict(common, RANK_TILES=1, BLOCK_R=block_r, BLOCK_K=128, SPLIT_K=split_k, SUM_CHUNK=8),
                   f"shrink split_k={split_k} block_r={block_r}")
     for slices in (1, 3):
         for block_r in (16, 64):

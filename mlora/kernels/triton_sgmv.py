@@ -20,9 +20,10 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
   * Split-K shrink: ``split`` programs each reduce one contiguous chunk of
     d_in into their own fp32 partial ``zp[k]``; the last of them to arrive
     (an acquire-release arrival counter per tile and rank tile, reset by that
-    program) sums the partials in the fixed order 0, 1, ... into ``zp[0]``,
-    which is all the expand reads (deterministic: the atomics decide who sums,
-    never the order). Decode-like batches (few rows per slot) get enough
+    program) sums the partials in a fixed order (chunks of ``SUM_CHUNK`` loaded
+    together and summed as a tree, chunks in sequence) into ``zp[0]``, which is
+    all the expand reads (deterministic: the atomics decide who sums, never the
+    order). Decode-like batches (few rows per slot) get enough
     programs to stream the factors at full bandwidth.
   * Programmatic dependent launch on Hopper and later (``USE_PDL``): the
     shrink lets the expand launch at once; the expand loads everything the
@@ -94,6 +95,7 @@ def _shrink_kernel(
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    SUM_CHUNK: tl.constexpr,
 ):
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
@@ -113,15 +115,15 @@ def _shrink_kernel(
         if rank <= RANK_CLASS:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K)
+                         split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
         else:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K)
+                         split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
     else:
         _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                     split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K)
+                     split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
 
 
 @triton.jit
@@ -129,14 +131,15 @@ def _shrink_rows(
     x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu, split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr,
 ):
     """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank.
 
     With ``SPLIT_K`` (``split > 1``) the last of the tile's ``split`` programs to
     arrive (an acquire-release counter) sums the ``split`` partials in the fixed
-    order 0, 1, ... into partial 0 and resets the counter: the result does not
-    depend on which program arrives last, and the expand reads one z, not
+    order (chunks of ``SUM_CHUNK`` partials loaded together, each summed in a fixed
+    tree, the chunks in order) into partial 0 and resets the counter: the result
+    does not depend on which program arrives last, and the expand reads one z, not
     ``split``. ``split`` is a runtime argument, not a compile-time constant: each
     batch size gets its own split, and a constant would compile a kernel per
     value (seconds of Triton compiles inside a job, BENCHMARKS.md)."""
@@ -161,9 +164,17 @@ def _shrink_rows(
     if SPLIT_K:
         tl.debug_barrier()  # every thread's partial is written before the release below
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == split - 1:
-            z = tl.load(z0, mask=zmask, other=0.0, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
-            for k in range(1, split):
-                z += tl.load(z0 + k * stride_zk, mask=zmask, other=0.0, cache_modifier=".cg")
+            # partials in chunks of SUM_CHUNK: one chunk's loads are independent and in flight
+            # together (a loop of one load per partial waited for each L2 round trip in turn);
+            # chunks are added in order and each chunk sums in a fixed tree, so the result is
+            # the same on every call. .cg: from L2, never a stale L1 line.
+            offs_c = tl.arange(0, SUM_CHUNK)
+            z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for c0 in range(0, split, SUM_CHUNK):
+                kk = c0 + offs_c
+                part = tl.load(z0[None, :, :] + kk[:, None, None] * stride_zk,
+                               mask=(kk < split)[:, None, None] & zmask[None, :, :], other=0.0, cache_modifier=".cg")
+                z += tl.sum(part, axis=0)
             tl.store(z0, z, mask=zmask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
 
@@ -333,6 +344,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
         shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
+        # split-K partials loaded per step of the final sum: a chunk's elements are spread over
+        # the program's threads, so keep chunk x rows x rank columns near 8K values
+        sum_chunk=max(1, min(8, 8192 // (tiles_bm * block_r))),
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
@@ -354,7 +368,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None):
@@ -398,7 +412,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
+        SUM_CHUNK=cfg["sum_chunk"], num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
     groups = [0]  # first column group of each slice, then the total
