@@ -162,6 +162,26 @@ def test_peft_baseline_finds_the_largest_batch_that_fits(monkeypatch):
         bench_peft.run_peft_baseline(o, 2, 5)
 
 
+def test_peft_baseline_reports_progress_inside_a_generate_call():
+    """Progress inside a batch (a 64-adapter batch on the 8B shape outlasts a device call):
+    tokens so far = finished batches + steps x running rows, rising, the last report after
+    the last batch with the job's total and nothing running."""
+    from mlora.batch import bench_peft
+    from mlora.batch.bench import BatchBenchOptions
+
+    o = BatchBenchOptions(preset="tiny", rows=5, rank=4, prompt_min=3, prompt_max=9, max_new_tokens=4, device="cpu",
+                          dtype="float32")
+    calls = []
+    r = bench_peft.run_peft_baseline(o, 2, 3, progress=lambda *a: calls.append(a), progress_every=0.0)
+    assert calls[0][:3] == (0, 5, 0)  # set-up done, nothing generated yet
+    inside = [c for c in calls if c[5]]
+    assert inside and {c[5] for c in inside} == {3, 2}  # both batches reported while generating
+    assert all(c[2] % c[5] == 0 or c[0] for c in inside)
+    tokens = [c[2] for c in calls]
+    assert tokens == sorted(tokens) and tokens[-1] == r["generated_tokens"] == 5 * 4
+    assert calls[-1][0] == 5 and calls[-1][5] == 0
+
+
 def test_peft_baseline_adapters_change_the_output():
     from mlora.batch.bench_peft import add_adapters, hf_model
 

@@ -11,8 +11,11 @@ projections (``lora_B`` non-zero so every adapter changes the output).
 
 Reported: generated tokens per second over the whole job (wall clock, after
 the model and its adapters are built: ``setup_s``, without the time of
-batches that ran out of memory: ``out_of_memory_s``), and after every batch a
-progress call with the tokens and seconds so far. Batch size: the caller's
+batches that ran out of memory: ``out_of_memory_s``), and a progress call after every batch and, inside a
+batch, every ``PROGRESS_EVERY_S`` seconds of generation (tokens of the
+finished batches plus decode steps so far x rows of the running batch): one
+``generate`` call can outlast a time limit (64 adapters, a 128-row batch),
+and a stopped run still leaves its rate. Batch size: the caller's
 (an out-of-memory batch raises), or 0 for the largest that fits (the issue's
 "largest batch that fits"): ``AUTO_START`` rows, halved after each
 out-of-memory batch, the size that worked kept for the rest of the job.
@@ -27,6 +30,7 @@ import torch
 from .bench import BatchBenchOptions, PRESETS, _requests, preset_config
 
 AUTO_START = 256  # --batch-size 0: the first batch size tried
+PROGRESS_EVERY_S = 15.0  # progress inside a generate() call at most this often
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -63,8 +67,29 @@ def add_adapters(model, n: int, rank: int, seed: int = 0):
     return peft.eval()
 
 
-def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, progress=None) -> dict:
-    """Generated tokens/s of the synthetic job through transformers + PEFT."""
+class _StepProgress:
+    """A transformers stopping criterion that never stops generation: it is called once per
+    generated token of the batch and calls ``report(tokens_in_batch)`` at most every
+    ``every`` seconds (``tokens_in_batch`` = new positions so far x rows; no device sync:
+    the sequence length is a host-side shape)."""
+
+    def __init__(self, width: int, report, every: float = PROGRESS_EVERY_S):
+        self.width, self.report, self.every = width, report, every
+        self.last = time.perf_counter()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self.report((input_ids.shape[1] - self.width) * input_ids.shape[0])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, progress=None,
+                      progress_every: float = PROGRESS_EVERY_S) -> dict:
+    """Generated tokens/s of the synthetic job through transformers + PEFT. ``progress(done
+    rows, total rows, tokens, seconds, setup seconds, running rows)`` is called after each
+    batch (running 0) and inside a batch every ``progress_every`` seconds."""
     dev = torch.device(o.device)
     dtype = getattr(torch, o.dtype)
     config = preset_config(o.preset, o.dtype)
@@ -79,6 +104,8 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    if progress:  # the model and adapters are built (minutes for 64 adapters on the 8B shape)
+        progress(0, len(reqs), 0, 0.0, setup, 0)
     start = 0
     while start < len(reqs):
         batch = reqs[start : start + batch_size]
@@ -92,6 +119,13 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
                       do_sample=False, pad_token_id=0)  # no EOS id: every row runs to max_new_tokens
         if n_adapters:
             kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
+        if progress:
+            from transformers import StoppingCriteriaList
+
+            def inside(tokens, start=start, n=len(batch)):
+                progress(start, len(reqs), generated + tokens, time.perf_counter() - t0 - lost, setup, n)
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_StepProgress(width, inside, progress_every)])
         t_batch = time.perf_counter()
         try:
             with torch.no_grad():
@@ -108,7 +142,7 @@ def run_peft_baseline(o: BatchBenchOptions, n_adapters: int, batch_size: int, pr
         generated += (out.shape[1] - width) * len(batch)
         start += len(batch)
         if progress:  # with the tokens so far: a run stopped by a time limit still tells its rate
-            progress(start, len(reqs), generated, time.perf_counter() - t0 - lost, setup)
+            progress(start, len(reqs), generated, time.perf_counter() - t0 - lost, setup, 0)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0 - lost

@@ -382,9 +382,10 @@ def bench_peft(
     _require_cuda(err, device)
     opts = BatchBenchOptions(preset=preset, rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
                              max_new_tokens=max_new_tokens, device=device, dtype=dtype, seed=seed)
-    def progress(done, total, tokens, seconds, setup):  # stderr, also with --json: a stopped run keeps its rate
-        err.print(f"[dim]{done}/{total} rows, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s; "
-                  f"model and adapters built in {setup:.1f} s)[/dim]")
+    def progress(done, total, tokens, seconds, setup, running):  # stderr, also with --json: a stopped run keeps its rate
+        inside = f" (+{running} rows generating)" if running else ""
+        err.print(f"[dim]{done}/{total} rows done{inside}, {tokens} tokens in {seconds:.1f} s "
+                  f"({tokens / max(seconds, 1e-9):.1f} tok/s; model and adapters built in {setup:.1f} s)[/dim]")
 
     r = run_peft_baseline(opts, adapters, batch_size, progress=progress)
     if not _save(r, out, json_out, indent=None):
