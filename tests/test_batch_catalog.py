@@ -330,13 +330,13 @@ def test_lru_eviction_reload_and_zeroed_tails(ws, pinned):
     b = bank.ensure(["qv"], pinned)["qv"]
     bank.ensure(["all"], pinned)  # "qv" is now least recently used
     for g in GROUPS:  # poison qv's slot entirely: tails and untargeted slices must be rewritten
-        bank.A[g][:, b] = float("nan")
-        bank.B[g][:, b] = float("nan")
+        bank.A[g][b] = float("nan")
+        bank.B[g][b] = float("nan")
     c = bank.ensure(["pattern"], pinned)["pattern"]
     assert c == b and bank.stats.evictions == 1
     factors = load_factors(pinned["pattern"], torch.float32, "cpu")
     for g in GROUPS:
-        want_a, want_b = torch.zeros_like(bank.A[g][:, c]), torch.zeros_like(bank.B[g][:, c])
+        want_a, want_b = torch.zeros_like(bank.A[g][c]), torch.zeros_like(bank.B[g][c])
         for (layer, role), (fa, fb, _) in factors.items():
             group, j = ROLE_SLICE[role]
             if group == g:
@@ -344,7 +344,7 @@ def test_lru_eviction_reload_and_zeroed_tails(ws, pinned):
                 want_a[layer, j, : fa.shape[0]] = fa
                 want_b[layer, off : off + fb.shape[0], : fa.shape[0]] = fb
                 assert bank.ranks[g][layer, j, c] == fa.shape[0]
-        assert torch.equal(bank.A[g][:, c], want_a) and torch.equal(bank.B[g][:, c], want_b)
+        assert torch.equal(bank.A[g][c], want_a) and torch.equal(bank.B[g][c], want_b)
         targeted = torch.zeros_like(bank.ranks[g][:, :, c], dtype=torch.bool)
         for layer, role in factors:
             if ROLE_SLICE[role][0] == g:

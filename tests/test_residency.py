@@ -15,9 +15,9 @@ import torch
 from factory import make_adapter, save_base, tiny_model
 
 from mlora.batch.bank import SlotBank
-from mlora.batch.catalog import AdapterError, load_catalog
+from mlora.batch.catalog import AdapterError, load_catalog, load_factors
 from mlora.batch.errors import CodedError
-from mlora.batch.lora import GROUPS, group_shapes
+from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes
 from mlora.batch.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
                                    HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
                                    PagedStorage, PagePool, Piece, RequestAttempt, Residency, ResidencyBank,
@@ -789,6 +789,23 @@ def test_bank_shares_a_joint_ledger_with_kv(pinned):
     bank.residency.finish_request("r#1")
     bank.ensure(["qv", "all"], pinned)
     assert bank.residency.audit() == {"free": 2, "reserved": 0, "adapter": 8, "kv": 0}
+
+
+def test_slot_factor_views_are_contiguous(pinned):
+    """A slot's factors are one contiguous block per tensor (slot-major banks), so a load's
+    whole-view copies are plain copies (no device temporary and scatter kernel), and the
+    landed views hold exactly the adapter's factors at their layers."""
+    bank = rbank(slots=3)
+    slot = bank.ensure(["qv"], pinned)["qv"]
+    views = bank.residency.storage.views(slot, [])
+    for g in bank.groups:
+        for name in (f"A.{g}", f"B.{g}"):
+            assert views[name].is_contiguous() and views[name].data_ptr() != 0
+        assert torch.equal(views[f"A.{g}"], bank.A[g][slot]) and torch.equal(views[f"B.{g}"], bank.B[g][slot])
+    factors = load_factors(pinned["qv"], torch.float32, "cpu")
+    (layer, role), (fa, fb, _) = sorted(factors.items())[0]
+    group, j = ROLE_SLICE[role]
+    assert torch.equal(bank.A[group][:, layer][slot, j, : fa.shape[0]], fa)  # the kernels' layer view
 
 
 def test_bank_allocates_only_the_groups_it_is_given():

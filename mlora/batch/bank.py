@@ -88,9 +88,14 @@ class SlotTensors:
         self.d_in = {g: int(shapes[g][0]) for g in self.groups}
         self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
         L, S, R = num_layers, num_slots, max_rank
-        # One tensor per group with a leading layer axis; [layer] is a contiguous kernel-layout view.
-        self.A = {g: torch.zeros(L, S, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
-        self.B = {g: torch.zeros(L, S, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
+        # One factor tensor per group with a leading slot axis: a slot's factors for every layer are
+        # one contiguous block, so a load is one plain host-to-device copy per tensor (a strided
+        # slot view made torch stage every copy in a device temporary and scatter it with a
+        # kernel, on the busy GPU's SMs). [:, layer] is the kernels' [S, n, R, d_in] / [S, sum(w), R]
+        # view (strided over slots; the kernels take the slot stride). Ranks and scales stay
+        # [L, n, S]: per layer they are the kernels' contiguous [n, S] tables.
+        self.A = {g: torch.zeros(S, L, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
+        self.B = {g: torch.zeros(S, L, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
         self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
         self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
         # static LaunchPlan buffers (captured graphs) -> (buffers, row slots, SegmentPlan) they were last filled
@@ -222,14 +227,14 @@ class SlotBank(SlotTensors):
 
     def _write(self, slot: int, placed: list[tuple]) -> None:
         for g in GROUPS:
-            self.A[g][:, slot].zero_()
-            self.B[g][:, slot].zero_()
+            self.A[g][slot].zero_()
+            self.B[g][slot].zero_()
             self.ranks[g][:, :, slot] = 0
             self.scales[g][:, :, slot] = 0.0
         for layer, group, j, a, b, r, scale in placed:
             off = self.offsets[group][j]
-            self.A[group][layer, slot, j, :r].copy_(a)
-            self.B[group][layer, slot, off : off + b.shape[0], :r].copy_(b)
+            self.A[group][slot, layer, j, :r].copy_(a)
+            self.B[group][slot, layer, off : off + b.shape[0], :r].copy_(b)
             self.ranks[group][layer, j, slot] = r
             self.scales[group][layer, j, slot] = scale
         self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
@@ -262,7 +267,7 @@ class BankContext:
             return
         bank = self.bank
         add_lora_slices(
-            y, x, bank.A[group][layer], bank.B[group][layer], self.row_slots, widths=bank.widths[group],
+            y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
         )

@@ -82,7 +82,7 @@ class ResidencyBank(SlotTensors):
             pool = PagePool(num_slots, self.slot_bytes)
         tensors = {}
         for g in self.groups:
-            tensors.update({f"A.{g}": (self.A[g], 1), f"B.{g}": (self.B[g], 1),
+            tensors.update({f"A.{g}": (self.A[g], 0), f"B.{g}": (self.B[g], 0),
                             f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
