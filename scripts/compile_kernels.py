@@ -17,6 +17,26 @@ import os
 import sys
 
 
+def _resources(cubin: bytes) -> str:
+    """", registers R, stack S bytes" from the Triton wheel's cuobjdump (S > 0: values spilled to
+    local memory), or "" when the wheel has none."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f", registers {m.group(1)}, stack {m.group(2)} bytes" if m else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
@@ -47,7 +67,7 @@ def main() -> int:
         names = inspect.signature(kernel.fn).parameters
         signature = {n: "constexpr" if n in consts else (types or pointers).get(n, "i32") for n in names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target)
-        print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin")
+        print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin{_resources(compiled.asm['cubin'])}")
 
     common = dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90)
     for split_k in (False, True):
@@ -59,7 +79,8 @@ def main() -> int:
         for block_r in (16, 64):
             build(sgmv._expand_kernel, dict(common, N_SLICES=slices, BLOCK_N=128, BLOCK_R=block_r),
                   f"expand slices={slices} block_r={block_r}")
-    build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK),
+    build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
+                                             TILES=wordstats.TILES),
           "residency word stats")
     group = 4  # 32 query heads over 8 KV heads, head_dim 128
     for label, block_q in (("decode", pa.decode_block_q(group)), ("prefill", pa.PREFILL_ROWS // group)):

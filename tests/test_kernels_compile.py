@@ -28,3 +28,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ok  ")]
     assert len(lines) == 15, out.stdout
+    # no values spilled to local memory in the kernels that run per layer and per load (the
+    # wheel's cuobjdump reports it); paged attention spills at 4 warps (known, BENCHMARKS.md)
+    stacks = {ln.split(":")[0][4:]: ln for ln in lines if "stack" in ln}
+    if stacks:  # cuobjdump ships with the Triton wheel's NVIDIA backend
+        for label, ln in stacks.items():
+            if not label.startswith("paged attention"):
+                assert ln.endswith("stack 0 bytes"), ln
