@@ -13,6 +13,7 @@
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 #   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
+#   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
 export PYTHONPATH=.
@@ -47,6 +48,17 @@ case "${1:-quick}" in
     timeout 240 python -m mlora bench batch --rows 1024 --adapters 0,8 --lookahead --out "$OUT/batch-lookahead.json" 2>&1 \
       | grep adapters
     timeout 100 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --lookahead --iters 10 2>&1 | grep -v USDT | head -8
+    ;;
+  attention-warps)  # paged attention spills at 4 warps on sm_90 (compile_kernels.py); A/B with 8 (about 4 min)
+    timeout 100 python -m pytest -q tests/test_batch_attention.py 2>&1 | tail -1  # incl. both warp counts
+    for w in 4 8; do
+      run="import sys, mlora.batch.paged_attention as pa; pa.ATTENTION_WARPS = $w; from mlora.cli.app import app; app()"
+      rm -rf "/tmp/demo-w$w"
+      timeout 90 python -c "$run" batch-run examples/demo/prompts.parquet "/tmp/demo-w$w" --base examples/demo/base \
+        --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype bfloat16 -q >/dev/null
+      echo "warps $w demo bf16: $(python scripts/check_demo_outputs.py "/tmp/demo-w$w" | tail -1)"
+      timeout 150 python -c "$run" bench batch --rows 1024 --adapters 0,8 --out "$OUT/batch-warps$w.json" 2>&1 | grep adapters
+    done
     ;;
   logits)  # bf16 logits error of mlora against transformers' over the same weights, 8B shape (then the check itself)
     timeout 330 python scripts/logits_vs_hf.py --preset-8b --seqs 2 --tokens 512 2>&1 | grep layers

@@ -44,6 +44,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREFILL_ROWS = 64  # query rows x heads of one prefill tile
 BLOCK_N = 64
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+# Warps per attention program. At 4, both tile shapes of an 8B model (head_dim 128) use all 255
+# registers and spill to local memory on sm_90 (`scripts/compile_kernels.py` prints the stack
+# bytes); at 8 they do not. Not yet measured on the GPU: `bash scripts/gpu_session.sh attention-warps`.
+ATTENTION_WARPS = 4
 
 
 @triton.jit
@@ -216,6 +220,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             bt.stride(0), block_size,
             GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=BLOCK_N,
-            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), NATIVE_DOT=native,
+            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), NATIVE_DOT=native, num_warps=ATTENTION_WARPS,
         )
     return out
