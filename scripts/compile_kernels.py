@@ -63,22 +63,33 @@ def main() -> int:
                 "h_ptr": "*bf16", "d_ptr": "*bf16", "hout_ptr": "*bf16", "eps": "fp32",
                 "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "gu_ptr": "*bf16"}
 
-    def build(kernel, consts: dict, label: str, types: dict | None = None) -> None:
+    def build(kernel, consts: dict, label: str, types: dict | None = None, **options) -> None:
         names = inspect.signature(kernel.fn).parameters
         signature = {n: "constexpr" if n in consts else (types or pointers).get(n, "i32") for n in names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts), target=target,
+                                  options=options or None)
         print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin{_resources(compiled.asm['cubin'])}")
 
-    common = dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90)
-    for split_k in (False, True):
-        for block_r in (16, 64):
+    import torch
+
+    # the LoRA kernels with the block sizes, warps and stages launch_config gives them (16-row
+    # tiles; 32-row tiles as large batches with long segments get them)
+    for bm, cases in ((16, [(s, r) for s in (False, True) for r in (16, 64)]), (32, [(True, 64)])):
+        for split_k, rank in cases:
+            cfg = sgmv.launch_config(64, 1, rank, 4096, [4096], torch.device("cpu"), True, bm)
             build(sgmv._shrink_kernel,
-                  dict(common, RANK_TILES=1, BLOCK_R=block_r, BLOCK_K=128, SPLIT_K=split_k, SUM_CHUNK=8),
-                  f"shrink split_k={split_k} block_r={block_r}")
-    for slices in (1, 3):
-        for block_r in (16, 64):
-            build(sgmv._expand_kernel, dict(common, N_SLICES=slices, BLOCK_N=128, BLOCK_R=block_r),
-                  f"expand slices={slices} block_r={block_r}")
+                  dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
+                       BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SUM_CHUNK=cfg["sum_chunk"]),
+                  f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
+                  num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+    for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 64)])):
+        for slices, rank in cases:
+            cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
+            build(sgmv._expand_kernel,
+                  dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=slices,
+                       BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"]),
+                  f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
+                  num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
                                              TILES=wordstats.TILES),
           "residency word stats")

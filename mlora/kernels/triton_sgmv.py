@@ -343,7 +343,10 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
-        shrink_warps=4, shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
+        # 8 warps where 4 would spill: a 32-row tile with a 64-wide rank tile needs more than
+        # 255 registers per thread at 4 warps on sm_90 (scripts/compile_kernels.py reports it)
+        shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 4,
+        shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
         # split-K partials loaded per step of the final sum: a chunk's elements are spread over
         # the program's threads, so keep chunk x rows x rank columns near 8K values
         sum_chunk=max(1, min(8, 8192 // (tiles_bm * block_r))),
