@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, "scripts")
 from logits_check import forward_logits  # noqa: E402
 
+from mlora.batch.bench import PRESETS  # noqa: E402
 from mlora.batch.model import DecoderModel  # noqa: E402
 
 
@@ -56,9 +57,11 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if args.preset_8b:
-        shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
+    if args.preset_8b:  # the shape `mlora bench batch` and `scripts/logits_check.py` use
+        p = PRESETS["llama-3-8b"]
+        shape = dict(vocab_size=p["vocab_size"], hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+                     num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
+                     num_key_value_heads=p["num_kv_heads"], head_dim=p["head_dim"], rope_theta=p["rope_theta"])
     else:
         h = args.hidden
         shape = dict(vocab_size=args.vocab, hidden_size=h, intermediate_size=int(3.5 * h), num_hidden_layers=args.layers,
