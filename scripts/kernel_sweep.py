@@ -27,7 +27,7 @@ CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 
          ("4096", "mixed", 256, 64)]
 VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "waves8": dict(waves=8),
             "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "block_n64": dict(block_n=64),
-            "expand_warps8": dict(expand_warps=8), "sum_chunk1": dict(sum_chunk=1), "split1": dict(split=1),
+            "expand_warps8": dict(expand_warps=8), "sum_chunk4": dict(sum_chunk=4), "split1": dict(split=1),
             "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8)}
 if "--defaults" in sys.argv:
     VARIANTS = {"default": {}}

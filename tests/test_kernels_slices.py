@@ -140,7 +140,7 @@ def test_split_partials_summed_in_chunks_match_the_oracle(split, chunk):
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
     y0 = y.clone()
     lp = make_launch_plan(build_plan(rs), 16)
-    config = dict(split=split, sum_chunk=chunk)
+    config = dict(split=split, sum_chunk=chunk, block_k=32)  # the CUDA default (128) would allow only 3 splits of 352
     cfg = launch_config(lp.tile_capacity, 2, 16, 352, list(widths), torch.device(DEVICE), False, 16, **config)
     assert (cfg["split"], cfg["sum_chunk"]) == (split, chunk)  # the case really takes this many partials
     add_lora_slices_triton(y, x, a, b, lp, ranks, scales, widths, config=config)

@@ -347,9 +347,10 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # 255 registers per thread at 4 warps on sm_90 (scripts/compile_kernels.py reports it)
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 4,
         shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
-        # split-K partials loaded per step of the final sum: a chunk's elements are spread over
-        # the program's threads, so keep chunk x rows x rank columns near 8K values
-        sum_chunk=max(1, min(8, 8192 // (tiles_bm * block_r))),
+        # split-K partials loaded per step of the final sum: one at a time measured best on the
+        # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
+        # the 162 bench cases; chunks stay a sweep variant)
+        sum_chunk=1,
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
