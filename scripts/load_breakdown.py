@@ -5,7 +5,7 @@ adapters of ``mlora bench residency``), feeds it synthetic host images of the
 same layout (random factors, built and pinned up front: the host tier is
 warm), and loads ``--loads`` adapters one at a time through ``ensure`` with
 the device otherwise idle, timing the stages of each load: host image lookup,
-the host-side layout check, the copy issue (zero + H2D pieces), the wait for
+the host-side layout check, the copy issue (H2D of the whole-view image, or zero + pieces), the wait for
 the copy, and validation of what landed. ``--busy-threads N`` runs N threads
 doing GIL-holding Python work meanwhile (what the prefetch builders do to the
 engine thread).
@@ -73,7 +73,9 @@ def main() -> None:
         for role, out in (("q_proj", q_out), ("v_proj", v_out)):
             factors[(layer, role)] = ((torch.randn(r, d_in, generator=gen) / 64).to(torch.bfloat16),
                                       (torch.randn(out, r, generator=gen) / 64).to(torch.bfloat16), 2.0)
-    bank = residency_mod.ResidencyBank(L, qkv, args.slots, r, torch.bfloat16, dev, prefetch_workers=0)
+    # q and v slices only, as batch-run's bank for q/v adapters (session.py): no k zeros copied
+    bank = residency_mod.ResidencyBank(L, qkv, args.slots, r, torch.bfloat16, dev, prefetch_workers=0,
+                                       slices={"qkv": (0, 2)})
     bank_mod.load_factors = lambda pinned, dtype, device: factors  # the same bytes for every adapter: no file
     pinned = {f"a{i}": PinnedAdapter(f"a{i}", None, True, artifact_sha256=f"{i:064x}", semantic_sha256=f"{i:064x}",
                                      max_rank=r) for i in range(args.loads)}

@@ -104,6 +104,37 @@ def test_outputs_equal_transformers_and_peft_row_by_row(env, tmp_path, seqs, bud
     assert list(rows) == [f"r{k}" for k in range(len(ROW_ADAPTERS))]  # shards follow input order
 
 
+def test_a_job_without_k_adapters_holds_no_k_slots_and_equals_peft(env, tmp_path, monkeypatch):
+    """Rows naming only a1 (q/v) and a3 (o/down) and base rows: the bank holds the q and v
+    slices of q/k/v, o and down, nothing else (a load copies no zeros for k), and every row
+    still equals transformers + PEFT."""
+    import mlora.batch.residency as residency_pkg
+
+    keep = [i for i, a in enumerate(ROW_ADAPTERS) if a != "a2"]
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({
+        "id": [f"r{i}" for i in keep],
+        "prompt_ids": pa.array([env["prompts"][i] for i in keep], pa.list_(pa.int64())),
+        "adapter": pa.array([ROW_ADAPTERS[i] for i in keep], pa.string()),
+        "note": [f"n{i}" for i in keep],
+    }), inp)
+    banks = []
+
+    class Spy(residency_pkg.ResidencyBank):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            banks.append(self)
+
+    monkeypatch.setattr(residency_pkg, "ResidencyBank", Spy)  # the session imports it from the package
+    _run(env, tmp_path / "out", input=inp)
+    [bank] = banks
+    assert bank.groups == ("qkv", "o", "down") and bank.slice_index["qkv"] == {0: 0, 2: 1}
+    rows = _rows(tmp_path / "out")
+    assert sorted(rows) == sorted(f"r{i}" for i in keep)
+    for i in keep:
+        assert rows[f"r{i}"]["completion_token_ids"] == env["expected"][f"r{i}"], (i, ROW_ADAPTERS[i])
+
+
 def test_row_outcomes(env, tmp_path):
     inp = str(tmp_path / "bad.parquet")
     pq.write_table(pa.table({

@@ -89,6 +89,50 @@ def test_slices_match_the_oracle(backend, seed, dtype, shape):
     assert err < TOL[dtype], float(err)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("widths, out_offsets, y_width", [
+    ((24, 8), (0, 32), 40),  # q and v of a q/k/v projection: the k columns [24, 32) are not the bank's
+    ((8, 16, 8, 24, 8), (3, 11, 40, 48, 80), 96),  # gaps everywhere, more slices than one launch pair
+])
+def test_slices_at_out_offsets_leave_other_columns_untouched(backend, widths, out_offsets, y_width):
+    """A bank holding some slices of a fused projection adds into the full output at each
+    slice's own columns (``out_offsets``); every column no slice owns is bit-identical."""
+    y_bank, x, a, b, rs, ranks, scales, widths = sliced_case(21, widths=widths)
+    ref_bank = sliced_oracle(y_bank, x, a, b, rs, ranks, scales, widths)
+    g = torch.Generator().manual_seed(22)
+    y = torch.randn(y_bank.shape[0], y_width, generator=g) * 3
+    owned = torch.zeros(y_width, dtype=torch.bool)
+    off = 0
+    for o, w in zip(out_offsets, widths):
+        y[:, o : o + w] = y_bank[:, off : off + w]
+        owned[o : o + w] = True
+        off += w
+    ref = y.double().clone()
+    off = 0
+    for o, w in zip(out_offsets, widths):
+        ref[:, o : o + w] = ref_bank[:, off : off + w]
+        off += w
+    yd, xd, ad, bd, rsd, ranksd, scalesd = _dev(y, x, a, b, rs, ranks, scales)
+    y0 = yd.clone()
+    add_lora_slices(yd, xd, ad, bd, rsd, widths=widths, ranks=ranksd, scales=scalesd, backend=backend,
+                    out_offsets=out_offsets)
+    assert torch.equal(yd[:, ~owned.to(yd.device)], y0[:, ~owned.to(yd.device)])
+    assert torch.equal(yd[rsd < 0], y0[rsd < 0])
+    err = (yd.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.float32], float(err)
+
+
+@pytest.mark.parametrize("out_offsets, y_width", [((0, 20), 40), ((8, 0), 40), ((0, 32), 39), ((-1, 32), 40),
+                                                  ((0,), 40)])
+def test_bad_out_offsets_are_rejected(out_offsets, y_width):
+    y, x, a, b, rs, ranks, scales, widths = sliced_case(23, widths=(24, 8))
+    y = torch.zeros(y.shape[0], y_width)
+    with pytest.raises(PlanError) as e:
+        add_lora_slices(y, x, a, b, rs, widths=widths, ranks=ranks, scales=scales, backend="torch",
+                        out_offsets=out_offsets)
+    assert e.value.code == "E_BANK_SHAPE"
+
+
 def test_tile_list_covers_every_active_row_once():
     g = torch.Generator().manual_seed(4)
     rs = torch.randint(-1, 6, (100,), generator=g, dtype=torch.int32)

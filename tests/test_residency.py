@@ -17,7 +17,7 @@ from factory import make_adapter, save_base, tiny_model
 from mlora.batch.bank import SlotBank
 from mlora.batch.catalog import AdapterError, load_catalog, load_factors
 from mlora.batch.errors import CodedError
-from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes
+from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes, held_slices
 from mlora.batch.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
                                    HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
                                    PagedStorage, PagePool, Piece, RequestAttempt, Residency, ResidencyBank,
@@ -815,6 +815,47 @@ def test_bank_allocates_only_the_groups_it_is_given():
     assert ResidencyBank.bytes_per_slot(LAYERS, shapes, 8, torch.bfloat16) * 3 == total
     assert ResidencyBank.bytes_per_slot(LAYERS, SHAPES, 8, torch.bfloat16) == \
         SlotBank.bytes_per_slot(LAYERS, SHAPES, 8, torch.bfloat16)
+
+
+def test_a_bank_of_the_targeted_slices_only(pinned):
+    """A bank sized for q/v adapters holds the q and v slices of the q/k/v group and nothing
+    else: a slot costs exactly the adapter's factors (plus its rank/scale entries), a load
+    copies no zeros for k (the whole-view image is the factors), the deltas equal a full
+    bank's with the k columns of the projection untouched, and an adapter targeting a module
+    the bank does not hold is refused with E_BANK_SHAPE (never served without it)."""
+    slices = held_slices(["q_proj", "v_proj"])
+    assert slices == {"qkv": (0, 2)}
+    shapes = {"qkv": SHAPES["qkv"]}
+    bank = ResidencyBank(LAYERS, shapes, 2, 4, torch.float32, "cpu", slices=slices, faults=FaultInjector())
+    assert bank.widths["qkv"] == (SHAPES["qkv"][1][0], SHAPES["qkv"][1][2])
+    q_out, kv_out = SHAPES["qkv"][1][:2]
+    assert bank.out_offsets["qkv"] == [0, q_out + kv_out]
+    d_in = SHAPES["qkv"][0]
+    factors = 4 * (d_in + q_out) + 4 * (d_in + kv_out)  # rank 4: A and B of q and of v, per layer
+    assert bank.slot_bytes == LAYERS * (factors * 4 + 2 * 8)
+    art = bank.layout.artifact(pinned["qv"])
+    assert all(p.index == () for p in art.pieces)  # whole views ...
+    image = sum(p.src.numel() * p.src.element_size() for p in art.pieces if p.view.startswith(("A.", "B.")))
+    assert image == LAYERS * factors * 4  # ... holding the factors and no k zeros
+    full = SlotBank(LAYERS, SHAPES, 2, 8, torch.float32, "cpu")
+    slot, ref_slot = bank.ensure(["qv"], pinned)["qv"], full.ensure(["qv"], pinned)["qv"]
+    ctx = bank.context(torch.tensor([slot, -1, slot], dtype=torch.int32))
+    ref_ctx = full.context(torch.tensor([ref_slot, -1, ref_slot], dtype=torch.int32))
+    g = torch.Generator().manual_seed(5)
+    for layer in range(LAYERS):
+        x = torch.randn(3, d_in, generator=g)
+        y = torch.randn(3, q_out + 2 * kv_out, generator=g)
+        y0, y_ref = y.clone(), y.clone()
+        ctx.apply(layer, "qkv", x, y)
+        ref_ctx.apply(layer, "qkv", x, y_ref)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-6)
+        assert torch.equal(y[:, q_out : q_out + kv_out], y0[:, q_out : q_out + kv_out])  # k: not the bank's
+        assert torch.equal(y[1], y0[1]) and not torch.equal(y[0], y0[0])
+    with pytest.raises(CodedError) as e:  # "kvup" targets k_proj (and up_proj)
+        bank.ensure(["kvup"], pinned)
+    assert e.value.code == "E_BANK_SHAPE"
+    with pytest.raises(ValueError):
+        ResidencyBank(LAYERS, shapes, 2, 4, torch.float32, "cpu", slices={"qkv": (3,)})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -17,6 +17,12 @@ physical rank R::
     ranks   int32   [n, S]          0 = the slot's adapter does not target slice j
     scales  float32 [n, S]
 
+The slices are the ones the bank holds (``slices``; default all of the group's):
+a bank for q/v adapters holds q and v of the q/k/v group and no k slice, so a
+slot is no larger than its adapters' factors and a load copies no zeros for
+k. Slice j adds into the projection's output at its own columns
+(``out_offsets[g][j]``: the k columns are not the bank's and stay untouched).
+
 Writing an adapter zeroes the whole slot first, so every tail (ranks past r,
 untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
 ``semantic_sha256``, never by id or path: two catalog ids naming the same
@@ -73,7 +79,8 @@ class SlotTensors:
     error: type[CodedError] = BankError
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], groups, num_slots: int,
-                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto",
+                 slices: dict[str, tuple[int, ...]] | None = None):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
         device = torch.device(device)
@@ -84,9 +91,14 @@ class SlotTensors:
         self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
         self.dtype, self.device, self.backend = dtype, device, backend
         self.groups = tuple(groups)
-        self.widths = {g: tuple(int(w) for w in shapes[g][1]) for g in self.groups}
+        held = _held(shapes, self.groups, slices)
+        # per group: the held slices' widths, their rows in B (offsets), their first columns in the
+        # projection's output (out_offsets), and group slice index -> bank slice index
+        self.widths = {g: tuple(int(shapes[g][1][j]) for j in held[g]) for g in self.groups}
         self.d_in = {g: int(shapes[g][0]) for g in self.groups}
         self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
+        self.out_offsets = {g: [sum(int(w) for w in shapes[g][1][:j]) for j in held[g]] for g in self.groups}
+        self.slice_index = {g: {j: i for i, j in enumerate(held[g])} for g in self.groups}
         L, S, R = num_layers, num_slots, max_rank
         # One factor tensor per group with a leading slot axis: a slot's factors for every layer are
         # one contiguous block, so a load is one plain host-to-device copy per tensor (a strided
@@ -104,11 +116,15 @@ class SlotTensors:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
-                       dtype: torch.dtype) -> int:
-        """Device bytes one slot costs (factors at physical rank plus rank/scale entries)."""
+                       dtype: torch.dtype, slices: dict[str, tuple[int, ...]] | None = None) -> int:
+        """Device bytes one slot costs (factors at physical rank plus rank/scale entries) for the
+        groups of ``shapes``, holding ``slices`` of each (default all)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        per_layer = sum(len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
-                        for d_in, w in shapes.values())
+        held = _held(shapes, tuple(shapes), slices)
+        per_layer = 0
+        for g, (d_in, widths) in shapes.items():
+            w = [int(widths[j]) for j in held[g]]
+            per_layer += len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
         return num_layers * per_layer
 
     def _plans(self, row_slots: torch.Tensor, static: LaunchPlan | None = None):
@@ -158,8 +174,10 @@ class SlotTensors:
         placed = []
         for (layer, role), (a, b, scale) in factors:
             group, j = ROLE_SLICE[role]
-            if group not in self.widths:
-                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {group} slots")
+            if group not in self.widths or j not in self.slice_index[group]:
+                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {role} slots "
+                                 "(it was sized for the modules the job's adapters target at start)")
+            j = self.slice_index[group][j]
             r, w = a.shape[0], self.widths[group][j]
             if not 0 <= layer < self.num_layers or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
                 raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
@@ -169,6 +187,18 @@ class SlotTensors:
                 raise self.error("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
             placed.append((layer, group, j, a, b, r, scale))
         return placed
+
+
+def _held(shapes: dict, groups, slices: dict[str, tuple[int, ...]] | None) -> dict[str, tuple[int, ...]]:
+    """group -> the sorted slice indices a bank holds (all of each group's without ``slices``)."""
+    held = {}
+    for g in groups:
+        n = len(shapes[g][1])
+        js = tuple(range(n)) if slices is None or g not in slices else tuple(sorted(set(int(j) for j in slices[g])))
+        if not js or not all(0 <= j < n for j in js):
+            raise ValueError(f"slices of {g} must be a non-empty subset of range({n}), got {slices.get(g)}")
+        held[g] = js
+    return held
 
 
 class SlotBank(SlotTensors):
@@ -270,4 +300,5 @@ class BankContext:
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
+            out_offsets=bank.out_offsets[group],
         )

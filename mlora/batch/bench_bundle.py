@@ -168,15 +168,16 @@ def matched_slots(root: str, o: BundleBenchOptions) -> tuple[int, int, int]:
     the device bytes the resident bundle takes (at least one)."""
     from ..compress.bundle import read_bundle
     from .bundle_bank import BundleBank
-    from .lora import ROLE_SLICE, group_shapes
+    from .lora import group_shapes, held_slices
     from .residency import ResidencyBank
 
     p = PRESETS[o.preset]
     dtype = getattr(torch, o.dtype)
     need = BundleBank.bytes_needed(read_bundle(os.path.join(root, "bundle")), dtype)
     shapes = group_shapes(p["hidden_size"], p["intermediate_size"], p["num_heads"], p["num_kv_heads"], p["head_dim"])
-    used = {ROLE_SLICE[m][0] for m in o.targets}
-    slot = ResidencyBank.bytes_per_slot(p["num_layers"], {g: s for g, s in shapes.items() if g in used}, o.rank, dtype)
+    slices = held_slices(o.targets)  # the slots batch-run's bank holds for these adapters (session.py)
+    slot = ResidencyBank.bytes_per_slot(p["num_layers"], {g: s for g, s in shapes.items() if g in slices}, o.rank,
+                                        dtype, slices)
     return max(1, need // slot), need, slot
 
 

@@ -35,6 +35,16 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ROLE_SLICE: dict[str, tuple[str, int]] = {role: (g, j) for g, roles in GROUPS.items() for j, role in enumerate(roles)}
 
 
+def held_slices(roles) -> dict[str, tuple[int, ...]]:
+    """group -> the slice indices (into ``GROUPS[group]``) of the given target roles, for the
+    groups any of them is in: what a slot bank must hold for adapters targeting ``roles``."""
+    held: dict[str, set[int]] = {}
+    for role in roles:
+        g, j = ROLE_SLICE[role]
+        held.setdefault(g, set()).add(j)
+    return {g: tuple(sorted(held[g])) for g in GROUPS if g in held}
+
+
 def group_shapes(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, tuple[int, ...]]]:
     """group -> (d_in, slice widths) for a Llama-family decoder layer."""
     q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim

@@ -37,7 +37,7 @@ class EngineSession:
     generation only, as the single-process job always did."""
 
     def __init__(self, opts: JobOptions, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
-        from .lora import ROLE_SLICE
+        from .lora import held_slices
         from .metrics import JobMetrics
         from .model import DecoderModel
         from .residency import ResidencyBank
@@ -70,15 +70,17 @@ class EngineSession:
                                    core_slots=core_slots)
         elif good:
             host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
-            # slots only for the module groups some adapter of the job targets (q/v-only jobs need no MLP slots)
-            used = {ROLE_SLICE[m.role][0] for p in good.values() for m in p.modules}
-            shapes = {g: s for g, s in model.group_shapes().items() if g in used} or model.group_shapes()
+            # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
+            # slots and no k slice: a load then copies no zeros for k)
+            slices = held_slices({m.role for p in good.values() for m in p.modules})
+            shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
+            slices = {g: slices[g] for g in shapes if g in slices} or None
             slots = num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
-                                                                            max(max_rank, 1), dtype), device)
+                                                                            max(max_rank, 1), dtype, slices), device)
             workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
-                                      build_processes=opts.image_build_processes if workers else 0)
+                                      build_processes=opts.image_build_processes if workers else 0, slices=slices)
         self._switch = None
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             # the engine thread gives the GIL to the prefetch threads at every device sync and

@@ -22,6 +22,9 @@ Public entry points::
          y[t, off_j:off_j+w_j] += scales[j, s] * (x[t] @ lora_a[s, j, :ranks[j, s]].T)
                                                  @ lora_b[s, off_j:off_j+w_j, :ranks[j, s]].T
       a slot with ranks[j, s] == 0 leaves slice j of its rows untouched.
+      ``out_offsets`` (optional, n ints): slice j owns y's columns [out_offsets[j], out_offsets[j] + w_j)
+      instead (increasing, non-overlapping, within y): a bank holding only some slices of a fused
+      projection (q and v of q/k/v) adds into the full projection output, the other columns untouched.
 
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
 ``"triton"`` (segmented split-K shrink and multi-slice expand over a
@@ -52,7 +55,7 @@ __all__ = [
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales) -> None:
+def _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets=None) -> None:
     """Shape, dtype and device checks (no device synchronisation) of a sliced bank call."""
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
         raise PlanError("E_BANK_SHAPE", f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [T, d_in] and [T, d_out]")
@@ -64,8 +67,18 @@ def _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales) -> Non
     if lora_b.shape[0] != S or lora_b.shape[2] != R or lora_b.shape[1] != sum(widths):
         raise PlanError("E_BANK_SHAPE", f"lora_b {tuple(lora_b.shape)} does not match lora_a {tuple(lora_a.shape)} "
                         f"and widths {list(widths)}")
-    if x.shape[1] != d_in or y.shape[1] != lora_b.shape[1]:
-        raise PlanError("E_BANK_SHAPE", f"x/y widths {x.shape[1]}/{y.shape[1]} do not match the bank {d_in}/{lora_b.shape[1]}")
+    if out_offsets is None:
+        y_width_ok = y.shape[1] == lora_b.shape[1]
+    else:
+        ends = [int(o) + int(w) for o, w in zip(out_offsets, widths)]
+        if len(out_offsets) != n or int(out_offsets[0]) < 0 or any(
+                int(out_offsets[j + 1]) < ends[j] for j in range(n - 1)):
+            raise PlanError("E_BANK_SHAPE", f"out_offsets {list(out_offsets)} must give one first column per slice "
+                            f"({n}), increasing, each slice's columns (widths {list(widths)}) not overlapping the next")
+        y_width_ok = y.shape[1] >= ends[-1]
+    if x.shape[1] != d_in or not y_width_ok:
+        raise PlanError("E_BANK_SHAPE", f"x/y widths {x.shape[1]}/{y.shape[1]} do not match the bank {d_in}/{lora_b.shape[1]}"
+                        + ("" if out_offsets is None else f" at out_offsets {list(out_offsets)}"))
     if row_slots.shape != (x.shape[0],) or row_slots.dtype not in (torch.int32, torch.int64):
         raise PlanError("E_BANK_SHAPE", "row_slots must be an int32 vector with one entry per row")
     for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
@@ -123,10 +136,13 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
 
 
 def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True):
+                    plan=None, check_values=True, out_offsets=None):
     """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above)."""
     widths = [int(w) for w in widths]
-    _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales)
+    _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
+    if out_offsets is None:
+        out_offsets = [sum(widths[:j]) for j in range(len(widths))]
+    out_offsets = [int(o) for o in out_offsets]
     S, n, R, _ = lora_a.shape
     if check_values:
         _check_values(row_slots, S, R, ranks)
@@ -141,7 +157,8 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         plan = plan or build_plan(row_slots)
         off = 0
         for j, w in enumerate(widths):
-            lora_loop(y[:, off : off + w], x, lora_a[:, j], lora_b[:, off : off + w], row_slots, ranks[j], scales[j], plan)
+            col = out_offsets[j]
+            lora_loop(y[:, col : col + w], x, lora_a[:, j], lora_b[:, off : off + w], row_slots, ranks[j], scales[j], plan)
             off += w
         return y
     from .triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
@@ -152,7 +169,8 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
-    return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths)
+    return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
+                                  out_offsets=out_offsets)
 
 
 def _resolve(backend: str, x) -> str:

@@ -183,7 +183,7 @@ def _shrink_rows(
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr,
-    R, S, G1, G2, G3, O1, O2, O3, O4, group_tiles,
+    R, S, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
     stride_zu, stride_bs, stride_bn, stride_yt,
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
@@ -195,8 +195,9 @@ def _expand_kernel(
     while the group's columns stream B and y.
 
     Slice metadata are scalars (no loads): ``G1..G3`` are the first column
-    groups of slices 1..3, ``O1..O4`` the first columns of slices 1..4 (O_n =
-    sum of widths). With ``USE_PDL`` the kernel is launched as a programmatic
+    groups of slices 1..3, ``O1..O4`` the first columns (rows of B) of slices
+    1..4 (O_n = sum of widths), ``D0..D3`` each slice's shift of its columns in
+    y (y column = B row + D_j; all 0 when the slices fill y side by side). With ``USE_PDL`` the kernel is launched as a programmatic
     dependent of the shrink: everything it reads that the shrink does not write
     (plan, ranks, scales, B, the first y tile) is loaded before the grid-
     dependency wait, z after it."""
@@ -206,15 +207,17 @@ def _expand_kernel(
     g_lo = 0
     n_lo = 0
     n_hi = O1
+    dy = D0
     if N_SLICES > 1:
         if pid_g >= G1:
-            j, g_lo, n_lo, n_hi = 1, G1, O1, O2
+            j, g_lo, n_lo, n_hi, dy = 1, G1, O1, O2, D1
     if N_SLICES > 2:
         if pid_g >= G2:
-            j, g_lo, n_lo, n_hi = 2, G2, O2, O3
+            j, g_lo, n_lo, n_hi, dy = 2, G2, O2, O3, D2
     if N_SLICES > 3:
         if pid_g >= G3:
-            j, g_lo, n_lo, n_hi = 3, G3, O3, O4
+            j, g_lo, n_lo, n_hi, dy = 3, G3, O3, O4, D3
+    y_ptr += dy  # this slice's columns of y (row stride unchanged)
     valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
                                        BLOCK_M)
     if not valid:
@@ -375,20 +378,24 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
                 "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
-def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None):
+def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
+                           out_offsets=None):
     """Shrink then expand over ``lp``; y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config`. More than ``MAX_SLICES`` slices run as
+    entries of :func:`launch_config`. ``out_offsets``: each slice's first column
+    in y (default: side by side from 0). More than ``MAX_SLICES`` slices run as
     several launch pairs of at most that many."""
     S, n, R, d_in = lora_a.shape
+    if out_offsets is None:
+        out_offsets = [sum(widths[:j]) for j in range(n)]
     if n > MAX_SLICES:
         off = 0
         for j0 in range(0, n, MAX_SLICES):
             ws = list(widths[j0 : j0 + MAX_SLICES])
-            add_lora_slices_triton(y[:, off : off + sum(ws)], x, lora_a[:, j0 : j0 + MAX_SLICES],
+            add_lora_slices_triton(y, x, lora_a[:, j0 : j0 + MAX_SLICES],
                                    lora_b[:, off : off + sum(ws)], lp, ranks[j0 : j0 + MAX_SLICES],
-                                   scales[j0 : j0 + MAX_SLICES], ws, config)
+                                   scales[j0 : j0 + MAX_SLICES], ws, config, out_offsets[j0 : j0 + MAX_SLICES])
             off += sum(ws)
         return y
     if x.stride(1) != 1:
@@ -426,11 +433,12 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         offs.append(offs[-1] + w)
     g_args = (groups[1:n] + [groups[-1]] * MAX_SLICES)[: MAX_SLICES - 1]
     o_args = (offs[1:] + [offs[-1]] * MAX_SLICES)[:MAX_SLICES]
+    d_args = ([int(o) - b for o, b in zip(out_offsets, offs)] + [0] * MAX_SLICES)[:MAX_SLICES]
     extra = dict(launch_pdl=True) if pdl else {}
     _expand_kernel[(lp.tile_capacity, groups[-1])](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales,
-        R, S, *g_args, *o_args, gt,
+        R, S, *g_args, *o_args, *d_args, gt,
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         N_SLICES=n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,

@@ -11,8 +11,10 @@ Per layer and group, with S slots, n slices and physical rank R::
     A       [S, n, R, d_in]            B       [S, sum(widths), R]
     ranks   int32   [n, S]             scales  float32 [n, S]
 
-Only the groups named in ``shapes`` are allocated (a job whose adapters
-target q/v only needs no MLP slots). An adapter's host artifact is the list
+Only the groups named in ``shapes`` are allocated, and of each only the
+slices in ``slices`` (a job whose adapters target q/v only needs no MLP slots
+and no k slice: a slot is then exactly its adapter's factors, and a load's
+whole-view image copies no zeros for untargeted modules). An adapter's host artifact is the list
 of its factors (copied into the leading rank rows/columns) plus its whole
 ranks/scales columns; the slot is zeroed on the device first, so every tail
 is zero and validation proves it (spec 0x06A).
@@ -72,12 +74,12 @@ class ResidencyBank(SlotTensors):
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
                  prefetch_workers: int = 1, build_processes: int = 0, expected_adapters: int | None = None,
-                 pinned_pool: PinnedPool | None = None):
+                 pinned_pool: PinnedPool | None = None, slices: dict[str, tuple[int, ...]] | None = None):
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
-                         backend)
-        self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in self.groups}, max_rank, dtype)
+                         backend, slices)
+        self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in self.groups}, max_rank, dtype, slices)
         if pool is None:
             pool = PagePool(num_slots, self.slot_bytes)
         tensors = {}
@@ -86,7 +88,8 @@ class ResidencyBank(SlotTensors):
                             f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
-                                 {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()})
+                                 {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()},
+                                 self.slice_index)
         copier = copier or copier_for(self.device)
         self.pinned_pool = pinned_pool  # given: tests stage images through unpinned blocks on the CPU
         if pinned_pool is None and self.device.type == "cuda":
@@ -426,9 +429,11 @@ class SlotLayout:
     _place = SlotTensors._place  # the same checks, on these attributes
 
     def __init__(self, num_layers: int, groups, widths: dict, d_in: dict, offsets: dict, max_rank: int,
-                 dtype: torch.dtype, view_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+                 dtype: torch.dtype, view_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 slice_index: dict[str, dict[int, int]]):
         self.num_layers, self.groups, self.widths, self.d_in = num_layers, tuple(groups), dict(widths), dict(d_in)
         self.offsets, self.max_rank, self.dtype, self.view_shapes = dict(offsets), max_rank, dtype, dict(view_shapes)
+        self.slice_index = {g: dict(m) for g, m in slice_index.items()}  # group slice -> bank slice
 
     def artifact(self, p: PinnedAdapter) -> HostArtifact:
         """The verified host image of one pinned adapter (factors re-hashed from disk)."""
