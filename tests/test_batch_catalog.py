@@ -343,13 +343,13 @@ def test_lru_eviction_reload_and_zeroed_tails(ws, pinned):
                 off = sum(SHAPES[g][1][:j])
                 want_a[layer, j, : fa.shape[0]] = fa
                 want_b[layer, off : off + fb.shape[0], : fa.shape[0]] = fb
-                assert bank.ranks[g][layer, j, c] == fa.shape[0]
+                assert bank.ranks[g][c, layer, j] == fa.shape[0]
         assert torch.equal(bank.A[g][c], want_a) and torch.equal(bank.B[g][c], want_b)
-        targeted = torch.zeros_like(bank.ranks[g][:, :, c], dtype=torch.bool)
+        targeted = torch.zeros_like(bank.ranks[g][c], dtype=torch.bool)
         for layer, role in factors:
             if ROLE_SLICE[role][0] == g:
                 targeted[layer, ROLE_SLICE[role][1]] = True
-        assert (bank.ranks[g][:, :, c][~targeted] == 0).all()
+        assert (bank.ranks[g][c][~targeted] == 0).all()
     _check_bank(ws, bank, {"all": a, "pattern": c}, seed=2)
     again = bank.ensure(["qv"], pinned)["qv"]  # reload: evicts "all", now the least recently used
     assert again == a and "all" not in bank.ensure(["pattern", "qv"], pinned)

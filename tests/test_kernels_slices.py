@@ -122,6 +122,28 @@ def test_slices_at_out_offsets_leave_other_columns_untouched(backend, widths, ou
     assert err < TOL[torch.float32], float(err)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_rank_and_scale_tables(backend):
+    """Ranks and scales as a layer's view of slot-major [S, L, n] tables (strides (1, L*n)),
+    as the banks pass them: the same result as contiguous [n, S] tables."""
+    y, x, a, b, rs, ranks, scales, widths = sliced_case(24, widths=(24, 8, 8))
+    n, S = ranks.shape
+    L, layer = 3, 1
+    big_r = torch.randint(0, 5, (S, L, n), dtype=torch.int32)
+    big_s = torch.rand(S, L, n) + 7  # other layers' entries: wrong values if ever read
+    big_r[:, layer] = ranks.t()
+    big_s[:, layer] = scales.t()
+    yd, xd, ad, bd, rsd = _dev(y, x, a, b, rs)
+    want = yd.clone()
+    add_lora_slices(want, xd, ad, bd, rsd, widths=widths, ranks=ranks.to(DEVICE), scales=scales.to(DEVICE),
+                    backend=backend)
+    r_view, s_view = big_r.to(DEVICE)[:, layer].t(), big_s.to(DEVICE)[:, layer].t()
+    assert not r_view.is_contiguous() and r_view.stride() == s_view.stride()
+    got = yd.clone()
+    add_lora_slices(got, xd, ad, bd, rsd, widths=widths, ranks=r_view, scales=s_view, backend=backend)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("out_offsets, y_width", [((0, 20), 40), ((8, 0), 40), ((0, 32), 39), ((-1, 32), 40),
                                                   ((0,), 40)])
 def test_bad_out_offsets_are_rejected(out_offsets, y_width):

@@ -799,13 +799,16 @@ def test_slot_factor_views_are_contiguous(pinned):
     slot = bank.ensure(["qv"], pinned)["qv"]
     views = bank.residency.storage.views(slot, [])
     for g in bank.groups:
-        for name in (f"A.{g}", f"B.{g}"):
+        for name in (f"A.{g}", f"B.{g}", f"ranks.{g}", f"scales.{g}"):  # plain copies each way (load, read-back)
             assert views[name].is_contiguous() and views[name].data_ptr() != 0
         assert torch.equal(views[f"A.{g}"], bank.A[g][slot]) and torch.equal(views[f"B.{g}"], bank.B[g][slot])
     factors = load_factors(pinned["qv"], torch.float32, "cpu")
     (layer, role), (fa, fb, _) = sorted(factors.items())[0]
     group, j = ROLE_SLICE[role]
     assert torch.equal(bank.A[group][:, layer][slot, j, : fa.shape[0]], fa)  # the kernels' layer view
+    ranks, scales = bank.layer_tables(group, layer)
+    assert ranks.shape == (len(bank.widths[group]), bank.num_slots) and int(ranks[j, slot]) == fa.shape[0]
+    assert scales.stride() == ranks.stride() and float(scales[j, slot]) != 0
 
 
 def test_bank_allocates_only_the_groups_it_is_given():

@@ -17,6 +17,10 @@ physical rank R::
     ranks   int32   [n, S]          0 = the slot's adapter does not target slice j
     scales  float32 [n, S]
 
+(the kernels' per-layer views of slot-major tensors: A [S, L, n, R, d_in],
+B [S, L, sum(widths), R], ranks and scales [S, L, n]; one slot's entries are
+contiguous in each, so a load is one plain copy per tensor).
+
 The slices are the ones the bank holds (``slices``; default all of the group's):
 a bank for q/v adapters holds q and v of the q/k/v group and no k slice, so a
 slot is no larger than its adapters' factors and a load copies no zeros for
@@ -104,15 +108,21 @@ class SlotTensors:
         # one contiguous block, so a load is one plain host-to-device copy per tensor (a strided
         # slot view made torch stage every copy in a device temporary and scatter it with a
         # kernel, on the busy GPU's SMs). [:, layer] is the kernels' [S, n, R, d_in] / [S, sum(w), R]
-        # view (strided over slots; the kernels take the slot stride). Ranks and scales stay
-        # [L, n, S]: per layer they are the kernels' contiguous [n, S] tables.
+        # view (strided over slots; the kernels take the slot stride). Ranks and scales are
+        # slot-major too, [S, L, n] (a slot's tables are one plain copy each way: no staging
+        # kernel for the load, none for validation's read-back); the kernels get a layer's
+        # [n, S] view ``[:, layer].t()`` (``layer_tables``) and take its strides.
         self.A = {g: torch.zeros(S, L, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
         self.B = {g: torch.zeros(S, L, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
-        self.ranks = {g: torch.zeros(L, len(w), S, dtype=torch.int32, device=device) for g, w in self.widths.items()}
-        self.scales = {g: torch.zeros(L, len(w), S, dtype=torch.float32, device=device) for g, w in self.widths.items()}
+        self.ranks = {g: torch.zeros(S, L, len(w), dtype=torch.int32, device=device) for g, w in self.widths.items()}
+        self.scales = {g: torch.zeros(S, L, len(w), dtype=torch.float32, device=device) for g, w in self.widths.items()}
         # static LaunchPlan buffers (captured graphs) -> (buffers, row slots, SegmentPlan) they were last filled
         # from in _plans, the only writer: a replay with the same row slots needs no rebuild or copy
         self._static_fills: dict[int, tuple] = {}
+
+    def layer_tables(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' ``[n, S]`` ranks and scales of one (group, layer): views, no copy."""
+        return self.ranks[group][:, layer].t(), self.scales[group][:, layer].t()
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
@@ -259,14 +269,14 @@ class SlotBank(SlotTensors):
         for g in GROUPS:
             self.A[g][slot].zero_()
             self.B[g][slot].zero_()
-            self.ranks[g][:, :, slot] = 0
-            self.scales[g][:, :, slot] = 0.0
+            self.ranks[g][slot] = 0
+            self.scales[g][slot] = 0.0
         for layer, group, j, a, b, r, scale in placed:
             off = self.offsets[group][j]
             self.A[group][slot, layer, j, :r].copy_(a)
             self.B[group][slot, layer, off : off + b.shape[0], :r].copy_(b)
-            self.ranks[group][layer, j, slot] = r
-            self.scales[group][layer, j, slot] = scale
+            self.ranks[group][slot, layer, j] = r
+            self.scales[group][slot, layer, j] = scale
         self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
 
     def context(self, row_slots: torch.Tensor, static: LaunchPlan | None = None) -> "BankContext":
@@ -296,9 +306,10 @@ class BankContext:
         if (layer, group) not in self.targeted:  # no active slot adapts this module: nothing to add
             return
         bank = self.bank
+        ranks, scales = bank.layer_tables(group, layer)
         add_lora_slices(
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
-            ranks=bank.ranks[group][layer], scales=bank.scales[group][layer], backend=bank.backend,
+            ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
             out_offsets=bank.out_offsets[group],
         )

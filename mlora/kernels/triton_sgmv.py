@@ -12,7 +12,10 @@ gate/up share one launch), tile ``i`` with slot ``s`` and grouped rows ``u``::
 Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
   * A bank ``[S, n, R, d_in]`` and B bank ``[S, sum(w_j), R]``, row-major, the
     logical orientation of PEFT checkpoints; slice ``j`` of B is the row block
-    ``[off_j, off_j + w_j)``; ranks and scales are ``[n, S]`` tables; the
+    ``[off_j, off_j + w_j)`` and it writes y's columns from ``out_offsets[j]``
+    (default ``off_j``); ranks and scales are ``[n, S]`` tables of any strides
+    (the same for both: banks keep them slot-major, ``[S, L, n]``, and pass a
+    layer's transposed view); the
     scale multiplies the summed z in fp32 before the expand dot (never folded
     into B).
   * Indexed rows: x and y stay in scheduler order; the LaunchPlan's
@@ -64,7 +67,7 @@ from .launch import LaunchPlan
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v2: A[S,n,R,d_in] B[S,sum(w),R] row-major; ranks/scales [n,S]; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand"
+KERNEL_ABI = "mlora-sgmv-v3: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
@@ -91,7 +94,7 @@ def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tile
 @triton.jit(do_not_specialize=["split"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
-    d_in, R, S, k_per_split, split,
+    d_in, R, stride_rj, stride_rs, k_per_split, split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -107,7 +110,7 @@ def _shrink_kernel(
                                        BLOCK_M)
     if not valid:
         return
-    rank = tl.load(ranks_ptr + j * S + slot)
+    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
     if r0 >= rank:
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
@@ -183,7 +186,7 @@ def _shrink_rows(
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr,
-    R, S, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
+    R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
     stride_zu, stride_bs, stride_bn, stride_yt,
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
@@ -222,10 +225,10 @@ def _expand_kernel(
                                        BLOCK_M)
     if not valid:
         return
-    rank = tl.load(ranks_ptr + j * S + slot)
+    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
     if rank == 0:
         return
-    scale = tl.load(scales_ptr + j * S + slot)
+    scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
@@ -404,6 +407,8 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         lora_a = lora_a.contiguous()
     if lora_b.stride(2) != 1:
         lora_b = lora_b.contiguous()
+    if ranks.stride() != scales.stride():  # the kernels index both [n, S] tables with one pair of strides
+        ranks, scales = ranks.contiguous(), scales.contiguous()
     assert y.stride(1) == 1, "y must be row-major"
     native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
@@ -419,7 +424,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
-        d_in, R, S, cfg["k_per_split"], cfg["split"],
+        d_in, R, ranks.stride(0), ranks.stride(1), cfg["k_per_split"], cfg["split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
@@ -438,7 +443,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     _expand_kernel[(lp.tile_capacity, groups[-1])](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales,
-        R, S, *g_args, *o_args, *d_args, gt,
+        R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         N_SLICES=n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,

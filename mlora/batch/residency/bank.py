@@ -85,7 +85,7 @@ class ResidencyBank(SlotTensors):
         tensors = {}
         for g in self.groups:
             tensors.update({f"A.{g}": (self.A[g], 0), f"B.{g}": (self.B[g], 0),
-                            f"ranks.{g}": (self.ranks[g], 2), f"scales.{g}": (self.scales[g], 2)})
+                            f"ranks.{g}": (self.ranks[g], 0), f"scales.{g}": (self.scales[g], 0)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
                                  {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()},
