@@ -442,3 +442,31 @@ def test_default_adapter_slots_come_from_free_gpu_memory(monkeypatch):
     # usable = 100 - 0.1 * 140 = 86 GiB; a quarter is 21.5 GiB: 21 slots of 1 GiB
     assert num_slots(JobOptions(input="", output="", base=""), 1000, GiB, cuda) == 21
     assert num_slots(JobOptions(input="", output="", base=""), 5, GiB, cuda) == 5
+
+
+def test_batch_run_option_defaults_are_the_job_defaults():
+    """Every `mlora batch-run` option that is a JobOptions field defaults to JobOptions' own
+    default (both are written out: the CLI must not import torch to render --help), so a
+    shell script and a Python caller get the same job. The exceptions are deliberate: the
+    CLI's None for --prompt-column means "prompt unless --prompt-ids-column is given", and
+    repeatable options default to None where JobOptions holds an empty tuple."""
+    import dataclasses
+
+    import typer
+
+    from mlora.batch.job import JobOptions
+    from mlora.cli.app import app
+
+    command = typer.main.get_command(app).commands["batch-run"]
+    fields = {f.name: f for f in dataclasses.fields(JobOptions)}
+    compared = 0
+    for param in command.params:
+        f = fields.get(param.name)
+        if f is None or f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            continue  # not a JobOptions field (--adapters, --json, ...) or required (INPUT, OUTPUT, --base)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if param.name == "prompt_column" or (param.default is None and default == ()):
+            continue
+        assert param.default == default, (param.name, param.default, default)
+        compared += 1
+    assert compared >= 25

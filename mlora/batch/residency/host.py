@@ -174,8 +174,9 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
 
 
 def view_stats(t: torch.Tensor) -> torch.Tensor:
-    """int64 [4] on ``t``'s device: (all finite, non-zero count, sum of the bytes read as
-    16-bit words, sum of word x ((position mod 65521) + 1)). Exact integer arithmetic:
+    """int64 [4] on ``t``'s device: (non-finite count -- 0 exactly when every value is
+    finite --, non-zero count, sum of the bytes read as 16-bit words, sum of word x
+    ((position mod 65521) + 1)). Exact integer arithmetic:
     |word| <= 2^15 and weights <= 2^16, so every product fits in int32 and the sums stay
     below 2^63 for views of up to 2^31 words. The same bytes give the same four numbers
     on every device (host tensors take a numpy path: torch's int64 reductions on the
@@ -192,12 +193,11 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
 
 def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = None) -> None:
     """:func:`view_stats` of ``t`` into ``row`` (int64 [4] on ``t``'s device, contiguous, zeroed
-    by the caller), except that ``row[0]`` is 0 exactly when every value is finite (where
-    view_stats has 1): a large 16-bit view on a GPU is then one accumulating launch
+    by the caller): a large 16-bit view on a GPU is one accumulating launch
     (``wordstats.py``) with nothing after it, which keeps a load's validation to a few
-    operations on the engine thread. Any other view computes view_stats and stores
-    ``1 - flag``. ``fused``: force the Triton path (tests, under the interpreter) or the
-    other one; default: a GPU's large 16-bit views."""
+    operations on the engine thread; any other view computes view_stats and copies it.
+    ``fused``: force the Triton path (tests, under the interpreter) or the other one;
+    default: a GPU's large 16-bit views."""
     global _ACCUMULATE_FAILED
     flat = _flat(t)
     if fused if fused is not None else (_ACCUMULATE_FAILED is None and _accumulates(flat)):
@@ -215,9 +215,7 @@ def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = Non
             _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             warnings.warn(f"mlora: the word-stats kernel failed ({_ACCUMULATE_FAILED}); load validation uses "
                           "torch reductions instead (slower, same numbers)", RuntimeWarning)
-    s = view_stats(flat).to(row.device)
-    s[0] = 1 - s[0]
-    row.copy_(s)
+    row.copy_(view_stats(flat).to(row.device))
 
 
 _ACCUMULATE_FAILED: str | None = None  # why the word-stats kernel could not run in this process (None: it can)
@@ -252,9 +250,7 @@ def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     from .wordstats import word_stats
 
     _, exp, mag = _FLOAT_BITS[flat.dtype]
-    out = word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
-    out[0] = out[0] == 0  # non-finite count -> "all finite"
-    return out
+    return word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
 
 
 def _view_stats_torch(flat: torch.Tensor) -> torch.Tensor:
@@ -263,18 +259,18 @@ def _view_stats_torch(flat: torch.Tensor) -> torch.Tensor:
     bits = _FLOAT_BITS.get(flat.dtype)
     if bits is not None:
         b = flat.view(bits[0])
-        finite = ((b & bits[1]) != bits[1]).all()
+        nonfinite = torch.count_nonzero((b & bits[1]) == bits[1])
         nonzero = torch.count_nonzero(b & bits[2])
     else:
-        finite = torch.isfinite(flat).all() if flat.is_floating_point() else torch.ones((), dtype=torch.bool,
-                                                                                        device=flat.device)
+        nonfinite = (torch.count_nonzero(~torch.isfinite(flat)) if flat.is_floating_point()
+                     else torch.zeros((), dtype=torch.int64, device=flat.device))
         nonzero = torch.count_nonzero(flat)
     raw = flat.view(torch.uint8)
     if raw.numel() % 2:
         raw = torch.cat((raw, raw.new_zeros(1)))
     words = raw.view(torch.int16).to(torch.int32)
     weighted = (words * _weights(words.numel(), words.device)).sum(dtype=torch.int64)
-    return torch.stack((finite.to(torch.int64), nonzero.to(torch.int64), words.sum(dtype=torch.int64), weighted))
+    return torch.stack((nonfinite.to(torch.int64), nonzero.to(torch.int64), words.sum(dtype=torch.int64), weighted))
 
 
 def _view_stats_host(flat: torch.Tensor) -> torch.Tensor:
@@ -282,10 +278,10 @@ def _view_stats_host(flat: torch.Tensor) -> torch.Tensor:
     bits = _FLOAT_BITS.get(flat.dtype)
     if bits is not None:
         b = flat.view(bits[0]).numpy()
-        finite = bool(((b & bits[1]) != bits[1]).all())
+        nonfinite = int(np.count_nonzero((b & bits[1]) == bits[1]))
         nonzero = int(np.count_nonzero(b & bits[2]))
     else:
-        finite = bool(torch.isfinite(flat).all()) if flat.is_floating_point() else True
+        nonfinite = int(torch.count_nonzero(~torch.isfinite(flat))) if flat.is_floating_point() else 0
         nonzero = int(torch.count_nonzero(flat))
     raw = flat.view(torch.uint8).numpy()
     if raw.size % 2:
@@ -293,7 +289,7 @@ def _view_stats_host(flat: torch.Tensor) -> torch.Tensor:
     words = raw.view(np.int16)
     w32 = words.astype(np.int32)
     w32 *= _weights(words.size, torch.device("cpu")).numpy()
-    return torch.tensor([int(finite), nonzero, int(words.sum(dtype=np.int64)), int(w32.sum(dtype=np.int64))],
+    return torch.tensor([nonfinite, nonzero, int(words.sum(dtype=np.int64)), int(w32.sum(dtype=np.int64))],
                         dtype=torch.int64)
 
 

@@ -54,12 +54,12 @@ class Probe:
 
     names: list[str]  # every view, in order
     large: list[str]  # the views ``stats`` holds, in order
-    stats: torch.Tensor  # int64 [len(large), 4] on the host; column 0 is 0 iff the view is all finite
+    stats: torch.Tensor  # int64 [len(large), 4] on the host, one view_stats row per large view
     small: dict[str, torch.Tensor]
 
     def all_stats(self) -> list[list[int]]:
         """view_stats of every view of ``names``, in order (read once the probe has landed)."""
-        large = {n: [int(r[0] == 0)] + r[1:] for n, r in zip(self.large, self.stats.tolist())}
+        large = dict(zip(self.large, self.stats.tolist()))
         return [large[n] if n in large else view_stats(self.small[n]).tolist() for n in self.names]
 
 
@@ -85,7 +85,7 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
     order, the first failure raised as ValidationError with its E_VALIDATE_* code.
     ``probe``: the numbers read right after the copy (:func:`probe_landed`), else read now.
 
-    Fast path: every view's :func:`~.host.view_stats` (finite, non-zero count, two exact
+    Fast path: every view's :func:`~.host.view_stats` (non-finite count, non-zero count, two exact
     word sums) -- the large views' on the device (one Triton pass per 16-bit view on a
     GPU), the small metadata views' from their host copies -- read by the probe, issued
     right after the copies (without one, here, with one synchronisation), and compared
@@ -105,7 +105,7 @@ def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: 
     names = probe.names
     want = artifact.view_checks({n: (tuple(views[n].shape), views[n].dtype) for n in names})
     got = probe.all_stats()
-    if all(g[0] == 1 and tuple(g) == tuple(want[n]) for n, g in zip(names, got)):
+    if all(g[0] == 0 and tuple(g) == tuple(want[n]) for n, g in zip(names, got)):
         return
     _diagnose(views, artifact, what)
     bad = [n for n, g in zip(names, got) if tuple(g) != tuple(want[n])]
