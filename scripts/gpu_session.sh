@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh residency2k the step-4 residency benchmark at 2,000 rows, both runs (about 5 min)
 #   bash scripts/gpu_session.sh residency-blocking  the limited run with --prefetch-gpu-adapters 0 (attribution)
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
+#   bash scripts/gpu_session.sh decode64   bench batch at --max-num-seqs 64 (step 7's decode target at 64 rows)
 #   bash scripts/gpu_session.sh kernels-split  the default config per sweep case, with shrink alone and an empty graph
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
@@ -83,6 +84,10 @@ case "${1:-quick}" in
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
     timeout 560 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 --runs limited \
       --prefetch-gpu-adapters 0 --out "$OUT/residency-2k-blocking.json" 2>&1 | tail -8
+    ;;
+  decode64)  # step 7's decode target at 64 running rows (the bench's default is 256), base and 64 adapters (~3 min)
+    timeout 280 python -m mlora bench batch --rows 512 --adapters 0,64 --max-num-seqs 64 --out "$OUT/batch-64seqs.json" \
+      2>&1 | grep adapters
     ;;
   kernels-split)  # where each sweep case's time goes: shrink alone, neither launch (about 2 min)
     timeout 200 python scripts/kernel_sweep.py --split 2>&1 | tail -25 | tee "$OUT/kernel-split.txt"
