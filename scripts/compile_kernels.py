@@ -57,7 +57,7 @@ def main() -> int:
     pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "zp_ptr": "*fp32",
                 "scales_ptr": "*fp32", "cnt_ptr": "*i32", "rows_ptr": "*i32", "tile_slot_ptr": "*i32",
                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
-                "w_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                "w_ptr": "*i16", "w0_ptr": "*i16", "w1_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_starts_ptr": "*i32",
                 "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32",
                 "h_ptr": "*bf16", "d_ptr": "*bf16", "hout_ptr": "*bf16", "eps": "fp32",
@@ -90,7 +90,7 @@ def main() -> int:
                        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"]),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
-    build(wordstats._word_stats_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
+    build(wordstats._word_partials_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
                                              TILES=wordstats.TILES),
           "residency word stats")
     group = 4  # 32 query heads over 8 KV heads, head_dim 128

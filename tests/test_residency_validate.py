@@ -142,36 +142,38 @@ def test_fused_word_stats_equal_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_stats_rows_into_one_buffer_equal_view_stats(dtype):
-    """host.view_stats_into (what a load's probe issues: every large view's numbers added into
-    one zeroed int64 buffer; on a GPU one accumulating Triton launch per 16-bit view, here
-    forced through the interpreter) holds each view's view_stats (column 0 the non-finite
-    count); a poisoned buffer row proves the row is written, not
-    reused. Sizes cross one program's 32K words and the 65521-word weight period."""
-    from mlora.batch.residency.host import view_stats, view_stats_into
+def test_stats_parts_equal_view_stats(dtype):
+    """host.view_stats_parts (what a load's probe issues: on a GPU one word-stats launch per two
+    16-bit views, each program writing its own row of partials; here forced through the
+    interpreter) gives every view's view_stats once its rows are summed: an odd number of
+    views (a launch with one view), sizes crossing one program's 32K words and the 65521-word
+    weight period, non-finite values counted. The output rows are never zeroed, so every
+    row must be written: unwritten garbage would change the sums."""
+    from mlora.batch.residency.host import view_stats, view_stats_parts
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
-    views = [(torch.randn(n, generator=g) * 2).to(dtype) for n in (1, 4097, 32768 + 5, 70001)]
+    views = [(torch.randn(n, generator=g) * 2).to(dtype) for n in (1, 4097, 32768 + 5, 70001, 65537)]
     views[2][9] = float("nan")
     views[3][70000] = float("-inf")
+    views[3][3] = float("inf")
+    named = {f"v{i}": v.to(dev) for i, v in enumerate(views)}
     sixteen = dtype in (torch.bfloat16, torch.float16)
     for fused in ([True, None] if sixteen else [None]):
-        rows = torch.zeros(len(views), 4, dtype=torch.int64, device=dev)
-        for i, v in enumerate(views):
-            view_stats_into(v.to(dev), rows[i], fused=fused)
-        for v, r in zip(views, rows.cpu().tolist()):
-            want = view_stats(v).tolist()
-            assert r == want
-        assert rows[2, 0] != 0 and rows[3, 0] != 0 and rows[0, 0] == 0 and rows[1, 0] == 0
-    poisoned = torch.full((4,), 12345, dtype=torch.int64, device=dev)
-    view_stats_into(views[1].to(dev), poisoned, fused=False)  # the non-fused path overwrites its row
-    assert poisoned.tolist() == view_stats(views[1]).tolist()
+        parts = view_stats_parts(named, fused=fused)
+        if fused:
+            assert [p.names for p in parts] == [["v0", "v1"], ["v2", "v3"], ["v4"]]  # two views per launch
+            assert all(p.counts is not None for p in parts)
+        got = {}
+        for p in parts:
+            got.update(p.to("cpu").stats())
+        assert got == {n: view_stats(v).tolist() for n, v in zip(named, views)}
+        assert got["v2"][0] == 1 and got["v3"][0] == 2 and got["v0"][0] == 0
 
 
 def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
-    """If the accumulating kernel fails (e.g. it does not compile on some GPU), validation
-    computes the same numbers with the per-view path, says so once, and keeps doing so;
+    """If the word-stats kernel fails (e.g. it does not compile on some GPU), validation
+    computes the same numbers with torch reductions, says so once, and keeps doing so;
     forced (``fused=True``) the error surfaces."""
     from mlora.batch.residency import host as host_mod
     from mlora.batch.residency import wordstats
@@ -182,18 +184,50 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
         calls.append(1)
         raise RuntimeError("no such instruction\ndetails")
 
-    monkeypatch.setattr(wordstats, "word_stats_into", broken)
+    monkeypatch.setattr(wordstats, "word_partials", broken)
     monkeypatch.setattr(host_mod, "_ACCUMULATE_FAILED", None)
     monkeypatch.setattr(host_mod, "_accumulates", lambda flat: True)  # as a GPU's large 16-bit view would
     x = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
     want = view_stats(x).tolist()
-    row = torch.full((4,), 99, dtype=torch.int64)  # poisoned: the fallback must overwrite it
     with pytest.warns(RuntimeWarning, match="no such instruction"):
-        host_mod.view_stats_into(x, row)
+        parts = host_mod.view_stats_parts({"x": x, "y": x.clone()})
     assert host_mod._ACCUMULATE_FAILED == "RuntimeError: no such instruction"
-    assert row.tolist() == want
-    again = torch.zeros(4, dtype=torch.int64)
-    host_mod.view_stats_into(x, again)  # no second attempt, no second warning
-    assert calls == [1] and again.tolist() == want
+    assert [p.stats() for p in parts] == [{"x": want, "y": want}]
+    again = host_mod.view_stats_parts({"x": x})  # no second attempt, no second warning
+    assert calls == [1] and again[0].stats() == {"x": want}
     with pytest.raises(RuntimeError):
-        host_mod.view_stats_into(x, torch.zeros(4, dtype=torch.int64), fused=True)
+        host_mod.view_stats_parts({"x": x}, fused=True)
+
+
+@pytest.mark.parametrize("poke, code", [
+    (None, None),
+    (lambda v: v["A"][1, 10].fill_(1.0), "E_VALIDATE_TAIL"),  # a stale value in A's padded rank rows
+    (lambda v: v["B"][0, 7, 1].mul_(2.0), "E_VALIDATE_DIGEST"),  # one landed value of B changed
+    (lambda v: v["B"][1, 3, 0].fill_(float("inf")), "E_VALIDATE_NONFINITE"),
+])
+def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, poke, code):
+    """A load's probe as on a GPU: the slot's large bf16 A and B views (over SMALL_VIEW
+    elements) take one word-stats launch together (here under the interpreter) and a correct
+    load is accepted on those numbers alone; a stale tail, a changed value and an infinity
+    each fail with their code."""
+    from mlora.batch.residency import host as host_mod
+
+    monkeypatch.setattr(host_mod, "_accumulates", lambda flat: flat.dtype == torch.bfloat16)
+    A = torch.zeros(3, 2, 16, 160, dtype=torch.bfloat16)  # 5120 elements per slot view
+    B = torch.zeros(3, 2, 160, 16, dtype=torch.bfloat16)
+    storage = SlotStorage({"A": (A, 0), "B": (B, 0)})
+    g = torch.Generator().manual_seed(4)
+    art = HostArtifact("k", "k", [Piece("A", (0, slice(0, 8)), (torch.randn(8, 160, generator=g) + 1).to(torch.bfloat16)),
+                                  Piece("A", (1, slice(0, 4)), torch.randn(4, 160, generator=g).to(torch.bfloat16)),
+                                  Piece("B", (0, slice(None), slice(0, 8)), torch.randn(160, 8, generator=g).to(torch.bfloat16)),
+                                  Piece("B", (1, slice(None), slice(0, 4)), torch.randn(160, 4, generator=g).to(torch.bfloat16))])
+    views = _land(storage, art)
+    probe = storage_mod.probe_landed(views)
+    assert [p.names for p in probe.parts] == [["A", "B"]] and probe.parts[0].counts == [5120, 5120]
+    if poke is None:
+        validate_landed(storage, views, art, probe)
+        return
+    poke(views)
+    with pytest.raises(ValidationError) as e:
+        validate_landed(storage, views, art, storage_mod.probe_landed(views))
+    assert e.value.code == code

@@ -191,31 +191,74 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
     return _view_stats_torch(flat)
 
 
-def view_stats_into(t: torch.Tensor, row: torch.Tensor, fused: bool | None = None) -> None:
-    """:func:`view_stats` of ``t`` into ``row`` (int64 [4] on ``t``'s device, contiguous, zeroed
-    by the caller): a large 16-bit view on a GPU is one accumulating launch
-    (``wordstats.py``) with nothing after it, which keeps a load's validation to a few
-    operations on the engine thread; any other view computes view_stats and copies it.
-    ``fused``: force the Triton path (tests, under the interpreter) or the other one;
-    default: a GPU's large 16-bit views."""
-    global _ACCUMULATE_FAILED
-    flat = _flat(t)
-    if fused if fused is not None else (_ACCUMULATE_FAILED is None and _accumulates(flat)):
-        from .wordstats import word_stats_into
+@dataclass
+class StatsPart:
+    """Rows of :func:`view_stats` numbers for ``names``: with ``counts`` (words per view) the
+    rows are per-program partials of one word-stats launch, summed per view on reading;
+    without, one row per view."""
 
-        _, exp, mag = _FLOAT_BITS[flat.dtype]
-        try:
-            word_stats_into(flat.view(torch.int16), row, exp, mag, CHECK_MODULUS)
-            return
-        except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
-            if fused:
-                raise
-            # the same numbers the slower way (view_stats then takes torch reductions: the per-view
-            # path shares this kernel), for the rest of the process; said once
-            _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            warnings.warn(f"mlora: the word-stats kernel failed ({_ACCUMULATE_FAILED}); load validation uses "
-                          "torch reductions instead (slower, same numbers)", RuntimeWarning)
-    row.copy_(view_stats(flat).to(row.device))
+    names: list[str]
+    counts: list[int] | None
+    rows: torch.Tensor
+
+    def to(self, device, non_blocking: bool = False) -> "StatsPart":
+        return StatsPart(self.names, self.counts, self.rows.to(device, non_blocking=non_blocking))
+
+    def stats(self) -> dict[str, list[int]]:
+        """name -> view_stats as a list (read once the rows have landed)."""
+        if self.counts is None:
+            return dict(zip(self.names, self.rows.tolist()))
+        from .wordstats import split_sums
+
+        return dict(zip(self.names, split_sums(self.rows, self.counts)))
+
+
+def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) -> list[StatsPart]:
+    """:func:`view_stats` of every view, issued on the current stream without waiting: a GPU's
+    large 16-bit views two at a time (same dtype) in one word-stats launch each, writing
+    per-program partials (no zeroed buffer, no atomics: ``wordstats.py``), any other view
+    through view_stats into a row of its own. ``fused``: force the Triton path (tests, under
+    the interpreter) or the other one; default: a GPU's large 16-bit views. If the kernel
+    cannot run here, the same numbers come from torch reductions, said once per process."""
+    global _ACCUMULATE_FAILED
+    flats = {n: _flat(v) for n, v in views.items()}
+    take = [n for n, f in flats.items()
+            if (fused if fused is not None else (_ACCUMULATE_FAILED is None and _accumulates(f)))]
+    parts: list[StatsPart] = []
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n in take:
+        by_dtype.setdefault(flats[n].dtype, []).append(n)
+    done = set()
+    for dtype, names in by_dtype.items():
+        if _ACCUMULATE_FAILED is not None and not fused:
+            break
+        from .wordstats import word_partials
+
+        _, exp, mag = _FLOAT_BITS[dtype]
+        for i in range(0, len(names), 2):
+            pair = names[i : i + 2]
+            try:
+                rows = word_partials([flats[n].view(torch.int16) for n in pair], exp, mag, CHECK_MODULUS)
+            except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
+                if fused:
+                    raise
+                # the same numbers the slower way (view_stats then takes torch reductions), for the
+                # rest of the process; said once
+                _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                warnings.warn(f"mlora: the word-stats kernel failed ({_ACCUMULATE_FAILED}); load validation uses "
+                              "torch reductions instead (slower, same numbers)", RuntimeWarning)
+                break
+            parts.append(StatsPart(pair, [flats[n].numel() for n in pair], rows))
+            done.update(pair)
+    rest = [n for n in flats if n not in done]
+    if rest:
+        rows = torch.stack([_view_stats_unfused(flats[n]) for n in rest])
+        parts.append(StatsPart(rest, None, rows))
+    return parts
+
+
+def _view_stats_unfused(flat: torch.Tensor) -> torch.Tensor:
+    return _view_stats_host(flat) if flat.device.type == "cpu" else _view_stats_torch(flat)
 
 
 _ACCUMULATE_FAILED: str | None = None  # why the word-stats kernel could not run in this process (None: it can)
@@ -232,7 +275,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulates(flat: torch.Tensor) -> bool:
-    """view_stats_into's default: the accumulating kernel for a GPU's large 16-bit views."""
+    """view_stats_parts' default: the word-stats kernel for a GPU's large 16-bit views."""
     return flat.device.type != "cpu" and _fused_eligible(flat)
 
 
@@ -245,8 +288,8 @@ FUSED_STATS_MIN = 1 << 16  # 16-bit views at least this long take the one-pass T
 
 def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     """:func:`view_stats` of a contiguous 1-D bfloat16/float16 tensor in one Triton pass
-    (``wordstats.py``) and one fix-up, instead of about ten torch kernels with int32
-    temporaries twice the view's size."""
+    (``wordstats.py``) and one sum of its partials, instead of about ten torch kernels with
+    int32 temporaries twice the view's size."""
     from .wordstats import word_stats
 
     _, exp, mag = _FLOAT_BITS[flat.dtype]

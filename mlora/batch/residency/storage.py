@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from .errors import ValidationError
-from .host import HostArtifact, pieces_sha256, view_stats, view_stats_into
+from .host import HostArtifact, StatsPart, pieces_sha256, view_stats, view_stats_parts
 
 
 class Storage(Protocol):
@@ -45,7 +45,8 @@ SMALL_VIEW = 4096  # elements: views up to this size (ranks, scales) are read ba
 @dataclass
 class Probe:
     """What validation reads of landed bytes: the :func:`~.host.view_stats` of every large
-    view, computed on the device, and host copies of the small (metadata) views, whose
+    view, computed on the device (one word-stats launch per two 16-bit views on a GPU:
+    :func:`~.host.view_stats_parts`), and host copies of the small (metadata) views, whose
     numbers are computed on the host from those copies (a handful of tiny device kernels
     per view would cost more than the copy). Issued right after the copies on the copy
     stream (:func:`probe_landed` with ``non_blocking``), so that by the time the
@@ -53,13 +54,14 @@ class Probe:
     for nothing."""
 
     names: list[str]  # every view, in order
-    large: list[str]  # the views ``stats`` holds, in order
-    stats: torch.Tensor  # int64 [len(large), 4] on the host, one view_stats row per large view
+    parts: list[StatsPart]  # the large views' numbers (rows on the host)
     small: dict[str, torch.Tensor]
 
     def all_stats(self) -> list[list[int]]:
         """view_stats of every view of ``names``, in order (read once the probe has landed)."""
-        large = dict(zip(self.large, self.stats.tolist()))
+        large = {}
+        for part in self.parts:
+            large.update(part.stats())
         return [large[n] if n in large else view_stats(self.small[n]).tolist() for n in self.names]
 
 
@@ -69,14 +71,8 @@ def probe_landed(views: dict[str, torch.Tensor], non_blocking: bool = False) -> 
     completed); otherwise they are complete on return."""
     names = list(views)
     small = {n: v.to("cpu", non_blocking=non_blocking) for n, v in views.items() if v.numel() <= SMALL_VIEW}
-    large = [n for n in names if n not in small]
-    if large:  # one zeroed buffer, one accumulating launch per large 16-bit view on a GPU, one read-back
-        stats = torch.zeros((len(large), 4), dtype=torch.int64, device=views[large[0]].device)
-        for i, n in enumerate(large):
-            view_stats_into(views[n], stats[i])
-    else:
-        stats = torch.zeros((0, 4), dtype=torch.int64)
-    return Probe(names, large, stats.to("cpu", non_blocking=non_blocking), small)
+    parts = view_stats_parts({n: views[n] for n in names if n not in small})
+    return Probe(names, [p.to("cpu", non_blocking=non_blocking) for p in parts], small)
 
 
 def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact,

@@ -1,16 +1,17 @@
-"""One-pass Triton check numbers of a 16-bit device view (``host.view_stats`` on a GPU).
+"""One-pass Triton check numbers of 16-bit device views (``host.view_stats`` on a GPU).
 
 Owns the kernel behind :func:`mlora.batch.residency.host.view_stats` for large
-bfloat16/float16 views: each program reduces ``TILES`` blocks of words to the
-non-finite count, the non-zero count, the sum of the words and the sum of
-word x ((position mod ``MOD``) + 1), and adds its four numbers atomically into
-one int64 row of the caller's (zeroed) output. Integer sums: exact and
-independent of the order the programs finish in (deterministic). A 16-bit
-element is one word, so its bits decide finiteness and zero directly. One
-launch per view and no reduction afterwards: a load's validation issues
-few operations (the engine thread enqueues them between iterations). Must
-not know views, slots or artifacts: the caller passes the words, the masks
-and the row.
+bfloat16/float16 views: each program reduces ``TILES`` blocks of words to four
+numbers -- the non-finite count, the non-zero count, the sum of the words and
+the sum of word x ((position mod ``MOD``) + 1) -- and stores them in its own
+int64 row of the output (no atomics, nothing to zero first). A view's numbers
+are the sum of its programs' rows, taken wherever the rows are read (a load's
+validation reads them on the host anyway). Integer sums: exact and independent
+of order (deterministic). A 16-bit element is one word, so its bits decide
+finiteness and zero directly. One launch covers up to two views of one dtype
+(a slot group's A and B), so a load's validation is one kernel and one
+read-back per group. Must not know views, slots or artifacts: the caller
+passes the words and the masks.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # words per step: four int64 accumulators of 4096 spilled 2.8 KB per thread to local memory (sm_90)
-TILES = 32  # blocks of words per program: 32K words, so a 9 MB view is ~150 programs and ~600 atomics
+TILES = 32  # blocks of words per program: 32K words, so a 9 MB view is ~150 programs (rows of partials)
 
 
 @triton.jit
-def _word_stats_kernel(w_ptr, n, out_ptr, EXP: tl.constexpr, MAG: tl.constexpr, MOD: tl.constexpr,
-                       BLOCK: tl.constexpr, TILES: tl.constexpr):
-    first = tl.program_id(0).to(tl.int64) * (BLOCK * TILES)
+def _word_partials(w_ptr, n, program, row_ptr, EXP: tl.constexpr, MAG: tl.constexpr, MOD: tl.constexpr,
+                   BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """The four numbers of words [program * BLOCK * TILES, + BLOCK * TILES) of one view, stored at row_ptr."""
+    first = program.to(tl.int64) * (BLOCK * TILES)
     bad_acc = tl.zeros((BLOCK,), dtype=tl.int64)
     nz_acc = tl.zeros((BLOCK,), dtype=tl.int64)
     sum_acc = tl.zeros((BLOCK,), dtype=tl.int64)
@@ -40,26 +42,57 @@ def _word_stats_kernel(w_ptr, n, out_ptr, EXP: tl.constexpr, MAG: tl.constexpr, 
         w64 = w.to(tl.int64)
         sum_acc += w64
         wsum_acc += w64 * (offs % MOD + 1)
-    tl.atomic_add(out_ptr + 0, tl.sum(bad_acc, axis=0))
-    tl.atomic_add(out_ptr + 1, tl.sum(nz_acc, axis=0))
-    tl.atomic_add(out_ptr + 2, tl.sum(sum_acc, axis=0))
-    tl.atomic_add(out_ptr + 3, tl.sum(wsum_acc, axis=0))
+    tl.store(row_ptr + 0, tl.sum(bad_acc, axis=0))
+    tl.store(row_ptr + 1, tl.sum(nz_acc, axis=0))
+    tl.store(row_ptr + 2, tl.sum(sum_acc, axis=0))
+    tl.store(row_ptr + 3, tl.sum(wsum_acc, axis=0))
 
 
-def word_stats_into(words: torch.Tensor, out: torch.Tensor, exp_mask: int, mag_mask: int, modulus: int) -> None:
-    """Add (non-finite count, non-zero count, sum, weighted sum) of a contiguous 1-D int16
-    tensor holding 16-bit floats into ``out`` (int64 [4] on the words' device, contiguous;
-    zero it first for the numbers themselves). One launch."""
-    n = words.numel()
-    if n == 0:
-        return
-    programs = -(-n // (BLOCK * TILES))
-    _word_stats_kernel[(programs,)](words, n, out, EXP=exp_mask, MAG=mag_mask, MOD=modulus, BLOCK=BLOCK, TILES=TILES)
+@triton.jit
+def _word_partials_kernel(w0_ptr, n0, w1_ptr, n1, programs0, out_ptr, EXP: tl.constexpr, MAG: tl.constexpr,
+                          MOD: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """Programs [0, programs0) cover view 0, the rest view 1; program p writes row p of out."""
+    pid = tl.program_id(0)
+    if pid < programs0:
+        _word_partials(w0_ptr, n0, pid, out_ptr + pid * 4, EXP, MAG, MOD, BLOCK, TILES)
+    else:
+        _word_partials(w1_ptr, n1, pid - programs0, out_ptr + pid * 4, EXP, MAG, MOD, BLOCK, TILES)
+
+
+def programs_for(n: int) -> int:
+    """Programs (rows of partials) for a view of ``n`` words."""
+    return -(-n // (BLOCK * TILES))
+
+
+def word_partials(words: list[torch.Tensor], exp_mask: int, mag_mask: int, modulus: int) -> torch.Tensor:
+    """int64 [sum of programs_for(n), 4] on the words' device, one launch: each row the
+    (non-finite count, non-zero count, sum, weighted sum) of one program's words of one or
+    two contiguous 1-D int16 tensors holding 16-bit floats of one dtype, the first view's
+    rows first. A view's numbers are the sum of its rows (:func:`split_sums`)."""
+    if not 1 <= len(words) <= 2 or any(w.numel() == 0 for w in words):
+        raise ValueError("word_partials takes one or two non-empty views")
+    p0 = programs_for(words[0].numel())
+    second = words[1] if len(words) == 2 else words[0]
+    p1 = programs_for(second.numel()) if len(words) == 2 else 0
+    out = torch.empty((p0 + p1, 4), dtype=torch.int64, device=words[0].device)
+    _word_partials_kernel[(p0 + p1,)](words[0], words[0].numel(), second, second.numel() if p1 else 0, p0, out,
+                                      EXP=exp_mask, MAG=mag_mask, MOD=modulus, BLOCK=BLOCK, TILES=TILES)
+    return out
+
+
+def split_sums(partials: torch.Tensor, counts: list[int]) -> list[list[int]]:
+    """Each view's four numbers from the rows of :func:`word_partials` (``counts``: the
+    number of words of each view, in order)."""
+    rows = partials.tolist()
+    out, start = [], 0
+    for n in counts:
+        p = programs_for(n)
+        out.append([sum(r[k] for r in rows[start : start + p]) for k in range(4)])
+        start += p
+    return out
 
 
 def word_stats(words: torch.Tensor, exp_mask: int, mag_mask: int, modulus: int) -> torch.Tensor:
     """int64 [4] on the words' device: (non-finite count, non-zero count, sum, weighted sum)
     of a contiguous 1-D int16 tensor holding 16-bit floats."""
-    out = torch.zeros(4, dtype=torch.int64, device=words.device)
-    word_stats_into(words, out, exp_mask, mag_mask, modulus)
-    return out
+    return word_partials([words], exp_mask, mag_mask, modulus).sum(dim=0)
