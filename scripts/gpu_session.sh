@@ -6,6 +6,7 @@
 #   bash scripts/gpu_session.sh residency-blocking  the limited run with --prefetch-gpu-adapters 0 (attribution)
 #   bash scripts/gpu_session.sh kernels    the kernel launch-config sweep, then mlora bench kernels
 #   bash scripts/gpu_session.sh decode64   bench batch at --max-num-seqs 64 (step 7's decode target at 64 rows)
+#   bash scripts/gpu_session.sh profile    decode kernels by GPU time, base and 64 adapters (where 1.7x the floor goes)
 #   bash scripts/gpu_session.sh kernels-split  the default config per sweep case, with shrink alone and an empty graph
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
@@ -88,6 +89,12 @@ case "${1:-quick}" in
   decode64)  # step 7's decode target at 64 running rows (the bench's default is 256), base and 64 adapters (~3 min)
     timeout 280 python -m mlora bench batch --rows 512 --adapters 0,64 --max-num-seqs 64 --out "$OUT/batch-64seqs.json" \
       2>&1 | grep adapters
+    ;;
+  profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
+    for n in 0 64; do
+      timeout 130 python scripts/profile_batch.py --rows 256 --adapters $n --graphs --iters 10 2>&1 | grep -v USDT \
+        | head -40 | tee "$OUT/profile-decode-$n.txt"
+    done
     ;;
   kernels-split)  # where each sweep case's time goes: shrink alone, neither launch (about 2 min)
     timeout 200 python scripts/kernel_sweep.py --split 2>&1 | tail -25 | tee "$OUT/kernel-split.txt"
