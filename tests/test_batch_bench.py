@@ -64,6 +64,10 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     assert 0 < limited["load_copy_ms_mean"] <= limited["load_device_ms_mean"]
     assert limited["load_device_ms_p50"] <= limited["load_device_ms_p90"]
     assert full["metrics"]["prefetch_issued"] == 0  # the preload's background builds are not the job's prefetches
+    # q/v adapters in slots of q and v only: a load copies the factors and the rank/scale tables (28,704
+    # bytes here), about the adapter file's size (factors plus a header); k's zeros would make it 1.38x
+    assert 0.9 <= limited["copied_bytes_per_load"] / r["adapter_bytes"] <= 1.05, (
+        limited["copied_bytes_per_load"], r["adapter_bytes"])
     assert r["workspace"]["distinct_adapters_used"] >= 3
 
     def tokens(name):

@@ -280,6 +280,10 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          load_device_ms_p90=summary.bank.get("load_device_ms_p90"),
                          load_copy_ms_mean=summary.bank.get("load_copy_ms_mean"),
                          load_copy_ms_p50=summary.bank.get("load_copy_ms_p50"),
+                         # what a load really copied (the whole-view image: slot views incl. their zeros), against
+                         # the adapter's bytes that the amplification metric counts
+                         copied_bytes_per_load=(summary.bank["h2d_bytes"] / summary.bank["load_attempts"]
+                                                if summary.bank.get("load_attempts") else None),
                          mean_load_s=sum(h["sum"] for h in lat.values()) / count if count else None, metrics=m))
         if progress:  # each run's figures as soon as it ends: a later run that overruns a time limit loses only itself
             r = runs[-1]
@@ -288,7 +292,9 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
                      + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p50']} p50, "
                      f"{r['load_device_ms_p90']} p90; copies alone {r['load_copy_ms_mean']} mean, "
-                     f"{r['load_copy_ms_p50']} p50), amplification "
+                     f"{r['load_copy_ms_p50']} p50; "
+                     + ("-" if r["copied_bytes_per_load"] is None else f"{r['copied_bytes_per_load'] / 1e6:.1f}")
+                     + " MB copied per load), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     return dict(options=options_record(o), workspace=ws,
