@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import factory
+from conftest import DEMO
 from mlora.compress.bundle import read_bundle
 from mlora.compress.collection import load_collection
 from mlora.compress.solvers import CompressError
@@ -284,3 +285,12 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     assert run_cli("batch-run", inp, tmp_path / "auto", *common)[0] == 0
     rows = pq.read_table(str(tmp_path / "auto")).to_pydict()
     assert rows["error_code"] == [None, None]
+
+
+def test_the_summary_says_why_there_is_no_single_break_even_size(tmp_path, run_cli):
+    """The demo's adapters adapt different module sets (rot13 only the MLP): the ledger has no
+    single break-even n, and the human summary says why instead of printing "None"."""
+    code, stdout, stderr = run_cli("compress", os.path.join(DEMO, "adapters"), "-o", tmp_path / "b", "--rank", 16)
+    assert code == 0, stderr
+    assert "members adapt different module sets" in stdout and "None" not in stdout
+    assert read_bundle(str(tmp_path / "b")).manifest["ledger"]["break_even_n"] is None

@@ -139,9 +139,12 @@ def _print_summary(man: dict, path: str) -> None:
     con.print(f"bundle {path}  sha256 {man['bundle_sha256']}")
     con.print(f"{len(man['members'])} members, {len(man['modules'])} modules, {o['method']} R={o['rank']} "
               f"clusters={o['clusters']} normalize={o['normalize']} seed={o['seed']}")
+    if led["break_even_n"] is not None:
+        even = f"break-even collection size {led['break_even_n']}"
+    else:  # the ledger says why (members adapt different module sets), or no size saves parameters
+        even = led.get("note") or "no collection size saves parameters under this count"
     con.print(f"parameters: LoRA {led['lora_params']:,} -> bundle {led['payload_params']:,} "
-              f"(shared {led['shared_params']:,} + cores {led['core_params']:,}); "
-              f"break-even collection size {led['break_even_n']}")
+              f"(shared {led['shared_params']:,} + cores {led['core_params']:,}); {even}")
     t = Table(title="largest squared relative error per member (over its modules)", title_justify="left")
     t.add_column("member")
     t.add_column("error", justify="right")
