@@ -74,6 +74,20 @@ class BankStats:
         return asdict(self)
 
 
+def lru_slot(lru: OrderedDict, num_slots: int, keep, stats: BankStats) -> int:
+    """A slot for a newly resident entry of ``lru`` (key -> slot, least recently used first):
+    the lowest slot no key holds, else the slot of the least recently used key not in
+    ``keep``, which leaves ``lru`` (an eviction, counted in ``stats``). The caller keeps
+    ``len(keep) <= num_slots``, so such a key exists when every slot is held."""
+    used = set(lru.values())
+    free = next((s for s in range(num_slots) if s not in used), None)
+    if free is not None:
+        return free
+    victim = next(k for k in lru if k not in keep)
+    stats.evictions += 1
+    return lru.pop(victim)
+
+
 class SlotTensors:
     """Slot tensors for the groups ``groups`` of every layer, in the layout of
     ``mlora.kernels.add_lora_slices``, and the checks that admit a pinned
@@ -250,20 +264,11 @@ class SlotBank(SlotTensors):
                 continue
             self.stats.misses += 1
             placed = self._place(p, load_factors(p, self.dtype, self.device).items())
-            slot = self._free_slot(set(wanted))
+            slot = lru_slot(self._lru, self.num_slots, wanted, self.stats)
             self._write(slot, placed)
             self._lru[key] = slot
             self.stats.loads += 1
         return {i: self._lru[pinned[i].semantic_sha256] for i in adapter_ids}
-
-    def _free_slot(self, needed: set[str]) -> int:
-        used = set(self._lru.values())
-        free = [s for s in range(self.num_slots) if s not in used]
-        if free:
-            return free[0]
-        victim = next(k for k in self._lru if k not in needed)  # exists: len(needed) <= num_slots
-        self.stats.evictions += 1
-        return self._lru.pop(victim)
 
     def _write(self, slot: int, placed: list[tuple]) -> None:
         for g in GROUPS:

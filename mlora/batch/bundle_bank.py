@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bank import BankError, BankStats
+from .bank import BankError, BankStats, lru_slot
 from .catalog import PinnedAdapter
 from .lora import GROUPS, ROLE_SLICE
 
@@ -209,12 +209,7 @@ class BundleBank:
     def _load(self, member: int, keep) -> None:
         """Copy ``member``'s cores into a free slot, else into the least recently used slot of
         a member not in ``keep``."""
-        used = set(self._slot_of.values())
-        free = next((s for s in range(self.num_slots) if s not in used), None)
-        if free is None:
-            victim = next(i for i in self._slot_of if i not in keep)  # exists: len(keep) <= num_slots
-            free = self._slot_of.pop(victim)
-            self.stats.evictions += 1
+        free = lru_slot(self._slot_of, self.num_slots, keep, self.stats)
         cores, cluster, adapts = self._host
         self.slot_cores[free].copy_(cores[member], non_blocking=True)
         self.slot_cluster[free].copy_(cluster[member], non_blocking=True)

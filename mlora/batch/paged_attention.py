@@ -46,7 +46,8 @@ BLOCK_N = 64
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 # Warps per attention program. At 4, both tile shapes of an 8B model (head_dim 128) use all 255
 # registers and spill to local memory on sm_90 (`scripts/compile_kernels.py` prints the stack
-# bytes); at 8 they do not. Not yet measured on the GPU: `bash scripts/gpu_session.sh attention-warps`.
+# bytes); at 8 they do not, but the job is slower (H200, tenth session: prefill +30%, decode
+# +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`), so 4 stays.
 ATTENTION_WARPS = 4
 
 

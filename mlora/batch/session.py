@@ -74,7 +74,7 @@ class EngineSession:
             # slots and no k slice: a load then copies no zeros for k)
             slices = held_slices({m.role for p in good.values() for m in p.modules})
             shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
-            slices = {g: slices[g] for g in shapes if g in slices} or None
+            slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
             slots = num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
                                                                             max(max_rank, 1), dtype, slices), device)
             workers = prefetch_workers() if opts.prefetch_adapters else 0

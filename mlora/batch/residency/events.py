@@ -154,7 +154,8 @@ class CudaCopier:
         # soon as the compute stream's running blocks retire, instead of after every block of
         # the kernel queued there (a prefill GEMM); copies use copy engines either way. The
         # eighth session measured 1.21 ms mean per load on the copy stream at priority 0
-        # against a 0.35 ms copy floor; this change is not measured yet (BENCHMARKS.md).
+        # against a 0.35 ms copy floor; with this priority (and one-launch validation) the
+        # ninth measured 1.27 ms mean: no gain on the mean, kept (BENCHMARKS.md, residency).
         self.stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
 
     def wait(self, event: Event | None) -> None:

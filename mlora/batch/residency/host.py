@@ -184,11 +184,9 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
     load); a landed view whose numbers equal its host image's is accepted without
     reading it back."""
     flat = _flat(t)
-    if flat.device.type == "cpu":
-        return _view_stats_host(flat)
-    if _fused_eligible(flat) and _ACCUMULATE_FAILED is None:  # the one Triton kernel, unless it cannot run here
-        return _view_stats_fused(flat)
-    return _view_stats_torch(flat)
+    if flat.device.type != "cpu" and _fused_eligible(flat) and _ACCUMULATE_FAILED is None:
+        return _view_stats_fused(flat)  # the one Triton kernel, unless it cannot run here
+    return _view_stats_unfused(flat)
 
 
 @dataclass
@@ -258,6 +256,7 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
 
 
 def _view_stats_unfused(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`view_stats` without the Triton kernel: numpy on the host, torch reductions on a device."""
     return _view_stats_host(flat) if flat.device.type == "cpu" else _view_stats_torch(flat)
 
 
