@@ -207,14 +207,16 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
 ])
 def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, poke, code):
     """A load's probe as on a GPU: the slot's large bf16 A and B views (over SMALL_VIEW
-    elements) take one word-stats launch together (here under the interpreter) and a correct
-    load is accepted on those numbers alone; a stale tail, a changed value and an infinity
-    each fail with their code."""
+    elements) take one word-stats launch together (on a CPU-only machine under the interpreter,
+    on a GPU machine compiled: the slot bank lives on the GPU, the artifact on the host) and a
+    correct load is accepted on those numbers alone; a stale tail, a changed value and an
+    infinity each fail with their code."""
     from mlora.batch.residency import host as host_mod
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(host_mod, "_accumulates", lambda flat: flat.dtype == torch.bfloat16)
-    A = torch.zeros(3, 2, 16, 160, dtype=torch.bfloat16)  # 5120 elements per slot view
-    B = torch.zeros(3, 2, 160, 16, dtype=torch.bfloat16)
+    A = torch.zeros(3, 2, 16, 160, dtype=torch.bfloat16, device=dev)  # 5120 elements per slot view
+    B = torch.zeros(3, 2, 160, 16, dtype=torch.bfloat16, device=dev)
     storage = SlotStorage({"A": (A, 0), "B": (B, 0)})
     g = torch.Generator().manual_seed(4)
     art = HostArtifact("k", "k", [Piece("A", (0, slice(0, 8)), (torch.randn(8, 160, generator=g) + 1).to(torch.bfloat16)),
