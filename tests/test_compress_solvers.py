@@ -441,6 +441,41 @@ def test_kmeans_separates_blobs_and_keeps_clusters_non_empty():
     assert sorted(set(kmeans(twins, 3, seed=0))) == [0, 1, 2]
 
 
+def test_kmeans_of_wide_points_runs_in_their_span_with_the_same_geometry():
+    """Points of more dimensions than points (a joint rank-512 start's cores are 262,144-wide)
+    are clustered in the coordinates of their span: every pairwise distance is unchanged, and
+    the labelling equals k-means on the raw points (a plain Lloyd with the same seeding)."""
+    from mlora.compress.cluster import _fill_empty, _plusplus, span_coordinates
+
+    gen = torch.Generator().manual_seed(18)
+    centers = 3.0 * rand(gen, 4, 300)
+    points = torch.cat([c + rand(gen, 6, 300) for c in centers])  # 24 points, 300 dimensions
+    coords = span_coordinates(points)
+    assert coords.shape == (24, 24)
+    assert torch.allclose(torch.cdist(coords, coords), torch.cdist(points, points), rtol=1e-10, atol=1e-9)
+
+    def raw_lloyd(X, K, seed, n_init=4):  # the definition, on the raw points
+        g = torch.Generator().manual_seed(seed)
+        best = None
+        for _ in range(n_init):
+            c, labels = _plusplus(X, K, g), None
+            for _ in range(100):
+                dist = torch.cdist(X, c).square()
+                new = _fill_empty(dist.argmin(dim=1), dist, K)
+                if labels is not None and torch.equal(new, labels):
+                    break
+                labels = new
+                c = torch.stack([X[labels == k].mean(dim=0) for k in range(K)])
+            inertia = float(torch.cdist(X, c).square()[torch.arange(len(X)), labels].sum())
+            if best is None or inertia < best[0]:
+                best = (inertia, labels.tolist())
+        return best[1]
+
+    for K, seed in ((4, 0), (3, 5), (6, 9)):
+        assert kmeans(points, K, seed=seed) == raw_lloyd(points, K, seed)
+    assert same_partition(kmeans(points, 4, seed=1), [i // 6 for i in range(24)])
+
+
 def test_errors_are_named():
     gen = torch.Generator().manual_seed(17)
     facs = random_adapters(gen, 3, 6, 5, 2)

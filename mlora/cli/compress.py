@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -66,19 +67,21 @@ def compress(
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     opts = CompressOptions(method=method, rank=rank, clusters=k, normalize=normalize, iters=iters, tol=tol,
                            max_error=max_error, seed=seed, device=dev)
-    show = not (quiet or json_out)
+    show = not quiet  # progress goes to stderr, so --json (stdout) keeps it
     try:
+        started = time.perf_counter()
         col = load_collection(list(args), str(base) if base else None)
         if show:
-            err.print(f"[dim]{len(col.members)} members, {len(col.modules)} modules; fitting {method} R={rank} "
-                      f"clusters={clusters} on {dev}[/dim]")
+            err.print(f"[dim]{len(col.members)} members validated in {time.perf_counter() - started:.1f} s, "
+                      f"{len(col.modules)} modules; fitting {method} R={rank} clusters={clusters} on {dev}[/dim]")
         done = [0]
 
         def progress(f):
             done[0] += 1
             if show:
                 worst = max(f.result.errors)
-                err.print(f"[dim]{done[0]:>4}/{len(col.modules)} {f.module}: K={f.result.K}, worst error {worst:.4f}[/dim]")
+                err.print(f"[dim]{done[0]:>4}/{len(col.modules)} {f.module}: K={f.result.K}, worst error {worst:.4f}, "
+                          f"{f.seconds:.1f} s[/dim]")
 
         result = fit(col, opts, progress)
         bad = result.offenders()

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -43,7 +44,7 @@ from mlora.lora_tools.safetensors_io import tensor_digest_prefix
 from .cluster import ClusterResult, auto_clusters, cluster
 from .collection import Collection
 from .ledger import module_ledger, total_ledger
-from .solvers import METHODS, CompressError
+from .solvers import METHODS, CompressError, FactoredDelta
 
 FORMAT = "mlora-collection-bundle/1"
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -80,6 +81,7 @@ class ModuleFit:
     members: list[str]  # member ids present at this module, collection order
     result: ClusterResult
     ledger: object = None
+    seconds: float = 0.0  # wall time of reading and fitting this module
 
     def error_of(self) -> dict[str, float]:
         return dict(zip(self.members, self.result.errors))
@@ -115,7 +117,10 @@ def compress(col: Collection, o: CompressOptions, progress=None) -> Compressed:
     out = Compressed(col, o)
     fit_args = dict(seed=o.seed, iters=o.iters, tol=o.tol, normalize=o.normalize, device=o.device)
     for module in sorted(col.modules, key=_module_order):
+        started = time.perf_counter()
         ids, factors = col.factors(module)
+        if o.device != "cpu":  # once per module: every fit and error pass below reuses the device copies
+            factors = [FactoredDelta(f.A.to(o.device), f.B.to(o.device), f.scale) for f in factors]
         d_out, d_in = int(factors[0].B.shape[0]), int(factors[0].A.shape[1])
         if o.method == "jd-full" and o.rank > min(d_in, d_out):
             raise CompressError("E_COMPRESS_RANK", f"{module}: JD-Full rank {o.rank} exceeds min(d_in, d_out) = "
@@ -124,7 +129,7 @@ def compress(col: Collection, o: CompressOptions, progress=None) -> Compressed:
             res = auto_clusters(factors, o.rank, o.max_error, o.method, **fit_args)
         else:
             res = cluster(factors, o.rank, min(int(o.clusters), len(factors)), o.method, **fit_args)
-        fit = ModuleFit(module, d_in, d_out, ids, res)
+        fit = ModuleFit(module, d_in, d_out, ids, res, seconds=time.perf_counter() - started)
         fit.ledger = module_ledger(d_in, d_out, [f.rank for f in factors], o.rank, o.method, res.K)
         out.fits.append(fit)
         if progress:

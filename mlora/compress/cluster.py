@@ -72,16 +72,27 @@ class ClusterResult:
 def kmeans(points: torch.Tensor, K: int, *, seed: int = 0, iters: int = 100, n_init: int = 4) -> list[int]:
     """Lloyd's k-means with k-means++ seeding; the labelling of lowest inertia over ``n_init`` seedings.
 
-    Deterministic under ``seed``; every cluster keeps at least one point
-    (an empty cluster takes the point farthest from its centre among
-    clusters of two or more). Requires ``1 <= K <= len(points)``.
+    Deterministic under ``seed`` on a given device (the random draws come
+    from a CPU generator; distances are computed on the points' device, so a
+    near-tie may break differently on another device); every cluster keeps at
+    least one point (an empty cluster takes the point farthest from its
+    centre among clusters of two or more). Requires ``1 <= K <= len(points)``.
+
+    Points of more dimensions than there are points (JD-Full cores of a
+    joint rank-512 start are 262,144-dimensional) are first rewritten in
+    coordinates of their own span (:func:`span_coordinates`): every distance
+    and every centre is the same up to round-off, at n dimensions instead of
+    R^2.
     """
-    X = points.detach().to("cpu", torch.float64).reshape(points.shape[0], -1)
+    X = points.detach().to(dtype=torch.float64).reshape(points.shape[0], -1)
     n = X.shape[0]
     if not 1 <= K <= n:
         raise CompressError("E_COMPRESS_CLUSTERS", f"k-means needs 1 <= K <= {n} points, got K={K}")
+    if X.shape[1] > n:
+        X = span_coordinates(X)
     gen = torch.Generator().manual_seed(seed)
     best_inertia, best = None, None
+    rows = torch.arange(n, device=X.device)
     for _ in range(n_init):
         centers = _plusplus(X, K, gen)
         labels = None
@@ -92,17 +103,28 @@ def kmeans(points: torch.Tensor, K: int, *, seed: int = 0, iters: int = 100, n_i
                 break
             labels = new
             centers = torch.stack([X[labels == k].mean(dim=0) for k in range(K)])
-        inertia = float(torch.cdist(X, centers).square()[torch.arange(n), labels].sum())
+        inertia = float(torch.cdist(X, centers).square()[rows, labels].sum())
         if best_inertia is None or inertia < best_inertia:
             best_inertia, best = inertia, labels
     return best.tolist()
+
+
+def span_coordinates(X: torch.Tensor) -> torch.Tensor:
+    """Coordinates [n, n] of the rows of ``X`` [n, d] (d > n) in an orthonormal basis of their span.
+
+    ``X^T = Q T`` (reduced QR, Q [d, n] orthonormal) gives ``X = T^T Q^T``:
+    the rows of ``T^T`` are the points in the basis Q, so every Euclidean
+    distance, mean and inertia is unchanged (up to round-off).
+    """
+    _, T = torch.linalg.qr(X.T, mode="reduced")
+    return T.T.contiguous()
 
 
 def _plusplus(X: torch.Tensor, K: int, gen: torch.Generator) -> torch.Tensor:
     n = X.shape[0]
     chosen = [int(torch.randint(n, (1,), generator=gen))]
     for _ in range(1, K):
-        d2 = torch.cdist(X, X[chosen]).square().min(dim=1).values
+        d2 = torch.cdist(X, X[chosen]).square().min(dim=1).values.cpu()  # the draw is on the CPU generator
         d2[chosen] = 0.0
         if float(d2.sum()) > 0:
             chosen.append(int(torch.multinomial(d2, 1, generator=gen)))
@@ -119,7 +141,7 @@ def _fill_empty(labels: torch.Tensor, cost: torch.Tensor, K: int) -> torch.Tenso
         if bool((labels == k).any()):
             continue
         counts = torch.bincount(labels, minlength=K)
-        own = cost[torch.arange(len(labels)), labels].clone()
+        own = cost[torch.arange(len(labels), device=labels.device), labels].clone()
         own[counts[labels] < 2] = -1.0
         labels[int(own.argmax())] = k
     return labels
