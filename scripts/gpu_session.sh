@@ -133,9 +133,11 @@ case "${1:-quick}" in
     [ -d /tmp/cb7/adapters ] || timeout 200 python examples/make_compress_bench_data.py /tmp/cb7/adapters --adapters 1000 \
       --shape mistral-7b --shared-rank 48
     rm -rf /tmp/cb7/bundle
-    /usr/bin/time -f "compress wall %e s, peak RSS %M KB" timeout 380 python -m mlora compress /tmp/cb7/adapters \
+    /usr/bin/time -f "compress wall %e s, peak RSS %M KB" timeout 330 python -m mlora compress /tmp/cb7/adapters \
       -o /tmp/cb7/bundle --rank 64 --clusters 8 --device cuda --max-error 0.6 --json > "$OUT/compress-h200.json" \
       2> "$OUT/compress-h200.err"
     tail -2 "$OUT/compress-h200.err"; head -c 600 "$OUT/compress-h200.json"; echo
+    grep -c "/96 " "$OUT/compress-h200.err"  # modules finished (progress lines; also when stopped by the limit)
+    timeout 100 python scripts/compress_profile.py 1000 4096 4096 64 8 --device cuda 2>&1 | tail -12  # one module, by part
     ;;
 esac
