@@ -93,6 +93,7 @@ def main() -> None:
     timed(storage_mod, "validate_landed", "validate landed")
     manager_mod.validate_landed = storage_mod.validate_landed
     timed(res, "wait", "wait (copy + validate + publish)")
+    timed(manager_mod, "probe_landed", "probe enqueue (host, no sync)")  # kernel launch + read-backs issued
     stop = threading.Event()
 
     def busy():
@@ -122,6 +123,10 @@ def main() -> None:
     print(f"  {'ensure (one cold load)':34s} median {med(total):7.2f} ms")
     for k, v in TIMES.items():
         print(f"  {k:34s} median {med(v):7.2f} ms  ({len(v)} calls)")
+    st = bank.residency.stats  # event-timed on the copy stream, as bench residency reports them in a run
+    if st.load_device_seconds:
+        print(f"  {'copy stream (start to probe end)':34s} median {med(st.load_device_seconds):7.2f} ms  "
+              f"(copies alone {med(st.load_copy_seconds):.2f} ms; an idle GPU: compare the run's p50)")
 
 
 if __name__ == "__main__":
