@@ -230,3 +230,67 @@ def test_graph_replay_of_the_bundle_context_equals_eager(served):
         bb.context(rows).apply(0, "qkv", x, ref)
         torch.cuda.synchronize()
         assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("method", ["jd-full", "jd-diag"])
+def test_a_group_with_unadapted_slices_and_uneven_clusters(method):
+    """A bundle adapting q and v but not k (and gate but not up, with a different cluster
+    count per module): the grouped operator's one projection, one scatter and one masked
+    update give each adapted slice the reference three-stage product of the row's member,
+    leave the k and up columns bit-identical, and leave members that do not adapt a module
+    (and base rows) untouched there."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(21)
+    R, layers = 3, 2
+    d_in, widths = 12, (12, 4, 4)
+    gu = (10, 10)
+    shapes = {"qkv": (d_in, widths), "gate_up": (d_in, gu)}
+    members = ["m0", "m1", "m2", "m3"]
+    modules, bases, cores = {}, {}, {}
+    plan = {"self_attn.q_proj": (widths[0], 2), "self_attn.v_proj": (widths[2], 3), "mlp.gate_proj": (gu[0], 1)}
+    for layer in range(layers):
+        for role, (d_out, K) in plan.items():
+            name = f"model.layers.{layer}.{role}"
+            users = members if role != "mlp.gate_proj" else members[:2]  # m2, m3 do not adapt gate
+            assign = {m: (i + layer) % K for i, m in enumerate(users)}
+            modules[name] = {"d_out": d_out, "d_in": d_in, "clusters": K, "assignments": assign}
+            for k in range(K):
+                bases[f"{name}/cluster{k}/U"] = torch.randn(d_out, R, generator=g, dtype=torch.float64)
+                bases[f"{name}/cluster{k}/V"] = torch.randn(d_in, R, generator=g, dtype=torch.float64)
+            for m in users:
+                # float32 values: the bank's host core tables are float32, as bundle files are
+                cores[f"{name}/{m}"] = torch.randn((R,) if method == "jd-diag" else (R, R), generator=g).double()
+    bundle = SimpleNamespace(manifest={"bundle_sha256": "f" * 64, "options": {"rank": R}, "modules": modules,
+                                       "members": [{"id": m} for m in members]},
+                             bases=bases, cores=cores, method=method, member_ids=lambda: members)
+    bb = BundleBank(bundle, layers, shapes, torch.float64, "cpu")
+    rows = [1, -1, 0, 3, 2, 1, -1, 0]
+    ctx = bb.context(torch.tensor(rows, dtype=torch.int32))
+    for layer in range(layers):
+        for group, roles in (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj"))):
+            x = torch.randn(len(rows), d_in, generator=g, dtype=torch.float64)
+            y0 = torch.randn(len(rows), sum(shapes[group][1]), generator=g, dtype=torch.float64)
+            y = y0.clone()
+            ctx.apply(layer, group, x, y)
+            want = y0.clone()
+            off = 0
+            for role, w in zip(roles, shapes[group][1]):
+                full = next((k for k in plan if k.endswith(role)), None)
+                name = f"model.layers.{layer}.{full}" if full else None
+                for t, slot in enumerate(rows):
+                    if name and slot >= 0 and members[slot] in modules[name]["assignments"]:
+                        c = modules[name]["assignments"][members[slot]]
+                        want[t, off : off + w] += joint_apply(x[t : t + 1], bases[f"{name}/cluster{c}/U"],
+                                                              bases[f"{name}/cluster{c}/V"],
+                                                              cores[f"{name}/{members[slot]}"])[0]
+                off += w
+            assert torch.allclose(y, want, rtol=1e-12, atol=1e-12), (layer, group)
+            changed = (y != y0)
+            assert changed.any()
+            untouched = torch.equal(y[:, widths[0] : widths[0] + widths[1]], y0[:, widths[0] : widths[0] + widths[1]]) \
+                if group == "qkv" else torch.equal(y[:, gu[0]:], y0[:, gu[0]:])
+            assert untouched  # k (or up) columns: no module, bit-identical
+            assert torch.equal(y[[1, 6]], y0[[1, 6]])  # base rows
+            if group == "gate_up":
+                assert torch.equal(y[[3, 4]], y0[[3, 4]])  # m3, m2 do not adapt gate

@@ -22,6 +22,15 @@ depends on the batch's data, so an invocation needs no host synchronisation
 and can be captured in a CUDA graph (the LoRA inputs are one ``row_member``
 vector, refilled per replay).
 
+The modules of one (layer, group) that share their input (q/k/v, gate/up) are
+applied together: one projection GEMM over every role's clusters
+(``[V^q_0 .. V^q_K | V^k_0 .. | V^v_0 ..]``), one gather of the rows' cluster
+columns, one core product, one scatter, one expansion GEMM per role and one
+masked update of the group's output: about 13 kernels for q/k/v instead of
+about 30 (a decode step replays one per group and layer). The slot tables'
+module columns are in (layer, group, slice) order so a group's modules are one
+contiguous column range.
+
 Residency (spec 0x06G9): the shared bases are loaded when the job starts and
 stay resident for the whole job, so a basis is never evicted while a member is
 in flight, and a core is only ever used with the basis generation it was
@@ -37,7 +46,7 @@ the kernels of earlier invocations that read the slot were enqueued before the
 copy, so stream order retires them first. More distinct members in one call
 than slots is E_BANK_FULL (the scheduler admits at most ``num_slots``). Not
 built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``), and a
-Triton path (this one runs dense torch GEMMs on either device).
+Triton path (this one runs grouped dense torch GEMMs on either device: docs/compress.md).
 """
 
 from __future__ import annotations
@@ -50,6 +59,22 @@ import torch
 from .bank import BankError, BankStats, lru_slot
 from .catalog import PinnedAdapter
 from .lora import GROUPS, ROLE_SLICE
+
+
+@dataclass
+class _Group:
+    """The bank's modules of one (layer, group), in slice order: ``roles`` (slice index j,
+    its ``_Module``), ``V`` [d_in, sum_j K_j*R] every role's clusters side by side,
+    ``voff`` each role's first column in it, ``lo:hi`` the roles' columns in the slot
+    tables, ``col_module`` int64 [group width]: each output column's table column (``M``,
+    the tables' always-False extra column, where the bank holds no module)."""
+
+    roles: list
+    V: torch.Tensor
+    voff: list[int]
+    lo: int
+    hi: int
+    col_module: torch.Tensor
 
 
 @dataclass
@@ -94,7 +119,14 @@ class BundleBank:
         self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
         self.stats = BankStats()
         R, diag = self.max_rank, self.method == "jd-diag"
-        names = sorted(bundle.manifest["modules"])
+        group_order = {g: k for k, g in enumerate(GROUPS)}
+
+        def table_order(name: str):  # (layer, group, slice): a group's modules are adjacent columns
+            parts = name.split(".")
+            g, j = ROLE_SLICE.get(parts[-1], ("", -1))
+            return (int(parts[2]) if parts[2].isdigit() else -1, group_order.get(g, -1), j, name)
+
+        names = sorted(bundle.manifest["modules"], key=table_order)
         core_shape = (R,) if diag else (R, R)
         # host tables, member-major: one member's cores for every module are one contiguous row
         host_cores = torch.zeros((M, len(names)) + core_shape, dtype=torch.float32)
@@ -129,6 +161,29 @@ class BundleBank:
                          adapts=self.slot_adapts[:, mi], K=K, R=R, index=mi)
             for key, (mi, V, Ut, K) in bases.items()}
         self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in self.modules)
+        self.groups_of: dict[tuple[int, str], _Group] = {}
+        for layer, group in sorted(self.targeted):
+            roles = [(j, self.modules[(layer, role)]) for j, role in enumerate(GROUPS[group])
+                     if (layer, role) in self.modules]
+            voff = [sum(m.K * m.R for _, m in roles[:k]) for k in range(len(roles))]
+            col_module = torch.full((sum(self.widths[group]),), len(names), dtype=torch.int64)
+            for j, m in roles:
+                off = self.offsets[group][j]
+                col_module[off : off + self.widths[group][j]] = m.index
+            idx = [m.index for _, m in roles]
+            assert idx == list(range(idx[0], idx[0] + len(idx))), "table columns not in (layer, group, slice) order"
+            grp = self.groups_of[(layer, group)] = _Group(
+                roles, torch.cat([m.V for _, m in roles], dim=1).contiguous(), voff, idx[0], idx[-1] + 1,
+                col_module.to(self.device))
+            for (_, m), v in zip(roles, voff):
+                m.V = grp.V[:, v : v + m.K * m.R]  # a view: the bases are held once
+        # each table column's first column in its group's projection, plus 0 .. R-1: the
+        # projection columns of cluster c are col_base + c * R
+        col_base = torch.zeros(len(names), R, dtype=torch.int64)
+        for grp in self.groups_of.values():
+            for (_, m), v in zip(grp.roles, grp.voff):
+                col_base[m.index] = v + torch.arange(R)
+        self.col_base = col_base.to(self.device)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # member -> slot, least recently used first
         if S == M:  # every member has its slot, for the whole job
             self.slot_cores[:M] = host_cores.to(self.device, dtype)
@@ -162,8 +217,11 @@ class BundleBank:
         return bases, per_slot
 
     def nbytes(self) -> int:
+        """Device bytes held: the slot tables and every basis (a group's joint projection
+        matrix is stored instead of its modules' separate V)."""
         tables = sum(t.numel() * t.element_size() for t in (self.slot_cores, self.slot_cluster, self.slot_adapts))
-        return tables + sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.V, m.Ut))
+        return tables + sum(g.V.numel() * g.V.element_size() for g in self.groups_of.values()) + sum(
+            m.Ut.numel() * m.Ut.element_size() for m in self.modules.values())
 
     @property
     def resident(self) -> dict[str, int]:
@@ -248,22 +306,25 @@ class BundleBank:
 
 
 class BundleContext:
-    """``mlora.batch.lora.LoraContext`` of a BundleBank for one invocation. The rows' clusters
-    and adapts flags for every module are gathered once per forward pass, at its first
-    ``apply``, not once per module. A context can serve several passes (a graph's warm-up
-    run, then its capture): a pass starts when a (layer, group) is applied again, and then
-    gathers anew, so a captured pass records its own gathers and a replay redoes them for
-    its rows (reusing the warm-up's tensors would replay stale rows)."""
+    """``mlora.batch.lora.LoraContext`` of a BundleBank for one invocation. The rows' tables
+    (every module's projection columns of the row's cluster, and whether the row's member
+    adapts it) are gathered once per forward pass, at its first ``apply``, not once per
+    module. A context can serve several passes (a graph's warm-up run, then its capture):
+    a pass starts when a (layer, group) is applied again, and then gathers anew, so a
+    captured pass records its own gathers and a replay redoes them for its rows (reusing
+    the warm-up's tensors would replay stale rows)."""
 
     def __init__(self, bank: BundleBank, row_members: torch.Tensor):
         self.bank, self.row_members = bank, row_members
-        self._rows = None  # (arange(T), clusters [T, modules], adapts [T, modules]) of this pass
+        self._rows = None  # (projection columns [T, modules, R], adapts [T, modules + 1]) of this pass
         self._applied: set = set()  # the (layer, group) pairs applied in this pass
 
-    def _row_tables(self, key, T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._rows is None or key in self._applied or self._rows[0].numel() != T:
-            m_idx = self.row_members
-            self._rows = (torch.arange(T, device=device), self.bank.slot_cluster[m_idx], self.bank.slot_adapts[m_idx])
+    def _row_tables(self, key, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None or key in self._applied or self._rows[0].shape[0] != T:
+            bank, m_idx = self.bank, self.row_members
+            cols = bank.col_base + bank.slot_cluster[m_idx].unsqueeze(-1) * bank.max_rank
+            adapts = torch.cat([bank.slot_adapts[m_idx], torch.zeros(T, 1, dtype=torch.bool, device=m_idx.device)], 1)
+            self._rows = (cols, adapts)
             self._applied = set()
         self._applied.add(key)
         return self._rows
@@ -271,23 +332,27 @@ class BundleContext:
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the members' three-stage deltas to ``y`` in place (semantics: module docstring)."""
         bank = self.bank
-        if (layer, group) not in bank.targeted:
+        grp = bank.groups_of.get((layer, group))
+        if grp is None:
             return
-        T = x.shape[0]
-        rows, clusters, adapts = self._row_tables((layer, group), T, x.device)
-        m_idx = self.row_members
-        for j, role in enumerate(GROUPS[group]):
-            mod = bank.modules.get((layer, role))
-            if mod is None:
-                continue
-            H = (x @ mod.V).view(T, mod.K, mod.R)  # every cluster's projection
-            c = clusters[:, mod.index]
-            h = H[rows, c]  # [T, R]: the row's own cluster
-            core = mod.cores[m_idx]
-            h = h * core if core.dim() == 2 else torch.bmm(core, h.unsqueeze(-1)).squeeze(-1)
-            onehot = torch.zeros(T, mod.K, mod.R, dtype=h.dtype, device=h.device)
-            onehot[rows, c] = h
-            delta = onehot.view(T, mod.K * mod.R) @ mod.Ut
-            off, w = bank.offsets[group][j], bank.widths[group][j]
-            out = y[:, off : off + w]
-            out.copy_(torch.where(adapts[:, mod.index, None], out + delta.to(out.dtype), out))
+        T, R, n = x.shape[0], bank.max_rank, grp.hi - grp.lo
+        cols, adapts = self._row_tables((layer, group), T)
+        H = x @ grp.V  # [T, sum_j K_j R]: every role's every cluster
+        h = H.gather(1, cols[:, grp.lo : grp.hi].reshape(T, n * R))  # [T, n R]: each role's row cluster
+        core = bank.slot_cores[:, grp.lo : grp.hi][self.row_members]  # [T, n, R] or [T, n, R, R]
+        if core.dim() == 3:  # JD-Diag
+            h = h * core.reshape(T, n * R)
+        else:
+            h = torch.matmul(core, h.view(T, n, R, 1)).view(T, n * R)
+        onehot = torch.zeros_like(H).scatter_(1, cols[:, grp.lo : grp.hi].reshape(T, n * R), h)
+        parts, at = [], 0
+        for (j, mod), v in zip(grp.roles, grp.voff):
+            off = bank.offsets[group][j]
+            if off > at:  # a slice the bank holds no module for: no delta
+                parts.append(y.new_zeros(T, off - at))
+            parts.append((onehot[:, v : v + mod.K * R] @ mod.Ut).to(y.dtype))
+            at = off + bank.widths[group][j]
+        if y.shape[1] > at:
+            parts.append(y.new_zeros(T, y.shape[1] - at))
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        torch.where(adapts[:, grp.col_module], y + delta, y, out=y)
