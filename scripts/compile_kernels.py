@@ -59,7 +59,8 @@ def main() -> int:
                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
                 "w_ptr": "*i16", "w0_ptr": "*i16", "w1_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_starts_ptr": "*i32",
-                "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32",
+                "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32", "part_ptr": "*fp32",
+                "stat_ptr": "*fp32",
                 "h_ptr": "*bf16", "d_ptr": "*bf16", "hout_ptr": "*bf16", "eps": "fp32",
                 "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "gu_ptr": "*bf16"}
 
@@ -94,10 +95,13 @@ def main() -> int:
                                              TILES=wordstats.TILES),
           "residency word stats")
     group = 4  # 32 query heads over 8 KV heads, head_dim 128
-    for label, block_q in (("decode", pa.decode_block_q(group)), ("prefill", pa.PREFILL_ROWS // group)):
+    for label, block_q, splits in (("decode", pa.decode_block_q(group), 1), ("prefill", pa.PREFILL_ROWS // group, 1),
+                                   ("decode, split keys", pa.decode_block_q(group), 4)):
         build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=pa.BLOCK_N,
-                                               HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True),
-              f"paged attention ({label} tiles)")
+                                               HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLITS=splits),
+              f"paged attention ({label} tiles)", num_warps=pa.ATTENTION_WARPS)
+    build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
+                                        BLOCK_D=128, SPLITS=4), "paged attention split merge", num_warps=4)
     norm_ptrs = dict(pointers, w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16")  # the fused kernels' own pointer names
     for delta in (False, True):
         build(fused._add_rms_norm_kernel, dict(HAS_DELTA=delta, BLOCK=4096), f"fused add+RMSNorm (delta={delta})",

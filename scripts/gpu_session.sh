@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh profile    decode kernels by GPU time, base and 64 adapters (where 1.7x the floor goes)
 #   bash scripts/gpu_session.sh kernels-split  the default config per sweep case, with shrink alone and an empty graph
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
+#   bash scripts/gpu_session.sh split-kv   decode attention with split keys: tests, bench batch at 64 rows, splits 1/2/auto (~5 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -91,6 +92,19 @@ case "${1:-quick}" in
   decode64)  # step 7's decode target at 64 running rows (the bench's default is 256), base and 64 adapters (~3 min)
     timeout 280 python -m mlora bench batch --rows 512 --adapters 0,64 --max-num-seqs 64 --out "$OUT/batch-64seqs.json" \
       2>&1 | grep adapters
+    ;;
+  split-kv)  # flash-decoding for decode launches of few programs (64 rows: 512 programs on 132 SMs), A/B (~5 min)
+    timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
+    rm -rf /tmp/demo-split; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-split \
+      --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype float32 -q \
+      >/dev/null; echo "demo float32 (decode splits auto): $(python scripts/check_demo_outputs.py /tmp/demo-split | tail -1)"
+    for n in 1 2 auto; do
+      echo "decode splits $n:"
+      MLORA_DECODE_SPLITS=$([ $n = auto ] && echo "" || echo $n) timeout 150 python -m mlora bench batch --rows 512 \
+        --adapters 0 --max-num-seqs 64 --out "$OUT/batch-64seqs-splits-$n.json" 2>&1 | grep adapters
+    done
+    timeout 100 python scripts/profile_batch.py --rows 64 --adapters 0 --graphs --iters 10 2>&1 | grep -v USDT \
+      | head -24 | tee "$OUT/profile-decode-64rows.txt"
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do

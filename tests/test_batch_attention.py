@@ -135,3 +135,40 @@ def test_pad_tables():
     assert got.dtype.name == "int32" and got.tolist() == [[5, 6, 0], [0, 0, 0], [7, 8, 9]]
     assert pad_tables([[1]], width=4).tolist() == [[1, 0, 0, 0]]
     assert pad_tables([]).shape == (0, 1)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
+    """Decode rows whose keys are split over several programs and merged (flash-decoding):
+    contexts shorter than one chunk (empty chunks), exactly one BLOCK_N, several, and a
+    prefill sequence in the same invocation (never split) all equal the reference."""
+    from mlora.batch.paged_attention import BLOCK_N
+
+    seqs = [(1, 3), (1, BLOCK_N), (1, 3 * BLOCK_N + 5), (9, 20), (1, 130), (1, 1)]
+    q, kv, meta = paged_case(7 + splits, seqs, 8, 2, 16, 4, dtype)
+    meta.backend = "triton"
+    layout = meta.paged_layout(kv.block_size, q.shape[1] // kv.num_kv_heads, q.device)
+    assert [t.decode for t in layout.launches].count(True) == 1
+    want = reference(q, kv, meta).float()
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits).float()
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= TOL[dtype], float(err)
+    one = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, splits_override=1).float()
+    if dtype == torch.float32:  # the same numbers up to the merge's float32 reassociation
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_splits_rule(monkeypatch):
+    """Few programs per SM split (powers of two, capped); enough do not; the env var forces."""
+    from mlora.batch import paged_attention as pa
+
+    cpu = torch.device("cpu")  # 4 "SMs"
+    monkeypatch.delenv("MLORA_DECODE_SPLITS", raising=False)
+    assert pa.decode_splits(pa.SPLIT_BELOW_PROGRAMS_PER_SM * 4, cpu) == 1
+    assert pa.decode_splits(pa.SPLIT_BELOW_PROGRAMS_PER_SM * 4 // 2, cpu) == 2
+    assert pa.decode_splits(1, cpu) == pa.MAX_DECODE_SPLITS
+    monkeypatch.setenv("MLORA_DECODE_SPLITS", "3")
+    assert pa.decode_splits(10_000, cpu) == 3

@@ -92,7 +92,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(query_starts=list(range(b + 1)), context_lens=[0] * b, block_tables=[[]] * b,
                                  slot_mapping=self.slot_mapping[:b], backend="triton")
         layout = PagedLayout(self.block_tables[:b], self.context_lens[:b], self.query_starts[:b + 1],
-                             [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b])])
+                             [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b], decode=True)])
         meta._views[("paged", self.kv.block_size, self.group, str(self.device))] = layout
         return meta
 

@@ -20,9 +20,15 @@ per sequence) and prefill chunks get separate launches with different
 never pays for a prefill-sized tile. Host work per invocation: one tile list per launch, built once
 and shared by every layer (``PagedLayout``).
 
-Not built here: splitting one sequence's keys over several programs
-(flash-decoding) for batches of very few, very long sequences; CUDA-graph
-static buffers (step 7).
+Split keys (flash-decoding) for decode launches of few programs: with
+``splits > 1`` a decode tile's keys are cut into ``splits`` chunks (each a
+multiple of ``BLOCK_N``, sized from the sequence's own context length inside
+the kernel, so a captured graph serves any lengths), one program per (tile,
+KV head, chunk) writes its unnormalised float32 accumulator and its softmax
+statistics (running max, sum) to a scratch buffer, and a second launch merges
+the chunks of each (tile, KV head) with the usual rescaling
+(``exp2(m_s - max_s m_s)``). A chunk past the context writes an empty partial
+(max -inf, sum 0) that the merge weighs 0. How many splits: :func:`decode_splits`.
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 # bytes); at 8 they do not, but the job is slower (H200, tenth session: prefill +30%, decode
 # +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`), so 4 stays.
 ATTENTION_WARPS = 4
+# Decode launches with fewer than this many programs per SM (tiles x KV heads / SMs) split
+# their keys (flash-decoding): a 64-row Llama-3-8B decode step is 512 programs of ~640 keys
+# on 132 SMs, two resident per SM, with key counts varying 9x between sequences. Not
+# measured yet (`bash scripts/gpu_session.sh split-kv`); MLORA_DECODE_SPLITS=N forces N.
+SPLIT_BELOW_PROGRAMS_PER_SM = 8
+MAX_DECODE_SPLITS = 8
 
 
 @triton.jit
@@ -58,9 +70,9 @@ def _paged_attention_kernel(
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, block_size,
+    stride_bt, block_size, part_ptr, stat_ptr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,9 +97,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     kv_end = tl.minimum(ctx, ctx - n + q0 + BLOCK_Q)  # one past the tile's last query position
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    if SPLITS > 1:  # this program's chunk of the keys: [kv_lo, kv_hi)
+        chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = tl.program_id(2) * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         kpos = start + offs_n
-        k_ok = kpos < kv_end
+        k_ok = kpos < kv_hi
         blk = tl.load(block_tables_ptr + seq * stride_bt + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
         inner = kpos % block_size
         kt = tl.load(k_ptr + blk[:, None] * stride_kb + inner[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
@@ -111,9 +130,67 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLITS > 1:  # the chunk's partial: unnormalised accumulator, running max and sum
+        part = (tile * tl.num_programs(1) + kvh) * SPLITS + tl.program_id(2)
+        rows = part * (BLOCK_Q * GROUP_P) + offs_m
+        tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(stat_ptr + rows * 2, m_i)
+        tl.store(stat_ptr + rows * 2 + 1, l_i)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, stat_ptr, out_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """One program per (tile, KV head): the softmax-weighted sum of its SPLITS partials."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    row0 = tl.load(query_starts_ptr + seq)
+    n = tl.load(query_starts_ptr + seq + 1) - row0
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
+    qi = q0 + offs_m // GROUP_P
+    head = kvh * GROUP + offs_m % GROUP_P
+    row_ok = (qi < n) & (offs_m % GROUP_P < GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    first = (tile * tl.num_programs(1) + kvh) * SPLITS
+    m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(stat_ptr + ((first + s) * (BLOCK_Q * GROUP_P) + offs_m) * 2))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
+    for s in tl.static_range(SPLITS):
+        rows = (first + s) * (BLOCK_Q * GROUP_P) + offs_m
+        w = tl.exp2(tl.load(stat_ptr + rows * 2) - m_safe)  # an empty chunk (max -inf) weighs 0
+        l += w * tl.load(stat_ptr + rows * 2 + 1)
+        acc += w[:, None] * tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :])
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def decode_splits(programs: int, device: torch.device) -> int:
+    """Key splits of a decode launch of ``programs`` (tiles x KV heads) programs: 1 when the
+    launch has at least ``SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM, else the power of
+    two that brings it there (at most ``MAX_DECODE_SPLITS``). ``MLORA_DECODE_SPLITS`` forces
+    a count (benchmarks). Depends only on static shapes: a captured graph keeps its count."""
+    forced = os.environ.get("MLORA_DECODE_SPLITS")
+    if forced:
+        return max(1, int(forced))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = 1
+    while splits < MAX_DECODE_SPLITS and programs * splits < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
+        splits *= 2
+    return splits
 
 
 def _pow2(n: int) -> int:
@@ -141,11 +218,13 @@ def decode_block_q(group: int) -> int:
 @dataclass
 class TileList:
     """One launch: query tile ``i`` covers new rows ``[tile_q0[i], tile_q0[i] + block_q)``
-    of sequence ``tile_seq[i]`` (rows past the sequence's count are masked)."""
+    of sequence ``tile_seq[i]`` (rows past the sequence's count are masked). ``decode``:
+    every tile is one sequence's one new row (the launch may split its keys)."""
 
     block_q: int
     tile_seq: torch.Tensor  # int32 [tiles]
     tile_q0: torch.Tensor  # int32 [tiles]
+    decode: bool = False
 
 
 @dataclass
@@ -186,15 +265,16 @@ class PagedLayout:
         for bq, (seqs, _) in tiles.items():
             k = len(seqs)
             if k:
-                layout.launches.append(TileList(bq, data[at : at + k], data[at + k : at + 2 * k]))
+                layout.launches.append(TileList(bq, data[at : at + k], data[at + k : at + 2 * k], bq == decode_q))
             at += 2 * k
         return layout
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PagedLayout,
-                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, out: torch.Tensor | None = None, splits_override: int | None = None) -> torch.Tensor:
     """q [T, H, D], caches [num_blocks, block_size, H_kv, D] -> out [T, H, D] (q's dtype),
-    written into ``out`` when given. Every row of ``q`` must belong to a sequence of ``layout``."""
+    written into ``out`` when given. Every row of ``q`` must belong to a sequence of ``layout``.
+    ``splits_override``: the key splits of decode launches (tests; default :func:`decode_splits`)."""
     T, H, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if Dk != D or H % Hkv or tuple(v_cache.shape) != tuple(k_cache.shape):
@@ -210,17 +290,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.dtype != q.dtype:
         raise ValueError(f"paged_attention: q is {q.dtype}, the cache is {k_cache.dtype}")
     bt = layout.block_tables
+    block_d = max(16, triton.next_power_of_2(D))
     for tl_ in layout.launches:
-        grid = (tl_.tile_seq.numel(), Hkv)
-        _paged_attention_kernel[grid](
+        tiles = tl_.tile_seq.numel()
+        splits = decode_splits(tiles * Hkv, q.device) if tl_.decode and splits_override is None else (
+            splits_override if tl_.decode else 1)
+        rows = tl_.block_q * _pow2(group)
+        part = stat = out  # unused unless the keys are split
+        if splits > 1:
+            part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
+            stat = torch.empty(tiles * Hkv * splits * rows, 2, dtype=torch.float32, device=q.device)
+        _paged_attention_kernel[(tiles, Hkv, splits)](
             q, k_cache, v_cache, out,
             bt, layout.context_lens, layout.query_starts, tl_.tile_seq, tl_.tile_q0,
             scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            bt.stride(0), block_size,
+            bt.stride(0), block_size, part, stat,
             GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=BLOCK_N,
-            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), NATIVE_DOT=native, num_warps=ATTENTION_WARPS,
+            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLITS=splits, num_warps=ATTENTION_WARPS,
         )
+        if splits > 1:
+            _merge_splits_kernel[(tiles, Hkv)](
+                part, stat, out, layout.query_starts, tl_.tile_seq, tl_.tile_q0, out.stride(0), out.stride(1),
+                GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, HEAD_DIM=D, BLOCK_D=block_d,
+                SPLITS=splits, num_warps=4,
+            )
     return out
