@@ -185,13 +185,13 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
         raise RuntimeError("no such instruction\ndetails")
 
     monkeypatch.setattr(wordstats, "word_partials", broken)
-    monkeypatch.setattr(host_mod, "_ACCUMULATE_FAILED", None)
-    monkeypatch.setattr(host_mod, "_accumulates", lambda flat: True)  # as a GPU's large 16-bit view would
+    monkeypatch.setattr(host_mod, "_WORDSTATS_FAILED", None)
+    monkeypatch.setattr(host_mod, "_takes_word_stats", lambda flat: True)  # as a GPU's large 16-bit view would
     x = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
     want = view_stats(x).tolist()
     with pytest.warns(RuntimeWarning, match="no such instruction"):
         parts = host_mod.view_stats_parts({"x": x, "y": x.clone()})
-    assert host_mod._ACCUMULATE_FAILED == "RuntimeError: no such instruction"
+    assert host_mod._WORDSTATS_FAILED == "RuntimeError: no such instruction"
     assert [p.stats() for p in parts] == [{"x": want, "y": want}]
     again = host_mod.view_stats_parts({"x": x})  # no second attempt, no second warning
     assert calls == [1] and again[0].stats() == {"x": want}
@@ -214,7 +214,7 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     from mlora.batch.residency import host as host_mod
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(host_mod, "_accumulates", lambda flat: flat.dtype == torch.bfloat16)
+    monkeypatch.setattr(host_mod, "_takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
     A = torch.zeros(3, 2, 16, 160, dtype=torch.bfloat16, device=dev)  # 5120 elements per slot view
     B = torch.zeros(3, 2, 160, 16, dtype=torch.bfloat16, device=dev)
     storage = SlotStorage({"A": (A, 0), "B": (B, 0)})

@@ -89,9 +89,15 @@ class HostArtifact:
         buffer is one of its blocks, given back when the new artifact is garbage collected,
         and no driver call is made; when the pool has no free block, ``self`` is returned
         unchanged (pageable: still correct, its copies are merely synchronous)."""
-        buf, offsets, pooled = image_buffer([p.src.numel() * p.src.element_size() for p in self.pieces], True, pool)
-        if pool is not None and not pooled:
-            return self  # the pageable buffer image_buffer fell back to is not used: malloc, never touched
+        sizes = [p.src.numel() * p.src.element_size() for p in self.pieces]
+        if pool is not None:
+            offsets, total = packed_offsets(sizes)
+            buf = pool.take(total)
+            if buf is None:
+                return self  # no free block: stay pageable (no allocation made)
+            pooled = True
+        else:
+            buf, offsets, pooled = image_buffer(sizes, True)
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
@@ -184,7 +190,7 @@ def view_stats(t: torch.Tensor) -> torch.Tensor:
     load); a landed view whose numbers equal its host image's is accepted without
     reading it back."""
     flat = _flat(t)
-    if flat.device.type != "cpu" and _fused_eligible(flat) and _ACCUMULATE_FAILED is None:
+    if flat.device.type != "cpu" and _fused_eligible(flat) and _WORDSTATS_FAILED is None:
         return _view_stats_fused(flat)  # the one Triton kernel, unless it cannot run here
     return _view_stats_unfused(flat)
 
@@ -218,17 +224,17 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
     through view_stats into a row of its own. ``fused``: force the Triton path (tests, under
     the interpreter) or the other one; default: a GPU's large 16-bit views. If the kernel
     cannot run here, the same numbers come from torch reductions, said once per process."""
-    global _ACCUMULATE_FAILED
+    global _WORDSTATS_FAILED
     flats = {n: _flat(v) for n, v in views.items()}
     take = [n for n, f in flats.items()
-            if (fused if fused is not None else (_ACCUMULATE_FAILED is None and _accumulates(f)))]
+            if (fused if fused is not None else (_WORDSTATS_FAILED is None and _takes_word_stats(f)))]
     parts: list[StatsPart] = []
     by_dtype: dict[torch.dtype, list[str]] = {}
     for n in take:
         by_dtype.setdefault(flats[n].dtype, []).append(n)
     done = set()
     for dtype, names in by_dtype.items():
-        if _ACCUMULATE_FAILED is not None and not fused:
+        if _WORDSTATS_FAILED is not None and not fused:
             break
         from .wordstats import word_partials
 
@@ -242,8 +248,8 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
                     raise
                 # the same numbers the slower way (view_stats then takes torch reductions), for the
                 # rest of the process; said once
-                _ACCUMULATE_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                warnings.warn(f"mlora: the word-stats kernel failed ({_ACCUMULATE_FAILED}); load validation uses "
+                _WORDSTATS_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                warnings.warn(f"mlora: the word-stats kernel failed ({_WORDSTATS_FAILED}); load validation uses "
                               "torch reductions instead (slower, same numbers)", RuntimeWarning)
                 break
             parts.append(StatsPart(pair, [flats[n].numel() for n in pair], rows))
@@ -260,7 +266,7 @@ def _view_stats_unfused(flat: torch.Tensor) -> torch.Tensor:
     return _view_stats_host(flat) if flat.device.type == "cpu" else _view_stats_torch(flat)
 
 
-_ACCUMULATE_FAILED: str | None = None  # why the word-stats kernel could not run in this process (None: it can)
+_WORDSTATS_FAILED: str | None = None  # why the word-stats kernel could not run in this process (None: it can)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -273,7 +279,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _accumulates(flat: torch.Tensor) -> bool:
+def _takes_word_stats(flat: torch.Tensor) -> bool:
     """view_stats_parts' default: the word-stats kernel for a GPU's large 16-bit views."""
     return flat.device.type != "cpu" and _fused_eligible(flat)
 
