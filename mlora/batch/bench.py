@@ -78,7 +78,7 @@ class BatchBenchOptions:
     dtype: str = "bfloat16"
     seed: int = 0
     cuda_graphs: bool = True  # decode steps from CUDA graphs (on a GPU), as batch-run does
-    lookahead: bool = False  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
+    lookahead: bool = True  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:

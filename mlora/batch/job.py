@@ -82,8 +82,8 @@ class JobOptions:
     schedule_window: int = 8192  # covers an 8,000-row job: each adapter loaded about once (BENCHMARKS.md, residency)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     # build the next decode iteration's inputs while the device runs this one (Engine lookahead;
-    # same outputs by construction). Off by default until measured on a GPU
-    lookahead: bool = False
+    # same outputs by construction; 6-8% off a 256-row decode iteration on the H200, BENCHMARKS.md)
+    lookahead: bool = True
     prefetch_adapters: int = 16  # cold adapters of the waiting rows whose host images are built ahead
     prefetch_gpu_adapters: int = 4  # of those, loaded into free or unneeded GPU slots per iteration, ahead of use
     # host images built in this many worker processes instead of on the prefetch threads

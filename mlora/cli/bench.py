@@ -141,7 +141,7 @@ def bench_batch(
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
     seed: int = typer.Option(0, "--seed"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs."),
-    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead",
+    lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
                                    help="batch-run's --lookahead: build each decode iteration's inputs during the one before."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
