@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode",
                     help="profile steady decode iterations, or the first (prefill-chunk) iterations")
     ap.add_argument("--graphs", action="store_true", help="decode steps from CUDA graphs (as batch-run on a GPU)")
-    ap.add_argument("--lookahead", action="store_true", help="batch-run's --lookahead")
+    ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch-run's lookahead (its default; --no-lookahead: serial steps)")
     args = ap.parse_args()
     o = BatchBenchOptions(preset=args.preset, rows=args.rows, max_num_seqs=args.rows, prompt_max=args.prompt_max,
                           prompt_min=min(128, args.prompt_max))
