@@ -64,6 +64,23 @@ MAX_DECODE_SPLITS = 8
 
 
 @triton.jit
+def _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+               BLOCK_Q: tl.constexpr):
+    """The stacked rows of one (query tile, KV head): its sequence, first new row, the
+    sequence's first packed row and new-row count, and per stacked row its index offs_m, its
+    new-row index qi inside the sequence, its query head and whether it is real (row_ok)."""
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    row0 = tl.load(query_starts_ptr + seq)
+    n = tl.load(query_starts_ptr + seq + 1) - row0
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
+    qi = q0 + offs_m // GROUP_P
+    head = kvh * GROUP + offs_m % GROUP_P
+    row_ok = (qi < n) & (offs_m % GROUP_P < GROUP)
+    return seq, q0, row0, n, offs_m, qi, head, row_ok
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr,
@@ -76,16 +93,9 @@ def _paged_attention_kernel(
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    q0 = tl.load(tile_q0_ptr + tile)
-    row0 = tl.load(query_starts_ptr + seq)
-    n = tl.load(query_starts_ptr + seq + 1) - row0
+    seq, q0, row0, n, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
+                                                            GROUP, GROUP_P, BLOCK_Q)
     ctx = tl.load(context_lens_ptr + seq)
-
-    offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
-    qi = q0 + offs_m // GROUP_P  # new-row index inside the sequence
-    head = kvh * GROUP + offs_m % GROUP_P
-    row_ok = (qi < n) & (offs_m % GROUP_P < GROUP)
     qpos = ctx - n + qi
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -151,14 +161,8 @@ def _merge_splits_kernel(
     """One program per (tile, KV head): the softmax-weighted sum of its SPLITS partials."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    q0 = tl.load(tile_q0_ptr + tile)
-    row0 = tl.load(query_starts_ptr + seq)
-    n = tl.load(query_starts_ptr + seq + 1) - row0
-    offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
-    qi = q0 + offs_m // GROUP_P
-    head = kvh * GROUP + offs_m % GROUP_P
-    row_ok = (qi < n) & (offs_m % GROUP_P < GROUP)
+    _, _, row0, _, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
+                                                         GROUP, GROUP_P, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     first = (tile * tl.num_programs(1) + kvh) * SPLITS
