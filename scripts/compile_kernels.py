@@ -98,10 +98,10 @@ def main() -> int:
     for label, block_q, splits in (("decode", pa.decode_block_q(group), 1), ("prefill", pa.PREFILL_ROWS // group, 1),
                                    ("decode, split keys", pa.decode_block_q(group), 4)):
         build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=pa.BLOCK_N,
-                                               HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLITS=splits),
+                                               HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLIT=splits > 1),
               f"paged attention ({label} tiles)", num_warps=pa.ATTENTION_WARPS)
     build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
-                                        BLOCK_D=128, SPLITS=4), "paged attention split merge", num_warps=4)
+                                        BLOCK_D=128), "paged attention split merge", num_warps=4)
     norm_ptrs = dict(pointers, w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16")  # the fused kernels' own pointer names
     for delta in (False, True):
         build(fused._add_rms_norm_kernel, dict(HAS_DELTA=delta, BLOCK=4096), f"fused add+RMSNorm (delta={delta})",

@@ -80,16 +80,19 @@ def _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr, GROUP: tl
     return seq, q0, row0, n, offs_m, qi, head, row_ok
 
 
-@triton.jit
+# ``splits`` is a runtime argument (one compiled kernel whatever the count: a batch's
+# count changes with its decode rows, and a lazily compiled variant would land inside
+# a timed iteration); ``SPLIT`` says whether there is more than one
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, block_size, part_ptr, stat_ptr,
+    stride_bt, block_size, part_ptr, stat_ptr, splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,8 +110,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     kv_end = tl.minimum(ctx, ctx - n + q0 + BLOCK_Q)  # one past the tile's last query position
     offs_n = tl.arange(0, BLOCK_N)
-    if SPLITS > 1:  # this program's chunk of the keys: [kv_lo, kv_hi)
-        chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's chunk of the keys: [kv_lo, kv_hi), one of ``splits``
+        chunk = tl.cdiv(tl.cdiv(kv_end, splits), BLOCK_N) * BLOCK_N
         kv_lo = tl.program_id(2) * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     else:
@@ -140,8 +143,8 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
-    if SPLITS > 1:  # the chunk's partial: unnormalised accumulator, running max and sum
-        part = (tile * tl.num_programs(1) + kvh) * SPLITS + tl.program_id(2)
+    if SPLIT:  # the chunk's partial: unnormalised accumulator, running max and sum
+        part = (tile * tl.num_programs(1) + kvh) * splits + tl.program_id(2)
         rows = part * (BLOCK_Q * GROUP_P) + offs_m
         tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
         tl.store(stat_ptr + rows * 2, m_i)
@@ -152,27 +155,27 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(
-    part_ptr, stat_ptr, out_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr, stride_ot, stride_oh,
+    part_ptr, stat_ptr, out_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr, stride_ot, stride_oh, splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One program per (tile, KV head): the softmax-weighted sum of its SPLITS partials."""
+    """One program per (tile, KV head): the softmax-weighted sum of its ``splits`` partials."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     _, _, row0, _, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
                                                          GROUP, GROUP_P, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    first = (tile * tl.num_programs(1) + kvh) * SPLITS
+    first = (tile * tl.num_programs(1) + kvh) * splits
     m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(splits):
         m = tl.maximum(m, tl.load(stat_ptr + ((first + s) * (BLOCK_Q * GROUP_P) + offs_m) * 2))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(splits):
         rows = (first + s) * (BLOCK_Q * GROUP_P) + offs_m
         w = tl.exp2(tl.load(stat_ptr + rows * 2) - m_safe)  # an empty chunk (max -inf) weighs 0
         l += w * tl.load(stat_ptr + rows * 2 + 1)
@@ -311,14 +314,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            bt.stride(0), block_size, part, stat,
+            bt.stride(0), block_size, part, stat, splits,
             GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=BLOCK_N,
-            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLITS=splits, num_warps=ATTENTION_WARPS,
+            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, num_warps=ATTENTION_WARPS,
         )
         if splits > 1:
             _merge_splits_kernel[(tiles, Hkv)](
-                part, stat, out, layout.query_starts, tl_.tile_seq, tl_.tile_q0, out.stride(0), out.stride(1),
-                GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, HEAD_DIM=D, BLOCK_D=block_d,
-                SPLITS=splits, num_warps=4,
+                part, stat, out, layout.query_starts, tl_.tile_seq, tl_.tile_q0, out.stride(0), out.stride(1), splits,
+                GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, HEAD_DIM=D, BLOCK_D=block_d, num_warps=4,
             )
     return out
