@@ -78,6 +78,8 @@ class BatchBenchOptions:
     dtype: str = "bfloat16"
     seed: int = 0
     cuda_graphs: bool = True  # decode steps from CUDA graphs (on a GPU), as batch-run does
+    # with base first among several scenarios: run it again last, ratios against the faster run
+    repeat_base: bool = True
     lookahead: bool = True  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
 
 
@@ -343,7 +345,15 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     _sync(dev)
     build_s = time.perf_counter() - t0
     scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
-    base = next((s for s in scenarios if s["adapters"] == 0), None)
+    if o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
+        # the first scenario of a run can pay lazy compiles and cold caches inside its timed
+        # part (eleventh session: base prefill 1.9x its floor first, 1.36x in another run),
+        # which flatters every ratio to it: run the base again last and take the faster
+        again = run_scenario(model, o, 0, ceil, progress)
+        again["repeat"] = True
+        scenarios.append(again)
+    bases = [s for s in scenarios if s["adapters"] == 0]
+    base = max(bases, key=lambda s: s["tokens_per_s"]) if bases else None
     for s in scenarios:
         s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
     return dict(

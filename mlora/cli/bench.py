@@ -143,6 +143,9 @@ def bench_batch(
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs."),
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
                                    help="batch-run's --lookahead: build each decode iteration's inputs during the one before."),
+    repeat_base: bool = typer.Option(True, "--repeat-base/--no-repeat-base",
+                                     help="With base (0) first among several counts: run it again last; ratios "
+                                          "use the faster base run (a first run may pay lazy compiles)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -158,12 +161,12 @@ def bench_batch(
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
-                             cuda_graphs=cuda_graphs, lookahead=lookahead)
+                             cuda_graphs=cuda_graphs, lookahead=lookahead, repeat_base=repeat_base)
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]
         dd = s["decode"]
-        err.print(f"[dim]{s['adapters']:>4} adapters: {s['tokens_per_s']:9.1f} tok/s"
+        err.print(f"[dim]{s['adapters']:>4} adapters{' (again)' if s.get('repeat') else ''}: {s['tokens_per_s']:9.1f} tok/s"
                   + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms" if d else "")
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
                   + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
@@ -194,7 +197,7 @@ def _print_batch_table(r: dict) -> None:
         def ms(v):
             return "-" if v is None else f"{v * 1e3:.2f}"
 
-        table.add_row(str(s["adapters"]), f"{s['tokens_per_s']:.0f}",
+        table.add_row(f"{s['adapters']} (again)" if s.get("repeat") else str(s["adapters"]), f"{s['tokens_per_s']:.0f}",
                       "-" if s["tokens_per_s_vs_base"] is None else f"{s['tokens_per_s_vs_base']:.2f}",
                       str(d.get("iterations", 0)), str(d.get("median_rows", "-")), ms(d.get("median_s")),
                       ms(d.get("median_floor_s")), f"{d['median_ratio']:.2f}" if d else "-", ms(f.get("median_s")),
