@@ -89,15 +89,13 @@ class HostArtifact:
         buffer is one of its blocks, given back when the new artifact is garbage collected,
         and no driver call is made; when the pool has no free block, ``self`` is returned
         unchanged (pageable: still correct, its copies are merely synchronous)."""
-        sizes = [p.src.numel() * p.src.element_size() for p in self.pieces]
+        offsets, total = packed_offsets([p.src.numel() * p.src.element_size() for p in self.pieces])
         if pool is not None:
-            offsets, total = packed_offsets(sizes)
             buf = pool.take(total)
             if buf is None:
                 return self  # no free block: stay pageable (no allocation made)
-            pooled = True
         else:
-            buf, offsets, pooled = image_buffer(sizes, True)
+            buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         pieces = []
         for p, off in zip(self.pieces, offsets):
             n = p.src.numel() * p.src.element_size()
@@ -106,7 +104,7 @@ class HostArtifact:
             pieces.append(Piece(p.view, p.index, dst))
         art = HostArtifact(self.key, self.digest, pieces, self.name, self.pages, self.meta, self.image_sha256,
                            dict(self.nonzeros), dict(self.checks), transfer_ready=True)
-        if pooled:
+        if pool is not None:
             pool.own(art, buf)
         return art
 
