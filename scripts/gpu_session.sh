@@ -9,7 +9,7 @@
 #   bash scripts/gpu_session.sh profile    decode kernels by GPU time, base and 64 adapters (where 1.7x the floor goes)
 #   bash scripts/gpu_session.sh kernels-split  the default config per sweep case, with shrink alone and an empty graph
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
-#   bash scripts/gpu_session.sh split-kv   decode attention with split keys: tests, bench batch at 64 rows, splits 1/2/auto (~5 min)
+#   bash scripts/gpu_session.sh split-kv   decode attention with split keys: tests, bench batch at 64 rows, splits 1/2/auto, load breakdown (~6 min)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -105,6 +105,7 @@ case "${1:-quick}" in
     done
     timeout 100 python scripts/profile_batch.py --rows 64 --adapters 0 --graphs --iters 10 2>&1 | grep -v USDT \
       | head -24 | tee "$OUT/profile-decode-64rows.txt"
+    timeout 60 python scripts/load_breakdown.py --loads 48 2>&1 | tail -9  # issue 5: cold load by stage, idle GPU
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do
