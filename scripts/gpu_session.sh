@@ -17,6 +17,7 @@
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 #   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
+#   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -106,6 +107,13 @@ case "${1:-quick}" in
     timeout 100 python scripts/profile_batch.py --rows 64 --adapters 0 --graphs --iters 10 2>&1 | grep -v USDT \
       | head -24 | tee "$OUT/profile-decode-64rows.txt"
     timeout 60 python scripts/load_breakdown.py --loads 48 2>&1 | tail -9  # issue 5: cold load by stage, idle GPU
+    ;;
+  tune)  # twelfth session: where the decode attention, the first scenario's prefill and compress time go (~7 min)
+    timeout 260 python scripts/attention_sweep.py --quick --rows 64,256 2>&1 | tee "$OUT/attention-sweep.txt" | tail -40
+    timeout 200 python -u scripts/compile_log.py bench batch --rows 512 --adapters 0,8 --out "$OUT/batch-compiles.json" \
+      > "$OUT/compile-log.txt" 2>&1; grep -E "adapters:|compiles|^ +[0-9]+ " "$OUT/compile-log.txt" | head -30
+    grep -c "^\[compile" "$OUT/compile-log.txt"
+    timeout 100 python scripts/compress_profile.py 1024 4096 4096 64 8 --device cuda 2>&1 | tail -14
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do

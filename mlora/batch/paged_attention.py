@@ -61,6 +61,12 @@ ATTENTION_WARPS = 4
 # measured yet (`bash scripts/gpu_session.sh split-kv`); MLORA_DECODE_SPLITS=N forces N.
 SPLIT_BELOW_PROGRAMS_PER_SM = 8
 MAX_DECODE_SPLITS = 8
+# Launch parameters of decode launches (one new row per sequence: the whole launch streams
+# K/V), separate from prefill's so `scripts/attention_sweep.py` can tune them alone;
+# DECODE_STAGES None is Triton's default software-pipelining depth.
+DECODE_BLOCK_N = BLOCK_N
+DECODE_WARPS = ATTENTION_WARPS
+DECODE_STAGES: int | None = None
 
 
 @triton.jit
@@ -143,12 +149,12 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
-    if SPLIT:  # the chunk's partial: unnormalised accumulator, running max and sum
+    if SPLIT:  # the chunk's partial of the real rows: unnormalised accumulator, running max and sum
         part = (tile * tl.num_programs(1) + kvh) * splits + tl.program_id(2)
         rows = part * (BLOCK_Q * GROUP_P) + offs_m
-        tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
-        tl.store(stat_ptr + rows * 2, m_i)
-        tl.store(stat_ptr + rows * 2 + 1, l_i)
+        tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(stat_ptr + rows * 2, m_i, mask=row_ok)
+        tl.store(stat_ptr + rows * 2 + 1, l_i, mask=row_ok)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -161,7 +167,9 @@ def _merge_splits_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (tile, KV head): the softmax-weighted sum of its ``splits`` partials."""
+    """One program per (tile, KV head): the softmax-weighted sum of its ``splits`` partials.
+    Only real rows (``row_ok``) were written and are read: a decode tile stacks 16 rows of
+    which ``GROUP`` are real, and the padding would otherwise be most of the traffic."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     _, _, row0, _, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
@@ -171,15 +179,17 @@ def _merge_splits_kernel(
     first = (tile * tl.num_programs(1) + kvh) * splits
     m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     for s in range(splits):
-        m = tl.maximum(m, tl.load(stat_ptr + ((first + s) * (BLOCK_Q * GROUP_P) + offs_m) * 2))
+        m = tl.maximum(m, tl.load(stat_ptr + ((first + s) * (BLOCK_Q * GROUP_P) + offs_m) * 2, mask=row_ok,
+                                  other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     for s in range(splits):
         rows = (first + s) * (BLOCK_Q * GROUP_P) + offs_m
-        w = tl.exp2(tl.load(stat_ptr + rows * 2) - m_safe)  # an empty chunk (max -inf) weighs 0
-        l += w * tl.load(stat_ptr + rows * 2 + 1)
-        acc += w[:, None] * tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :])
+        w = tl.exp2(tl.load(stat_ptr + rows * 2, mask=row_ok, other=float("-inf")) - m_safe)  # empty chunk: 0
+        l += w * tl.load(stat_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
+                                    other=0.0)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -303,6 +313,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         splits = decode_splits(tiles * Hkv, q.device) if tl_.decode and splits_override is None else (
             splits_override if tl_.decode else 1)
         rows = tl_.block_q * _pow2(group)
+        block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if tl_.decode else (BLOCK_N, ATTENTION_WARPS)
+        stages = {"num_stages": DECODE_STAGES} if tl_.decode and DECODE_STAGES is not None else {}
         part = stat = out  # unused unless the keys are split
         if splits > 1:
             part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
@@ -315,8 +327,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             bt.stride(0), block_size, part, stat, splits,
-            GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=BLOCK_N,
-            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, num_warps=ATTENTION_WARPS,
+            GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=block_n,
+            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, num_warps=warps, **stages,
         )
         if splits > 1:
             _merge_splits_kernel[(tiles, Hkv)](

@@ -1,0 +1,96 @@
+"""Decode paged attention alone: launch parameters against the KV byte floor (step 7; BENCHMARKS.md).
+
+    python scripts/attention_sweep.py [--rows 64,256] [--quick]
+
+One Llama-3-8B layer's decode launch (32 query heads, 8 KV heads, head_dim
+128, bf16, 16-token pages in shuffled order), ``rows`` sequences with context
+lengths uniform in [129, 1152] (the ``bench batch`` job: prompts in
+[128, 1024] plus up to 128 generated tokens; seeded). For every combination
+of keys per step (``DECODE_BLOCK_N``), warps, pipelining stages and key
+splits, the launch (plus the merge when split) is replayed from a CUDA graph
+(``triton.testing.do_bench_cudagraph``) and printed beside the floor: K and V
+bytes read / the copy bandwidth measured in the same run. Every config's
+output is compared with the default config's (max abs difference), so a
+fast wrong config shows. Needs a CUDA device.
+"""
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mlora.batch import paged_attention as pa  # noqa: E402
+
+H, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def layout_for(rows: int, gen: torch.Generator):
+    ctx = torch.randint(129, 1153, (rows,), generator=gen).tolist()
+    pages = [-(-c // PAGE) for c in ctx]
+    perm = torch.randperm(sum(pages), generator=gen).tolist()
+    tables, at = [], 0
+    for p in pages:
+        tables.append(perm[at : at + p])
+        at += p
+    layout = pa.PagedLayout.build(list(range(rows + 1)), ctx, tables, H // HKV, torch.device("cuda"))
+    return layout, ctx, sum(pages)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64,256")
+    ap.add_argument("--quick", action="store_true", help="fewer combinations")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    gen = torch.Generator().manual_seed(0)
+    block_ns = [32, 64, 128]
+    warps = [4, 8] if args.quick else [2, 4, 8]
+    stages = [None, 2, 4] if args.quick else [None, 1, 2, 3, 4]
+    splits = [1, 2, 4, 8]
+    for rows in (int(r) for r in args.rows.split(",")):
+        layout, ctx, num_pages = layout_for(rows, gen)
+        k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+        q = torch.randn(rows, H, D, generator=gen).to("cuda", torch.bfloat16)
+        floor_us = 2 * sum(ctx) * HKV * D * 2 / bw * 1e6
+        ref = pa.paged_attention(q, k, v, layout, D**-0.5, splits_override=1).float()
+        print(f"{rows} rows, mean context {sum(ctx) / rows:.0f}: K+V {2 * sum(ctx) * HKV * D * 2 / 1e6:.1f} MB, "
+              f"floor {floor_us:.1f} us")
+        results = []
+        for bn, w, st, sp in itertools.product(block_ns, warps, stages, splits):
+            pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES = bn, w, st
+            out = torch.full_like(q, float("nan"))
+            try:
+                pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp)
+                err = (out.float() - ref).abs().max().item()
+                us = 1e3 * triton.testing.do_bench_cudagraph(
+                    lambda: pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp), rep=30)
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                print(f"  block_n {bn:3d} warps {w} stages {st} splits {sp}: failed ({type(e).__name__})")
+                continue
+            results.append((us, bn, w, st, sp, err))
+        pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES = pa.BLOCK_N, pa.ATTENTION_WARPS, None
+        results.sort()
+        default = [r for r in results if (r[1], r[2], r[3]) == (pa.BLOCK_N, pa.ATTENTION_WARPS, None)]
+        for label, rs in (("fastest", results[:12]), ("default launch parameters", default)):
+            print(f"  {label}:")
+            for us, bn, w, st, sp, err in rs:
+                print(f"    block_n {bn:3d} warps {w} stages {str(st):4s} splits {sp}: {us:7.1f} us "
+                      f"= {us / floor_us:.2f}x floor, max |diff| {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()

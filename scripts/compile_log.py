@@ -1,0 +1,59 @@
+"""Every Triton kernel compile (or disk-cache load) of one mlora command, as it happens.
+
+    PYTHONPATH=. python scripts/compile_log.py bench batch --rows 512 --adapters 0,8
+
+Runs the mlora command line with Triton's JIT hooks installed and prints to
+stderr, per compile: seconds since start, seconds the compile took, the
+kernel and its specialisation (argument types, divisibility-by-16 marks,
+constexprs). A compile that lands after a benchmark's warm-up is time inside
+a timed run (the eleventh and twelfth sessions' first scenario of ``bench
+batch`` had 1.6-1.9x the prefill time of a repeat of the same scenario). Ends
+with the count of compiles per kernel. Changes nothing else.
+"""
+import collections
+import sys
+import time
+
+import triton
+from triton import knobs
+
+T0 = time.perf_counter()
+_started: dict[int, float] = {}
+COUNTS: collections.Counter = collections.Counter()
+
+
+def _short(repr_: str) -> str:
+    name, _, args = repr_.partition("(")
+    name = name.split("[")[0]
+    return f"{name}({args[:400]}"
+
+
+def _pre(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
+    _started[id(key)] = time.perf_counter()
+    return False  # never skip the compile
+
+
+def _post(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+    now = time.perf_counter()
+    took = now - _started.pop(id(key), now)
+    COUNTS[repr.split("[")[0]] += 1
+    print(f"[compile {now - T0:7.1f} s, {took:5.2f} s] {_short(repr)}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        raise SystemExit(f"triton {triton.__version__} has no knobs.runtime.jit_post_compile_hook (3.4 or newer needed)")
+    knobs.runtime.jit_cache_hook = _pre
+    knobs.runtime.jit_post_compile_hook = _post
+    from mlora.cli.app import app
+
+    try:
+        app(sys.argv[1:], standalone_mode=False)
+    finally:
+        print(f"triton {triton.__version__}: {sum(COUNTS.values())} compiles", file=sys.stderr)
+        for name, n in COUNTS.most_common():
+            print(f"  {n:4d}  {name}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
