@@ -6,7 +6,11 @@ Builds N synthetic rank-16 adapters of one module (updates mostly in a shared
 rank-48 subspace plus 5% noise, as examples/make_compress_bench_data.py),
 runs ``mlora.compress.cluster.cluster`` (JD-Full, rank R, K clusters) and
 prints calls and wall seconds per part (k-means, the joint and cluster
-fits, QR, eigh, exact errors). Counting wrappers only; the fit is unchanged.
+fits, QR, eigh, orthonormalisation, factored norms, Krylov eigenspaces,
+exact errors). Parts nest (a jd_full row includes its eigensolver's rows).
+Counting wrappers only; the fit is unchanged. On CUDA every wrapper
+synchronises before and after its call, so asynchronous work is charged
+to the part that launched it (and the total includes those waits).
 """
 import collections
 import importlib
@@ -33,31 +37,34 @@ for i in range(n):
     a += 0.05 * a.std() * torch.randn(r, d_in, generator=g)
     fs.append(FactoredDelta((a * 0.01).bfloat16().double().to(device), (b * 0.01).bfloat16().double().to(device), 2.0))
 stats = collections.defaultdict(lambda: [0, 0.0])
-def wrap(mod, name, key=None):
-    f = getattr(mod, name)
+def sync():
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()  # async kernels are charged to the part that launched them
+def timed(key, f):
     def w(*a, **kw):
-        t = time.perf_counter(); out = f(*a, **kw); s = stats[key or name]; s[0] += 1; s[1] += time.perf_counter() - t; return out
-    setattr(mod, name, w)
-for nm in ["qr", "eigh", "pinv"]:
+        sync(); t = time.perf_counter(); out = f(*a, **kw); sync()
+        s = stats[key]; s[0] += 1; s[1] += time.perf_counter() - t; return out
+    return w
+def wrap(mod, name, key=None):
+    setattr(mod, name, timed(key or name, getattr(mod, name)))
+for nm in ["qr", "eigh", "pinv", "cholesky_ex"]:
     wrap(torch.linalg, nm, "linalg." + nm)
-wrap(cl, "kmeans"); wrap(cl, "relative_errors", "relative_errors")
-orig_init = solvers.FactoredCollection.__init__
-def init(self, *a, **kw):
-    t = time.perf_counter(); orig_init(self, *a, **kw); s = stats["FactoredCollection"]; s[0] += 1; s[1] += time.perf_counter() - t
-solvers.FactoredCollection.__init__ = init
-orig_bce = solvers.FactoredCollection.best_core_errors
-def bce(self, *a, **kw):
-    t = time.perf_counter(); o = orig_bce(self, *a, **kw); s = stats["best_core_errors"]; s[0] += 1; s[1] += time.perf_counter() - t; return o
-solvers.FactoredCollection.best_core_errors = bce
+wrap(cl, "kmeans"); wrap(cl, "relative_errors")
+for nm in ["orthonormal_columns", "_factored_norms", "_small_product", "_leading_subspace", "_reduce"]:
+    wrap(solvers, nm)  # _small_product: the QR fallback of _factored_norms
+for nm in ["__init__", "best_core_errors"]:
+    setattr(solvers.FactoredCollection, nm, timed("FactoredCollection" if nm == "__init__" else nm,
+                                                   getattr(solvers.FactoredCollection, nm)))
 fitn = collections.Counter()
 for nm in ["jd_full"]:
     f = cl._SOLVERS["jd-full"]
     def w(factors, R_, **kw):
-        t = time.perf_counter(); o = f(factors, R_, **kw); s = stats[f"jd_full R={R_}"]; s[0] += 1; s[1] += time.perf_counter() - t
+        sync(); t = time.perf_counter(); o = f(factors, R_, **kw); sync(); s = stats[f"jd_full R={R_}"]; s[0] += 1; s[1] += time.perf_counter() - t
         fitn[(len(factors) // 50) * 50] += 1; stats["sweeps"][0] += o.iterations; return o
     cl._SOLVERS["jd-full"] = w
-t = time.perf_counter()
+sync(); t = time.perf_counter()
 res = cl.cluster(fs, R, K, "jd-full", seed=0, device=device)
+sync()
 print(f"n={n} {d_out}x{d_in} R={R} K={K}: {time.perf_counter()-t:.1f} s, rounds {res.rounds}, worst {max(res.errors):.4f}, K {res.K}")
 for k_, (c, s) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
     print(f"  {k_:24s} {c:6d} calls {s:8.2f} s")

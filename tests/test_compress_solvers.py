@@ -576,3 +576,69 @@ def test_wide_module_takes_the_krylov_path_and_stays_exact():
     full = jd_full(facs, 4, iters=20)
     assert max(relative_errors(facs, full)) < 1e-20
     assert torch.allclose(full.U.T @ full.U, torch.eye(4, dtype=F64), atol=1e-13)
+
+
+# ---------------------------------------------------------------- tall-skinny orthonormalisation
+
+
+def spans(Q, X):
+    """Relative residual of projecting X onto range(Q): 0 when range(Q) contains range(X)."""
+    return float(torch.linalg.matrix_norm(X - Q @ (Q.T @ X)) / torch.linalg.matrix_norm(X))
+
+
+def test_orthonormal_columns_well_conditioned_is_the_positive_diagonal_qr():
+    from mlora.compress.solvers import orthonormal_columns
+
+    for seed, (m, k) in enumerate([(500, 40), (4096, 64), (64, 64), (30, 1)]):
+        X = rand(torch.Generator().manual_seed(100 + seed), m, k)
+        Q = orthonormal_columns(X)
+        assert Q.shape == (m, k)
+        assert (Q.T @ Q - torch.eye(k, dtype=F64)).abs().max() < 1e-12
+        assert spans(Q, X) < 1e-12
+        H, T = torch.linalg.qr(X)
+        assert torch.allclose(Q, H * torch.sign(torch.diagonal(T)), atol=1e-12)  # Householder's, up to column signs
+        assert torch.equal(orthonormal_columns(X), Q)  # deterministic
+
+
+def test_orthonormal_columns_of_rank_deficient_blocks_fall_back_to_householder():
+    """Zero columns (the padded stacks of ``_reduce``) and nearly dependent ones still give orthonormal
+    columns spanning X's range; a broken CholeskyQR2 result (NaN, inf, lost orthogonality) is never returned."""
+    from mlora.compress.solvers import orthonormal_columns
+
+    gen = torch.Generator().manual_seed(110)
+    padded = torch.cat([rand(gen, 200, 12), torch.zeros(200, 8, dtype=F64)], dim=1)
+    holes = rand(gen, 150, 10)
+    holes[:, [2, 7]] = 0.0
+    Y, Z = rand(gen, 300, 8), rand(gen, 300, 8)
+    nearly = [torch.cat([Y, Y + eps * Z], dim=1) for eps in (1e-5, 1e-9, 1e-13)]
+    low_rank = rand(gen, 400, 3) @ rand(gen, 3, 16)  # rank 3 of 16 columns
+    # singular values 1, 1e-6, 1e-12: here both Choleskys succeed but Q^T Q is off by ~3e-11
+    g250 = torch.Generator().manual_seed(250)
+    U, V = (torch.linalg.qr(torch.randn(d, 3, generator=g250, dtype=F64))[0] for d in (100, 3))
+    graded = (U * torch.tensor([1.0, 1e-6, 1e-12], dtype=F64)) @ V.T
+    for X in [padded, holes, *nearly, low_rank, graded]:
+        Q = orthonormal_columns(X)
+        assert Q.shape == X.shape and bool(torch.isfinite(Q).all())
+        assert (Q.T @ Q - torch.eye(X.shape[1], dtype=F64)).abs().max() < 1e-12
+        assert spans(Q, X) < 1e-12
+    for X in (padded, holes, low_rank):  # Cholesky breaks down: exactly Householder's Q
+        assert torch.equal(orthonormal_columns(X), torch.linalg.qr(X)[0])
+
+
+def test_factored_norms_recompute_through_qr_where_the_product_cancels():
+    from mlora.compress.solvers import _factored_norms
+
+    gen = torch.Generator().manual_seed(111)
+    x, y, a = rand(gen, 40, 1), rand(gen, 40, 1), rand(gen, 30, 1)
+    near = x + 1e-6 * y
+    B = torch.cat([x, near], dim=1)  # B [x, x + d] and A [a; -a]: B A = -d a^T, 1e-6 of ||B|| ||A||
+    A = torch.cat([a.T, -a.T], dim=0)
+    exact = float(torch.linalg.vector_norm(near - x) * torch.linalg.vector_norm(a))  # near - x is exact (Sterbenz)
+    well = random_adapters(gen, 3, 40, 30, 2)
+    Bt = torch.stack([B.T] + [f.B.T for f in well])
+    As = torch.stack([A] + [f.A for f in well])
+    norms = _factored_norms(Bt, As)
+    assert float(norms[0]) == pytest.approx(exact, rel=1e-8)  # Gram terms alone would lose ~1e-4 here
+    dense = [float(torch.linalg.matrix_norm(f.B @ f.A)) for f in well]
+    assert norms[1:].tolist() == pytest.approx(dense, rel=1e-13)
+    assert float(_factored_norms(torch.zeros(1, 2, 40, dtype=F64), As[:1])[0]) == 0.0

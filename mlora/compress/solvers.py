@@ -24,12 +24,19 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.functional import pad
 
 METHODS = ("jd-full", "jd-diag")
 _DTYPE = torch.float64
 # Errors at the float64 round-off floor of ||Delta||^2 count as exact: the
 # alternating loop stops there instead of chasing noise.
 _EXACT_FLOOR = 64 * torch.finfo(_DTYPE).eps
+# CholeskyQR2 output counts as orthonormal up to this many ulps in any entry
+# of Q^T Q - I (a few tens where X's conditioning allows CholeskyQR2 at all).
+_ORTHONORMAL_ULPS = 512
+# Norms from Gram matrices are trusted while ||B||^2 ||A||^2 / ||B A||^2 stays
+# below this; above it they are recomputed through QR (_factored_norms).
+_GRAM_NORM_MAX_RHO2 = 1024
 
 
 class CompressError(ValueError):
@@ -128,11 +135,7 @@ class FactoredCollection:
         self.d_out = int(factors[0].B.shape[0])
         self.ranks = [f.rank for f in factors]
         self.r = max(self.ranks)
-        Bt = torch.zeros(self.n, self.r, self.d_out, dtype=_DTYPE, device=self.device)
-        A = torch.zeros(self.n, self.r, self.d_in, dtype=_DTYPE, device=self.device)
-        for i, f in enumerate(factors):
-            Bt[i, : f.rank] = f.B.to(self.device, _DTYPE).T * float(f.scale)
-            A[i, : f.rank] = f.A.to(self.device, _DTYPE)
+        Bt, A = _padded_factors(factors, self.r, self.device)
         self.norms = _factored_norms(Bt, A)
         if normalize:
             zero = [i for i, v in enumerate(self.norms.tolist()) if v == 0.0]
@@ -191,6 +194,23 @@ class FactoredCollection:
         return _rows_times(self.Bt, U)
 
 
+def _padded_factors(factors, r: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Bt_i = (s_i B_i)^T`` [n, r, d_out] and ``A_i`` [n, r, d_in], float64 on ``device``, ranks zero-padded to r.
+
+    One stack and one conversion per factor side, not a copy per adapter;
+    the values are those of converting each factor to float64 and scaling it.
+    """
+    scales = torch.tensor([float(f.scale) for f in factors], dtype=_DTYPE, device=device)
+    Bt = _padded_rows([f.B.T for f in factors], r, device) * scales[:, None, None]
+    return Bt, _padded_rows([f.A for f in factors], r, device)
+
+
+def _padded_rows(mats, r: int, device) -> torch.Tensor:
+    """[n, r, d] float64 on ``device`` from [r_i, d] matrices, each padded with zero rows to r."""
+    rows = [m.to(device) if m.shape[0] == r else pad(m.to(device), (0, 0, 0, r - m.shape[0])) for m in mats]
+    return torch.stack(rows).to(dtype=_DTYPE)
+
+
 def _rows_times(F: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     # one 2-D GEMM: batched broadcast matmul is far slower on small CPU shapes
     n, r, rho = F.shape
@@ -201,6 +221,33 @@ def _stack_t(F: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``sum_i F_i^T G_i`` for F [n, r, p], G [n, r, q]: one GEMM over the stacked rows."""
     n, r, p = F.shape
     return F.reshape(n * r, p).T @ G.reshape(n * r, G.shape[2])
+
+
+def orthonormal_columns(X: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns Q [m, k] whose span contains the range of a tall-skinny X [m, k] (m >= k).
+
+    CholeskyQR2: ``Q = X R^-1`` with ``R^T R = X^T X`` (Cholesky), applied
+    twice, the second pass restoring the orthogonality the first loses to
+    X's conditioning: two GEMMs and a k x k Cholesky per pass, on a GPU far
+    cheaper than a Householder QR of the block. ``R`` is invertible, so Q
+    spans exactly range(X); it is the Q of the QR with positive diagonal
+    (Householder's may differ in column signs). Where a Cholesky breaks
+    down (rank-deficient or ill-conditioned X, about cond > 1e8 in float64,
+    e.g. zero columns) or ``max |Q^T Q - I|`` exceeds ``_ORTHONORMAL_ULPS``
+    ulps, the CholeskyQR2 output is discarded for Householder QR's Q, which
+    is orthonormal whatever the rank of X (its extra columns then span
+    directions outside range(X)). Deterministic: the same X gives the same Q.
+    """
+    Q, failed = X, torch.zeros((), dtype=torch.bool, device=X.device)
+    for _ in range(2):
+        L, info = torch.linalg.cholesky_ex(Q.T @ Q)
+        Q = torch.linalg.solve_triangular(L.T, Q, upper=True, left=False)
+        failed = failed | (info != 0)
+    eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
+    worst = (Q.T @ Q - eye).abs().amax()
+    if bool(failed | ~(worst <= _ORTHONORMAL_ULPS * torch.finfo(X.dtype).eps)):  # NaN counts as failed
+        return torch.linalg.qr(X, mode="reduced")[0]
+    return Q
 
 
 def check_factors(factors) -> None:
@@ -229,8 +276,8 @@ def _reduce(F: torch.Tensor, R: int) -> tuple[torch.Tensor | None, torch.Tensor]
     """Orthonormal basis Q [d, rho] of the row space of ``[F_1; ...; F_n]`` (F: [n, r, d]) and ``F_i Q``.
 
     Zero columns pad the stack to at least R so that Q always has R
-    orthonormal columns to choose a basis from (Householder QR returns an
-    orthonormal Q whatever the rank of its input).
+    orthonormal columns to choose a basis from (:func:`orthonormal_columns`
+    returns an orthonormal Q whatever the rank of its input).
     """
     n, r, d = F.shape
     width = max(n * r, R)
@@ -239,17 +286,35 @@ def _reduce(F: torch.Tensor, R: int) -> tuple[torch.Tensor | None, torch.Tensor]
     stacked = F.reshape(n * r, d).T
     if width > n * r:
         stacked = torch.cat([stacked, stacked.new_zeros(d, width - n * r)], dim=1)
-    Q, _ = torch.linalg.qr(stacked, mode="reduced")
+    Q = orthonormal_columns(stacked)
     return Q, _rows_times(F, Q)
 
 
 def _factored_norms(Bt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """``||Bt_i^T A_i||_F`` for every i from the small triangular factors, never the product.
+    """``||Bt_i^T A_i||_F`` for every i (Bt [n, r, d_out], A [n, r, d_in]), never forming the product.
 
-    ``B = Q_B R_B`` and ``A^T = Q_A R_A`` give ``||B A||_F = ||R_B R_A^T||_F``;
-    unlike ``trace((B^T B)(A A^T))`` it keeps full relative accuracy.
+    First from the r x r Gram matrices, ``||B A||^2 = sum((B^T B) * (A A^T))``
+    (two batched GEMMs). Its relative error is about ``rho^2 eps`` with
+    ``rho^2 = ||B||^2 ||A||^2 / ||B A||^2`` (at least 1, at most about
+    ``r cond(A)^2``; about r for well-conditioned factors), against about
+    ``rho eps`` for the triangular factors of QR (``B = Q_B R_B``,
+    ``A^T = Q_A R_A``, ``||B A|| = ||R_B R_A^T||``). Entries with ``rho^2``
+    above ``_GRAM_NORM_MAX_RHO2`` (ill-conditioned factors, or a product
+    that cancels to zero) are recomputed through QR, so every norm keeps its
+    relative accuracy to within about ``_GRAM_NORM_MAX_RHO2`` ulps. A zero
+    factor gives exactly 0.
     """
-    return torch.linalg.matrix_norm(_small_product(Bt.transpose(1, 2), A.transpose(1, 2)))
+    GB = torch.bmm(Bt, Bt.transpose(1, 2))
+    GA = torch.bmm(A, A.transpose(1, 2))
+    squared = (GB * GA).sum(dim=(1, 2)).clamp(min=0)
+    spread = GB.diagonal(dim1=1, dim2=2).sum(dim=1) * GA.diagonal(dim1=1, dim2=2).sum(dim=1)  # ||B||^2 ||A||^2
+    norms = squared.sqrt()
+    doubtful = (spread > _GRAM_NORM_MAX_RHO2 * squared).nonzero().flatten()
+    if doubtful.numel():
+        norms[doubtful] = torch.linalg.matrix_norm(
+            _small_product(Bt[doubtful].transpose(1, 2), A[doubtful].transpose(1, 2))
+        )
+    return norms
 
 
 def _small_product(X: torch.Tensor, Yt: torch.Tensor) -> torch.Tensor:
@@ -300,15 +365,14 @@ def _leading_subspace(F: torch.Tensor, G: torch.Tensor, R: int, exact: bool, war
     if warm is None:
         warm = torch.randn(F.shape[2], R, generator=gen, dtype=_DTYPE).to(F.device)
         steps = _KRYLOV_INIT_STEPS
-    blocks = [torch.linalg.qr(warm, mode="reduced")[0]]
+    blocks = [orthonormal_columns(warm)]
     for _ in range(steps):
         Y = apply(blocks[-1])
         basis = torch.cat(blocks, dim=1)
         for _ in range(2):  # "twice is enough" re-orthogonalisation
             Y = Y - basis @ (basis.T @ Y)
-        blocks.append(torch.linalg.qr(Y, mode="reduced")[0])
-    basis = torch.cat(blocks, dim=1)[:, : F.shape[2]]
-    basis = torch.linalg.qr(basis, mode="reduced")[0]
+        blocks.append(orthonormal_columns(Y))
+    basis = orthonormal_columns(torch.cat(blocks, dim=1)[:, : F.shape[2]])
     return basis @ _top_eigvecs(basis.T @ apply(basis), R)
 
 
@@ -317,9 +381,7 @@ def _dense_ok(rho: int, R: int) -> bool:
 
 
 def _random_orthonormal(rows: int, R: int, gen: torch.Generator, device) -> torch.Tensor:
-    G = torch.randn(rows, R, generator=gen, dtype=_DTYPE)
-    Q, _ = torch.linalg.qr(G, mode="reduced")
-    return Q.to(device)
+    return orthonormal_columns(torch.randn(rows, R, generator=gen, dtype=_DTYPE)).to(device)
 
 
 def _check_init(init, col: FactoredCollection, R: int):
@@ -427,7 +489,7 @@ def jd_full(
         V = _random_orthonormal(col.A.shape[2], R, gen, col.device)
     else:
         # a warm start is only a starting point: re-orthonormalise in reduced coordinates
-        U, V = (torch.linalg.qr(X, mode="reduced")[0] for X in start)
+        U, V = (orthonormal_columns(X) for X in start)
     history = [_full_objective(col, U, V)]
     converged = history[0] <= _EXACT_FLOOR * col.total
     sweeps = 0
@@ -574,30 +636,32 @@ def _unit_columns(X: torch.Tensor) -> torch.Tensor:
 def squared_errors(factors, result: JDResult, *, chunk: int = 64) -> list[float]:
     """``||Delta_i - U Sigma_i V^T||_F^2`` per adapter, exactly, in factored form.
 
-    The residual is itself factored, ``[s_i B_i, -U Sigma_i] [A_i ; V^T]`` of
-    rank ``r_i + R``; its norm is that of ``R_X R_Y^T`` (QR of the two tall
-    factors), a ``(r_i + R)``-square matrix. Unlike expanding the square into
+    With ``U = Q T`` (Householder QR, Q orthonormal) the residual splits into
+    two parts with orthogonal column spaces, ``Q (Q^T Delta_i - T Sigma_i V^T)``
+    and ``(I - Q Q^T) Delta_i = P_i A_i`` with ``P_i = s_i B_i - Q C_i``,
+    ``C_i = Q^T s_i B_i`` [R, r]; so the squared error is
+    ``||C_i A_i - T Sigma_i V^T||^2 + ||P_i A_i||^2``. The first is formed
+    directly ([R, d_in] per adapter: the update and its fit cancel entry by
+    entry, as in a dense residual); the second by :func:`_factored_norms`
+    after the projection has removed what U captures, so its round-off is
+    relative to ``||P_i A_i||`` itself. Unlike expanding the square into
     traces of Gram matrices this keeps full relative accuracy when the
     residual is tiny. Adapters are taken ``chunk`` at a time (memory
-    O(chunk (r + R) d)).
+    O(chunk (r + R) max(d_in, d_out))).
     """
     check_factors(factors)
     if len(factors) != result.cores.shape[0]:
         raise CompressError("E_COMPRESS_SHAPE", f"{len(factors)} adapters but {result.cores.shape[0]} cores")
     U, V, cores = result.U, result.V, result.full_cores()
-    device = U.device
+    Q, T = torch.linalg.qr(U, mode="reduced")
     out: list[float] = []
     for lo in range(0, len(factors), chunk):
         part = factors[lo : lo + chunk]
-        r_max = max(f.rank for f in part)
-        X = torch.zeros(len(part), U.shape[0], r_max + U.shape[1], dtype=_DTYPE, device=device)
-        Yt = torch.zeros(len(part), V.shape[0], r_max + U.shape[1], dtype=_DTYPE, device=device)
-        for k, f in enumerate(part):
-            X[k, :, : f.rank] = f.B.to(device, _DTYPE) * float(f.scale)
-            Yt[k, :, : f.rank] = f.A.to(device, _DTYPE).T
-        X[:, :, r_max:] = -(U @ cores[lo : lo + len(part)])
-        Yt[:, :, r_max:] = V
-        out.extend(torch.linalg.matrix_norm(_small_product(X, Yt)).square().tolist())
+        Bt, A = _padded_factors(part, max(f.rank for f in part), U.device)
+        C = Bt @ Q  # C_i^T, [c, r, R]
+        inside = torch.bmm(C.transpose(1, 2), A) - (T @ cores[lo : lo + len(part)]) @ V.T
+        outside = _factored_norms(Bt - C @ Q.T, A)
+        out.extend((inside.square().sum(dim=(1, 2)) + outside.square()).tolist())
     return out
 
 
