@@ -95,11 +95,17 @@ def main() -> int:
                                              TILES=wordstats.TILES),
           "residency word stats")
     group = 4  # 32 query heads over 8 KV heads, head_dim 128
-    for label, block_q, splits in (("decode", pa.decode_block_q(group), 1), ("prefill", pa.PREFILL_ROWS // group, 1),
-                                   ("decode, split keys", pa.decode_block_q(group), 4)):
-        build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=pa.BLOCK_N,
+    decode = dict(block_n=pa.DECODE_BLOCK_N, num_warps=pa.DECODE_WARPS,
+                  **({"num_stages": pa.DECODE_STAGES} if pa.DECODE_STAGES is not None else {}))
+    prefill = dict(block_n=pa.BLOCK_N, num_warps=pa.ATTENTION_WARPS)
+    for label, block_q, splits, launch in (("decode", pa.decode_block_q(group), 1, decode),
+                                           ("prefill", pa.PREFILL_ROWS // group, 1, prefill),
+                                           ("decode, split keys", pa.decode_block_q(group), 4, decode)):
+        opts = dict(launch)
+        block_n = opts.pop("block_n")
+        build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=block_n,
                                                HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLIT=splits > 1),
-              f"paged attention ({label} tiles)", num_warps=pa.ATTENTION_WARPS)
+              f"paged attention ({label} tiles)", **opts)
     build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
                                         BLOCK_D=128), "paged attention split merge", num_warps=4)
     norm_ptrs = dict(pointers, w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16")  # the fused kernels' own pointer names

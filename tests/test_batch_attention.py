@@ -115,8 +115,34 @@ def test_layout_splits_decode_and_prefill_launches():
                                device=torch.device("cpu"))
     by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in layout.launches}
     assert by_q == {16: ([1, 1], [0, 16]), 4: ([0, 2], [0, 0])}
-    assert layout.block_tables.tolist() == [[0, 1, 0, 0], [2, 3, 4, 0], [5, 6, 7, 8]]
+    pad = [0] * 12  # the tables' row stride is a multiple of 16 whatever the longest table
+    assert layout.block_tables.tolist() == [[0, 1, 0, 0] + pad, [2, 3, 4, 0] + pad, [5, 6, 7, 8] + pad]
     assert layout.context_lens.tolist() == [8, 20, 30] and layout.query_starts.tolist() == [0, 1, 21, 22]
+
+
+def test_layout_metadata_is_aligned_whatever_the_batch():
+    """Triton specialises each launch on every pointer's 16-byte alignment and every integer's
+    divisibility by 16: the layout's arrays start at 64-byte offsets into one buffer and the
+    tables' row stride is a multiple of 16 for any batch, so one compiled variant serves all."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(20):
+        B = rng.randint(1, 9)
+        news = [rng.choice([1, 1, rng.randint(2, 40)]) for _ in range(B)]
+        ctx = [n + rng.randint(0, 50) for n in news]
+        tables = [list(range(-(-c // 16))) for c in ctx]
+        starts = [0]
+        for n in news:
+            starts.append(starts[-1] + n)
+        layout = PagedLayout.build(starts, ctx, tables, group=4, device=torch.device("cpu"))
+        arrays = [layout.block_tables, layout.context_lens, layout.query_starts]
+        arrays += [t for tl_ in layout.launches for t in (tl_.tile_seq, tl_.tile_q0)]
+        # offsets into the one buffer (on a GPU its allocation is 512-byte aligned; numpy's on the CPU need not be)
+        assert all((a.data_ptr() - a.untyped_storage().data_ptr()) % 64 == 0 for a in arrays)
+        assert layout.block_tables.stride(0) % 16 == 0
+        assert layout.context_lens.tolist() == ctx and layout.query_starts.tolist() == starts
+        assert [row[: len(t)] for row, t in zip(layout.block_tables.tolist(), tables)] == tables
 
 
 def test_kernel_refuses_mismatched_shapes():

@@ -56,17 +56,23 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 # +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`), so 4 stays.
 ATTENTION_WARPS = 4
 # Decode launches with fewer than this many programs per SM (tiles x KV heads / SMs) split
-# their keys (flash-decoding): a 64-row Llama-3-8B decode step is 512 programs of ~640 keys
-# on 132 SMs, two resident per SM, with key counts varying 9x between sequences. Not
-# measured yet (`bash scripts/gpu_session.sh split-kv`); MLORA_DECODE_SPLITS=N forces N.
-SPLIT_BELOW_PROGRAMS_PER_SM = 8
+# their keys (flash-decoding). Measured on the H200 (twelfth session, BENCHMARKS.md,
+# `scripts/attention_sweep.py`): one Llama-3-8B decode layer at 64 rows (512 programs,
+# 3.9 per SM) is as fast unsplit as split 2-4 ways (60.0 vs 61.8-63.5 us with 2 stages), at
+# 256 rows splitting is slower; so only launches of under 2 programs per SM (fewer than
+# ~33 rows of an 8-KV-head model) split, where a program per SM is idle otherwise (not
+# measured there). MLORA_DECODE_SPLITS=N forces N.
+SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 8
 # Launch parameters of decode launches (one new row per sequence: the whole launch streams
-# K/V), separate from prefill's so `scripts/attention_sweep.py` can tune them alone;
-# DECODE_STAGES None is Triton's default software-pipelining depth.
+# K/V), separate from prefill's. Two software-pipelining stages (the next keys' block-table
+# entries and K/V tiles in flight during this step's dots) against Triton's default of 3:
+# 74.5 -> 60.0 us per 64-row layer (1.75x -> 1.41x its K/V byte floor), 200.5 -> 182.9 us
+# at 256 rows (1.23x -> 1.12x); decode iterations 7.62 -> 7.17 ms (64 rows) and 14.66 ->
+# 13.84 ms (256 rows) in `bench batch` (twelfth session).
 DECODE_BLOCK_N = BLOCK_N
 DECODE_WARPS = ATTENTION_WARPS
-DECODE_STAGES: int | None = None
+DECODE_STAGES: int | None = 2
 
 
 @triton.jit
@@ -210,6 +216,30 @@ def decode_splits(programs: int, device: torch.device) -> int:
     return splits
 
 
+# Every metadata array a kernel reads starts at a multiple of ALIGN int32s, and the block
+# tables' row stride is one: Triton specialises a launch on each pointer's 16-byte alignment
+# and each integer's divisibility by 16, so offsets that moved with the batch compiled a new
+# kernel variant for every new combination (44 compiles of this kernel in one 512-row
+# bench run, most inside the timed prefill: twelfth session, scripts/compile_log.py).
+ALIGN = 16
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _aligned_concat(parts: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """One int32 array holding ``parts`` each from a multiple of ``ALIGN``; their offsets."""
+    offsets, at = [], 0
+    for p in parts:
+        offsets.append(at)
+        at += _round_up(max(p.size, 1), ALIGN)
+    out = np.zeros(at, dtype=np.int32)
+    for off, p in zip(offsets, parts):
+        out[off : off + p.size] = p
+    return out, offsets
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -269,21 +299,20 @@ class PagedLayout:
             for q0 in range(0, n, bq):
                 tiles[bq][0].append(b)
                 tiles[bq][1].append(q0)
-        tables = pad_tables(block_tables)
-        width = tables.shape[1]
+        B = len(context_lens)
+        tables = pad_tables(block_tables, _round_up(max((len(t) for t in block_tables), default=1), ALIGN))
         parts = [tables.reshape(-1), np.asarray(context_lens, dtype=np.int32), np.asarray(query_starts, dtype=np.int32)]
         for bq, (seqs, q0s) in tiles.items():
             parts += [np.asarray(seqs, dtype=np.int32), np.asarray(q0s, dtype=np.int32)]
-        data = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
-        B = len(context_lens)
-        at = B * width
-        layout = cls(data[:at].view(B, width), data[at : at + B], data[at + B : at + 2 * B + 1], [])
-        at += 2 * B + 1
-        for bq, (seqs, _) in tiles.items():
+        data, at = _aligned_concat(parts)
+        data = torch.from_numpy(data).to(device, non_blocking=True)
+        layout = cls(data[at[0] : at[0] + tables.size].view(B, tables.shape[1]), data[at[1] : at[1] + B],
+                     data[at[2] : at[2] + B + 1], [])
+        for i, (bq, (seqs, _)) in enumerate(tiles.items()):
             k = len(seqs)
             if k:
-                layout.launches.append(TileList(bq, data[at : at + k], data[at + k : at + 2 * k], bq == decode_q))
-            at += 2 * k
+                lo, hi = at[3 + 2 * i], at[4 + 2 * i]
+                layout.launches.append(TileList(bq, data[lo : lo + k], data[hi : hi + k], bq == decode_q))
         return layout
 
 
