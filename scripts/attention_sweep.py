@@ -1,6 +1,7 @@
-"""Decode paged attention alone: launch parameters against the KV byte floor (step 7; BENCHMARKS.md).
+"""Paged attention alone: launch parameters against the floor (step 7; BENCHMARKS.md).
 
     python scripts/attention_sweep.py [--rows 64,256] [--quick]
+    python scripts/attention_sweep.py --prefill [--tokens 8192] [--quick]
 
 One Llama-3-8B layer's decode launch (32 query heads, 8 KV heads, head_dim
 128, bf16, 16-token pages in shuffled order), ``rows`` sequences with context
@@ -12,6 +13,14 @@ splits, the launch (plus the merge when split) is replayed from a CUDA graph
 bytes read / the copy bandwidth measured in the same run. Every config's
 output is compared with the default config's (max abs difference), so a
 fast wrong config shows. Needs a CUDA device.
+
+``--prefill``: one prefill launch of whole prompts (lengths uniform in
+[128, 1024], as many as fit in ``--tokens`` packed rows: one
+``--max-batch-tokens`` chunk of the bench job), sweeping ``BLOCK_N``,
+``ATTENTION_WARPS`` and ``PREFILL_STAGES`` (no splits); its floor is the
+larger of the causal flops (QK and PV, 4 x causal pairs x heads x head_dim)
+over the bf16 matmul rate measured in the same run, and the Q/K/V/output
+bytes over the copy bandwidth.
 """
 import argparse
 import itertools
@@ -36,6 +45,69 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+def matmul_rate() -> float:
+    """bf16 flop/s of a large square matmul."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=100)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def prefill_case(tokens: int, gen: torch.Generator):
+    """Whole prompts packed up to ``tokens`` rows: layout, lengths, pages."""
+    lens = []
+    while True:
+        n = int(torch.randint(128, 1025, (1,), generator=gen))
+        if sum(lens) + n > tokens:
+            break
+        lens.append(n)
+    pages = [-(-n // PAGE) for n in lens]
+    perm = torch.randperm(sum(pages), generator=gen).tolist()
+    tables, at = [], 0
+    for p in pages:
+        tables.append(perm[at : at + p])
+        at += p
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    layout = pa.PagedLayout.build(starts, lens, tables, H // HKV, torch.device("cuda"))
+    return layout, lens, sum(pages)
+
+
+def sweep_prefill(tokens: int, quick: bool, bw: float, gen: torch.Generator) -> None:
+    rate = matmul_rate()
+    layout, lens, num_pages = prefill_case(tokens, gen)
+    T = sum(lens)
+    k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+    flop_us = 4 * pairs * H * D / rate * 1e6
+    byte_us = (2 * T * H * D + 2 * T * HKV * D) * 2 / bw * 1e6  # q and out; K and V once
+    floor_us = max(flop_us, byte_us)
+    print(f"prefill: {len(lens)} prompts, {T} rows, matmul {rate / 1e12:.0f} TFLOP/s: flop floor {flop_us:.1f} us, "
+          f"byte floor {byte_us:.1f} us")
+    ref = pa.paged_attention(q, k, v, layout, D**-0.5).float()
+    results = []
+    saved = pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES
+    for bn, w, st in itertools.product([32, 64, 128], [4, 8], [None, 2, 3] if quick else [None, 1, 2, 3, 4]):
+        pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = bn, w, st
+        out = torch.full_like(q, float("nan"))
+        try:
+            pa.paged_attention(q, k, v, layout, D**-0.5, out=out)
+            err = (out.float() - ref).abs().max().item()
+            us = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda: pa.paged_attention(q, k, v, layout, D**-0.5, out=out), rep=30)
+        except Exception as e:  # shared memory or registers out of range: reported, not fatal
+            print(f"  block_n {bn:3d} warps {w} stages {st}: failed ({type(e).__name__})")
+            continue
+        results.append((us, bn, w, st, err))
+    pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = saved
+    for us, bn, w, st, err in sorted(results):
+        mark = "  (default)" if (bn, w, st) == saved else ""
+        print(f"    block_n {bn:3d} warps {w} stages {str(st):4s}: {us:7.1f} us = {us / floor_us:.2f}x floor, "
+              f"max |diff| {err:.1e}{mark}")
+
+
 def layout_for(rows: int, gen: torch.Generator):
     ctx = torch.randint(129, 1153, (rows,), generator=gen).tolist()
     pages = [-(-c // PAGE) for c in ctx]
@@ -52,10 +124,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--quick", action="store_true", help="fewer combinations")
+    ap.add_argument("--prefill", action="store_true", help="sweep a prefill launch instead of decode")
+    ap.add_argument("--tokens", type=int, default=8192, help="packed prefill rows (--prefill)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     gen = torch.Generator().manual_seed(0)
+    if args.prefill:
+        sweep_prefill(args.tokens, args.quick, bw, gen)
+        return
     block_ns = [32, 64, 128]
     warps = [4, 8] if args.quick else [2, 4, 8]
     stages = [None, 2, 4] if args.quick else [None, 1, 2, 3, 4]

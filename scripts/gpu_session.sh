@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 #   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
+#   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -114,6 +115,11 @@ case "${1:-quick}" in
       > "$OUT/compile-log.txt" 2>&1; grep -E "adapters:|compiles|^ +[0-9]+ " "$OUT/compile-log.txt" | head -30
     grep -c "^\[compile" "$OUT/compile-log.txt"
     timeout 100 python scripts/compress_profile.py 1024 4096 4096 64 8 --device cuda 2>&1 | tail -14
+    ;;
+  prefill)  # the prefill attention launch sweep, then whether bench batch still compiles inside timed runs (~5 min)
+    timeout 200 python scripts/attention_sweep.py --prefill --quick 2>&1 | tee "$OUT/attention-sweep-prefill.txt" | tail -22
+    timeout 200 python -u scripts/compile_log.py bench batch --rows 512 --adapters 0,8 --out "$OUT/batch-compiles.json" \
+      > "$OUT/compile-log.txt" 2>&1; grep -E "adapters:|compiles|^ +[0-9]+ " "$OUT/compile-log.txt" | head -30
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do

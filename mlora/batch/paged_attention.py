@@ -73,6 +73,9 @@ MAX_DECODE_SPLITS = 8
 DECODE_BLOCK_N = BLOCK_N
 DECODE_WARPS = ATTENTION_WARPS
 DECODE_STAGES: int | None = 2
+# Pipelining stages of prefill launches (None: Triton's default); `scripts/attention_sweep.py
+# --prefill` sweeps them with BLOCK_N and ATTENTION_WARPS. Not yet measured.
+PREFILL_STAGES: int | None = None
 
 
 @triton.jit
@@ -343,7 +346,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             splits_override if tl_.decode else 1)
         rows = tl_.block_q * _pow2(group)
         block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if tl_.decode else (BLOCK_N, ATTENTION_WARPS)
-        stages = {"num_stages": DECODE_STAGES} if tl_.decode and DECODE_STAGES is not None else {}
+        stage_count = DECODE_STAGES if tl_.decode else PREFILL_STAGES
+        stages = {} if stage_count is None else {"num_stages": stage_count}
         part = stat = out  # unused unless the keys are split
         if splits > 1:
             part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
