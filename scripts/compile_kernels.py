@@ -5,7 +5,8 @@ before any device time is spent. Run with TRITON_INTERPRET unset.
     python scripts/compile_kernels.py [--arch 90]
 
 Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
-rank tiles; one and three slices), the residency word-stats kernel and the paged
+rank tiles; one and three slices), the fused small-batch LoRA kernel (one and three slices,
+ranks 16 and 64), the residency word-stats kernel and the paged
 attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
 kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel
 and exits 1 on the first failure.
@@ -51,6 +52,7 @@ def main() -> int:
     from mlora.batch import fused
     from mlora.batch import paged_attention as pa
     from mlora.batch.residency import wordstats
+    from mlora.kernels import triton_fused as tf
     from mlora.kernels import triton_sgmv as sgmv
 
     target = GPUTarget("cuda", args.arch, 32)
@@ -91,6 +93,14 @@ def main() -> int:
                        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"]),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
+    # the fused small-batch launch (triton_fused) with fused_config's block sizes, warps and stages
+    for slices, rank in ((1, 16), (1, 64), (3, 16), (3, 64)):
+        cfg = tf.fused_config(4, 64, rank, 4096, [4096] * slices, 2, torch.device("cpu"))
+        build(tf._fused_kernel,
+              dict(BLOCK_M=16, N_SLICES=slices, BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"],
+                   BLOCK_K=cfg["block_k"], NATIVE_A=True, NATIVE_B=True),
+              f"fused block_m=16 slices={slices} block_r={cfg['block_r']}",
+              num_warps=cfg["warps"], num_stages=cfg["stages"])
     build(wordstats._word_partials_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
                                              TILES=wordstats.TILES),
           "residency word stats")

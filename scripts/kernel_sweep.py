@@ -4,13 +4,19 @@ CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
 checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split]
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
-``--split``: the default config only, and where its time goes: the same graph
-with the expand launch left out (``shrink_only``, output not checked) and with
-neither launch (``empty``: the graph replay and the events themselves).
+``--split``: the default two-launch config only, and where its time goes: the
+same graph with the expand launch left out (``shrink_only``, output not
+checked) and with neither launch (``empty``: the graph replay and the events
+themselves).
+``--fused``: every launch-bound case of `mlora bench kernels` (floor < 10 µs,
+T <= 256) with the fused launch forced on and off and its variants, next to
+the selection rule's choice (``rule``) and its redundant-A estimate
+(``a_MiB``): the data to calibrate FUSED_MAX_ROWS and FUSED_MAX_A_BYTES in
+mlora.kernels.triton_fused.
 """
 import json
 import statistics
@@ -19,8 +25,9 @@ import sys
 import torch
 
 from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
-from mlora.kernels.bench import OUTPUTS, case_floor, make_case, measure_ceilings, reference_f64
+from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
+from mlora.kernels.bench import ADAPTERS, D_IN, OUTPUTS, RANKS, case_floor, make_case, measure_ceilings, reference_f64
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 16, 256, 64), ("4096", 8, 256, 256),
@@ -32,10 +39,21 @@ CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 
 VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "waves8": dict(waves=8),
             "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "block_n64": dict(block_n=64),
             "expand_warps8": dict(expand_warps=8), "sum_chunk4": dict(sum_chunk=4), "split1": dict(split=1),
-            "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8)}
-if "--defaults" in sys.argv or "--split" in sys.argv:
+            "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
+            "fused": dict(fused=True), "two_launch": dict(fused=False)}
+if "--defaults" in sys.argv:
     VARIANTS = {"default": {}}
 SPLIT = "--split" in sys.argv
+if SPLIT:
+    VARIANTS = {"default": dict(fused=False)}
+FUSED = "--fused" in sys.argv
+if FUSED:
+    CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
+    VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
+                "fused_group1": dict(fused=True, fused_group=1), "fused_group4": dict(fused=True, fused_group=4),
+                "fused_block_n64": dict(fused=True, fused_block_n=64), "fused_warps8": dict(fused=True, fused_warps=8),
+                "fused_stages2": dict(fused=True, fused_stages=2)}
+LAUNCH_BOUND_S = 10e-6  # the bench's launch-bound cases: memory floor below this
 
 
 class _NoLaunch:
@@ -68,13 +86,19 @@ def main():
         lp = make_launch_plan(build_plan(rs))
         static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
         static.copy_from(lp)
-        ref = reference_f64(y0, x, a, b, rs, ranks, scales, widths)
         floor = case_floor(T, widths, ranks_per_slot, torch.unique(rs).tolist(), ceil)["floor_s"] * 1e6
+        if FUSED and floor >= LAUNCH_BOUND_S * 1e6:
+            continue
+        ref = reference_f64(y0, x, a, b, rs, ranks, scales, widths)
         row = {"case": f"{o}/r{r}/T{T}/A{A}", "floor_us": round(floor, 1)}
+        if FUSED:
+            rule = fused.fused_config(static.tile_capacity, static.row_capacity, max(ranks_per_slot), D_IN, widths,
+                                      a.element_size(), a.device)
+            row.update(rule="fused" if rule["fused"] else "two_launch", a_MiB=round(rule["a_bytes"] / 2**20, 1))
         variants = dict(VARIANTS)
         if SPLIT:
-            variants.update(shrink_only={"__skip": ("_expand_kernel",)},
-                            empty={"__skip": ("_shrink_kernel", "_expand_kernel")})
+            variants.update(shrink_only={"__skip": ("_expand_kernel",), "fused": False},
+                            empty={"__skip": ("_shrink_kernel", "_expand_kernel"), "fused": False})
         for name, cfg in variants.items():
             skip = cfg.get("__skip", ()) if cfg else ()
             cfg = {k: v for k, v in (cfg or {}).items() if k != "__skip"}

@@ -3,7 +3,9 @@
 Every backend is compared with a per-slice float64 oracle on fresh random
 inputs with poisoned outputs and NaN rank tails. On the CPU the Triton
 kernels run under TRITON_INTERPRET=1 (small shapes); on a GPU the same tests
-run compiled, and the graph-capture test runs too.
+run compiled, and the graph-capture test runs too. Tests of the whole contract
+run on both Triton paths (the ``lora_path`` fixture: shrink + expand, fused);
+tests of split-K and column groups force the two-launch path.
 """
 
 import pytest
@@ -73,7 +75,7 @@ def _dev(*ts):
         (4, torch.float32, dict(widths=(8, 16, 8, 24, 8, 16))),  # more slices than one launch pair takes
     ],
 )
-def test_slices_match_the_oracle(backend, seed, dtype, shape):
+def test_slices_match_the_oracle(backend, seed, dtype, shape, lora_path):
     case = sliced_case(seed, dtype=dtype, **shape)
     ref = sliced_oracle(*case)
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
@@ -94,7 +96,7 @@ def test_slices_match_the_oracle(backend, seed, dtype, shape):
     ((24, 8), (0, 32), 40),  # q and v of a q/k/v projection: the k columns [24, 32) are not the bank's
     ((8, 16, 8, 24, 8), (3, 11, 40, 48, 80), 96),  # gaps everywhere, more slices than one launch pair
 ])
-def test_slices_at_out_offsets_leave_other_columns_untouched(backend, widths, out_offsets, y_width):
+def test_slices_at_out_offsets_leave_other_columns_untouched(backend, widths, out_offsets, y_width, lora_path):
     """A bank holding some slices of a fused projection adds into the full output at each
     slice's own columns (``out_offsets``); every column no slice owns is bit-identical."""
     y_bank, x, a, b, rs, ranks, scales, widths = sliced_case(21, widths=widths)
@@ -123,7 +125,7 @@ def test_slices_at_out_offsets_leave_other_columns_untouched(backend, widths, ou
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_strided_rank_and_scale_tables(backend):
+def test_strided_rank_and_scale_tables(backend, lora_path):
     """Ranks and scales as a layer's view of slot-major [S, L, n] tables (strides (1, L*n)),
     as the banks pass them: the same result as contiguous [n, S] tables."""
     y, x, a, b, rs, ranks, scales, widths = sliced_case(24, widths=(24, 8, 8))
@@ -173,7 +175,8 @@ def test_tile_list_covers_every_active_row_once():
         assert (lp.tile_slot[n:] == -1).all()
 
 
-def test_split_k_path_matches_the_oracle():
+@pytest.mark.parametrize("lora_path", ["two_launch"], indirect=True)
+def test_split_k_path_matches_the_oracle(lora_path):
     # decode-like: few rows per slot and a d_in long enough to split
     case = sliced_case(6, T=3, S=3, R=16, d_in=1024, widths=(16,), base_frac=0.0)
     cfg = launch_config(make_launch_plan(build_plan(case[4])).tile_capacity, 1, 16, 1024, [16], torch.device(DEVICE), False)
@@ -206,7 +209,7 @@ def test_split_partials_summed_in_chunks_match_the_oracle(split, chunk):
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
     y0 = y.clone()
     lp = make_launch_plan(build_plan(rs), 16)
-    config = dict(split=split, sum_chunk=chunk, block_k=32)  # the CUDA default (128) would allow only 3 splits of 352
+    config = dict(split=split, sum_chunk=chunk, block_k=32, fused=False)  # the CUDA default (128) would allow only 3 splits of 352
     cfg = launch_config(lp.tile_capacity, 2, 16, 352, list(widths), torch.device(DEVICE), False, 16, **config)
     assert (cfg["split"], cfg["sum_chunk"]) == (split, chunk)  # the case really takes this many partials
     add_lora_slices_triton(y, x, a, b, lp, ranks, scales, widths, config=config)
@@ -219,7 +222,7 @@ def test_split_partials_summed_in_chunks_match_the_oracle(split, chunk):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_layer_view_of_a_slot_major_bank_matches_the_oracle(backend):
+def test_layer_view_of_a_slot_major_bank_matches_the_oracle(backend, lora_path):
     """The engine's banks are slot-major ([S, L, ...]: one slot's factors contiguous, so a load is
     one plain copy); a layer's factors are then a view strided over slots. Same result as the
     contiguous bank, layer by layer, other layers' poison never read."""
@@ -240,7 +243,7 @@ def test_layer_view_of_a_slot_major_bank_matches_the_oracle(backend):
     assert err < TOL[torch.float32], float(err)
 
 
-def test_static_launch_buffers_give_the_same_result():
+def test_static_launch_buffers_give_the_same_result(lora_path):
     """The graph path: a plan copied into larger static buffers, values unchecked."""
     case = sliced_case(7)
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
@@ -255,7 +258,7 @@ def test_static_launch_buffers_give_the_same_result():
         empty_launch_plan(4, 1, 16, DEVICE).copy_from(plan)
 
 
-def test_stale_tiles_past_the_count_are_never_run():
+def test_stale_tiles_past_the_count_are_never_run(lora_path):
     """Static buffers keep the tiles of an earlier, larger plan past ``num_tiles``:
     the kernels must stop at the count (rows outside the new plan stay bit-identical)."""
     case = sliced_case(11, T=40, S=4, base_frac=0.0)
@@ -299,7 +302,7 @@ def test_malformed_sliced_bank_is_named(change, code):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")
-def test_cuda_graph_replay_follows_the_static_plan():
+def test_cuda_graph_replay_follows_the_static_plan(lora_path):
     T, S = 48, 6
     case = sliced_case(8, T=T, S=S, dtype=torch.bfloat16, base_frac=0.1)
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
@@ -324,7 +327,8 @@ def test_cuda_graph_replay_follows_the_static_plan():
 
 
 @pytest.mark.parametrize("bm", [16, 32])
-@pytest.mark.parametrize("config", [dict(group_tiles=3, block_n=16), dict(split=3, group_tiles=2, block_n=16)])
+@pytest.mark.parametrize("config", [dict(group_tiles=3, block_n=16, fused=False),
+                                    dict(split=3, group_tiles=2, block_n=16, fused=False)])
 def test_column_groups_and_forced_split_match_the_oracle(config, bm):
     """Expand programs streaming several column tiles (incl. a ragged last group)."""
     from mlora.kernels.triton_sgmv import add_lora_slices_triton
@@ -340,7 +344,7 @@ def test_column_groups_and_forced_split_match_the_oracle(config, bm):
     assert err < TOL[torch.float32], float(err)
 
 
-def test_mixed_rank_classes_in_one_launch():
+def test_mixed_rank_classes_in_one_launch(lora_path):
     """Ranks on both sides of the narrow rank class (16) in a rank-64 bank, tails NaN."""
     case = list(sliced_case(10, T=40, S=5, R=64, d_in=48, widths=(32, 16), dtype=torch.float32, base_frac=0.1))
     y, x, a, b, rs, ranks, scales, widths = case

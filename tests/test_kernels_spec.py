@@ -6,7 +6,8 @@ rank-2 adapters of different scales. Each expected number is first recomputed
 from the factors in Fractions and compared with the table the spec publishes;
 then the oracle, the loop, the gather-bmm path and add_lora (torch, triton)
 must reproduce it bit for bit in fp32 and bf16, with NaN wherever nothing may
-be read (base-only inputs, padded rank tails).
+be read (base-only inputs, padded rank tails); triton on both of its paths
+(the ``lora_path`` fixture: shrink + expand, fused).
 """
 
 import dataclasses
@@ -149,13 +150,13 @@ def test_mixed_trace_factors_reproduce_the_spec():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_trace_exact_on_every_path(path, dtype):
+def test_mixed_trace_exact_on_every_path(path, dtype, lora_path):
     assert torch.equal(run(path, *mixed_case(dtype)), as_f64(plus(MIXED_Y_BASE, SPEC_D)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_trace_prefill_reorder_keeps_every_row(path, dtype):
+def test_mixed_trace_prefill_reorder_keeps_every_row(path, dtype, lora_path):
     uid = [2, 3, 4, 0, 1, 5, 6, 7]  # scheduler order [p0, p1, d0, d1, d2]: row k is packed row uid[k]
     slots = expand_request_rows([0, 1, 0, -1, 2], [3, 2, 1, 1, 1])
     assert slots.tolist() == [MIXED_SLOTS[u] for u in uid]
@@ -236,12 +237,12 @@ def test_five_row_plans_of_the_punica_lane_and_a_moved_segment():
 @pytest.mark.parametrize("b_slot", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_five_row_table_exact_on_every_path(path, dtype, b_slot, R):
+def test_five_row_table_exact_on_every_path(path, dtype, b_slot, R, lora_path):
     assert torch.equal(run(path, *five_case(dtype, b_slot, R)), as_f64(SPEC_FIVE_Y))
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_five_row_one_field_mutations_change_the_output(path):
+def test_five_row_one_field_mutations_change_the_output(path, lora_path):
     expected = as_f64(SPEC_FIVE_Y)
     swapped = five_case(torch.float32, scales={"A": FIVE_SCALE["B"], "B": FIVE_SCALE["A"]})
     assert not torch.equal(run(path, *swapped), expected)

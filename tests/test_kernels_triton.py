@@ -1,7 +1,8 @@
 """The Triton segmented kernels against the float64 oracle.
 
 On the CPU they run under TRITON_INTERPRET=1 (set in conftest), so shapes stay
-small; on a GPU the same tests run the compiled kernels on CUDA tensors.
+small; on a GPU the same tests run the compiled kernels on CUDA tensors. Each
+runs on both Triton paths (the ``lora_path`` fixture: shrink + expand, fused).
 """
 
 import pytest
@@ -18,7 +19,7 @@ def _to(device, *ts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_spec_trace_exact(dtype):
+def test_triton_spec_trace_exact(dtype, lora_path):
     x, y, a, b, s = _to(DEVICE, *spec_inputs(dtype))
     out = add_lora(y, x, a, b, ROW_SLOTS.to(DEVICE), scales=s, backend="triton")
     expected = torch.tensor([[float(v) for v in row] for row in Y_FINAL], dtype=torch.float64)
@@ -35,7 +36,7 @@ def test_triton_spec_trace_exact(dtype):
         (4, torch.bfloat16, dict(T=70, S=2, R=64, d_in=48, d_out=24, base_frac=0.0)),  # long segments, R > block
     ],
 )
-def test_triton_matches_the_oracle(seed, dtype, shape):
+def test_triton_matches_the_oracle(seed, dtype, shape, lora_path):
     y, x, a, b, rs, ranks, scales = random_case(seed, dtype=dtype, **shape)
     ref = lora_oracle_f64(y, x, a, b, rs, ranks, scales)
     y, x, a, b, rs, ranks, scales = _to(DEVICE, y, x, a, b, rs, ranks, scales)
@@ -48,7 +49,7 @@ def test_triton_matches_the_oracle(seed, dtype, shape):
     assert err < TOL[dtype], float(err)
 
 
-def test_triton_equals_torch_backend_per_row_after_reordering():
+def test_triton_equals_torch_backend_per_row_after_reordering(lora_path):
     y, x, a, b, rs, ranks, scales = _to(DEVICE, *random_case(9))
     out_t = add_lora(y.clone(), x, a, b, rs, ranks=ranks, scales=scales, backend="torch")
     perm = torch.randperm(rs.numel(), generator=torch.Generator().manual_seed(1)).to(DEVICE)

@@ -16,7 +16,7 @@ Public entry points::
 
     add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
                     plan=None, check_values=True) -> y
-      the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch:
+      the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch (one launch for small batches):
       lora_a [S, n, R, d_in], lora_b [S, sum(widths), R], ranks and scales [n, S];
       slice j owns the output columns [off_j, off_j + widths[j]) with off_j = sum(widths[:j]):
          y[t, off_j:off_j+w_j] += scales[j, s] * (x[t] @ lora_a[s, j, :ranks[j, s]].T)
@@ -28,8 +28,8 @@ Public entry points::
 
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
 ``"triton"`` (segmented split-K shrink and multi-slice expand over a
-LaunchPlan tile list, ``triton_sgmv.py``; runs on CPU under
-``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and torch
+LaunchPlan tile list, ``triton_sgmv.py``, or for small batches one fused
+launch, ``triton_fused.py``; runs on CPU under ``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and torch
 otherwise. ``plan`` may be a SegmentPlan (either backend) or, for Triton, a
 LaunchPlan; with a LaunchPlan and ``check_values=False`` a Triton call does
 no host synchronisation and can be captured in a CUDA graph (the engine

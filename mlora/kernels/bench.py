@@ -7,9 +7,10 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 * Floors per case: bytes = the distinct adapters' A and B at true rank + x
   read + y read and written; flops = 2 * rows * rank * (n * d_in + d_out);
   floor = max(bytes / bandwidth, flops / rate).
-* Triton, graph-replayed: one shrink + expand call captured in a CUDA graph
-  over a static LaunchPlan; each timed replay follows an L2 flush (a 256 MiB
-  write) so the factors come from HBM, timed with CUDA events; median.
+* Triton, graph-replayed: one shrink + expand call (or one fused launch, where
+  ``triton_fused.fused_config`` chooses it: ``fused`` in each case) captured in
+  a CUDA graph over a static LaunchPlan; each timed replay follows an L2 flush
+  (a 256 MiB write) so the factors come from HBM, timed with CUDA events; median.
 * Triton eager and the baselines (per-adapter loop = PEFT's way; gather +
   batched matmul): back-to-back calls, wall time per call after a sync (what a
   Python caller pays, launch overhead included; L2 stays warm, which favours
@@ -32,6 +33,7 @@ import torch
 
 from . import add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
 from .reference import lora_gather_bmm, lora_loop
+from .triton_fused import fused_config
 
 D_IN = 4096
 OUTPUTS = {"4096": (4096,), "14336": (14336,), "qkv": (4096, 1024, 1024)}
@@ -135,6 +137,8 @@ def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, 
     lp = make_launch_plan(seg)
     static = empty_launch_plan(T, tile_capacity(T, n_adapters, lp.block_m), lp.block_m, "cuda")
     static.copy_from(lp)
+    res["fused"] = fused_config(static.tile_capacity, static.row_capacity, R, D_IN, widths, a.element_size(),
+                                a.device)["fused"]
     y = y0.clone()
     kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False)
     call = lambda: add_lora_slices(y, x, a, b, rs, **kw)  # noqa: E731

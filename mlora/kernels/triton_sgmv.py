@@ -42,6 +42,13 @@ Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
 exits at once, and every load of z, A or B past the true rank is masked (never
 issued), so padded tails cost no bytes and may hold NaN.
 
+Small batches take one fused launch instead (``triton_fused.py``: same ABI and
+numerics, grid ``(tile_capacity, column groups)``, each program recomputing its
+tile's z over the whole d_in before its columns; no partials, no counters, no
+PDL). ``triton_fused.fused_config`` chooses it from static shapes (row
+capacity, bank width, the redundant A traffic against the second launch's
+fixed cost); ``config={"fused": True/False}`` forces either path.
+
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
 shrink ``(tile_capacity, n * rank tiles, split)``, expand ``(tile_capacity,
 column groups of all slices)`` where each expand program keeps its tile's z in
@@ -67,7 +74,7 @@ from .launch import LaunchPlan
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v3: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand"
+KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused)"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
@@ -383,12 +390,14 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
                            out_offsets=None):
-    """Shrink then expand over ``lp``; y updated in place and returned. No host
+    """Shrink then expand over ``lp``, or for small batches one fused launch
+    (``triton_fused.fused_config`` decides from static shapes; ``config={"fused":
+    True/False}`` forces it); y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config`. ``out_offsets``: each slice's first column
-    in y (default: side by side from 0). More than ``MAX_SLICES`` slices run as
-    several launch pairs of at most that many."""
+    entries of :func:`launch_config` and of ``fused_config``. ``out_offsets``:
+    each slice's first column in y (default: side by side from 0). More than
+    ``MAX_SLICES`` slices run as several launches of at most that many."""
     S, n, R, d_in = lora_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
@@ -412,12 +421,18 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     assert y.stride(1) == 1, "y must be row-major"
     native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-    key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m)
+    key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m,
+           lora_a.dtype)
     cfg = _CONFIGS.get(key) if config is None else None
     if cfg is None:
-        cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
+        cfg = _choose_config(lp, n, R, d_in, widths, x.device, native_a, lora_a.element_size(), config or {})
         if config is None:
             _CONFIGS[key] = cfg
+    if cfg["fused"]:  # small batches: one fused launch
+        from .triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
+
+        return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
+                                     native_a, native_b)
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
@@ -450,6 +465,17 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
+
+
+def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize, override: dict) -> dict:
+    """The fused launch's config where ``triton_fused.fused_config``'s rule (or
+    ``override["fused"]``) takes it, else :func:`launch_config`'s; ``"fused"`` says which."""
+    from .triton_fused import fused_config  # deferred: triton_fused imports this module
+
+    cfg = fused_config(lp.tile_capacity, lp.row_capacity, R, d_in, widths, itemsize, device, **override)
+    if cfg["fused"]:
+        return cfg
+    return dict(launch_config(lp.tile_capacity, n, R, d_in, widths, device, native, lp.block_m, **override), fused=False)
 
 
 _COUNTERS: dict[str, list[torch.Tensor]] = {}

@@ -1,0 +1,224 @@
+"""Fused shrink + expand: the segmented LoRA update in one Triton launch, for small batches.
+
+Same semantics and local kernel ABI as :mod:`mlora.kernels.triton_sgmv` (its
+module docstring, ``KERNEL_ABI``): A bank ``[S, n, R, d_in]``, B bank
+``[S, sum(w_j), R]``, ranks and scales ``[n, S]`` tables of any (shared)
+strides, per-slice y column offsets, x and y in scheduler order with the
+LaunchPlan's ``sorted_rows`` as row addresses. For tile ``i`` (slot ``s``,
+grouped rows ``u``) and column group ``g`` of slice ``j``::
+
+    z            = scales[j,s] * (x[g[u]] @ lora_a[s, j, :ranks[j,s]].T)      (fp32, the whole d_in)
+    y[g[u], c]  += z @ lora_b[s, c, :ranks[j,s]].T            for the B rows c of group g, at y column c + D_j
+    rows outside the plan are never touched; ranks[j,s] == 0 leaves slice j of the tile's rows untouched.
+
+Grid ``(tile_capacity, column groups of all slices)``, the same tile list and
+slice metadata (scalar arguments) as the two-launch expand; programs past
+``num_tiles`` exit. Every program recomputes its tile's z over the whole
+d_in (no split-K, no partials, no arrival counters) and streams
+``group_tiles`` column tiles of B and y with z in registers. The shrink is
+thus repeated once per column group: ``tiles x groups x R x d_in x itemsize``
+bytes of A traffic (from L2 after the first program of a slot) instead of the
+second launch, the split-K sum and the z round trip through memory. That is
+the right trade only for small batches: :func:`fused_config` decides.
+
+Numerics as in the two-launch path: fp32 accumulation; the shrink dot on
+16-bit tensor cores when x and A share a 16-bit dtype, the expand dot when B
+is 16-bit (z, scaled in fp32, rounded to B's dtype first); IEEE fp32 dots
+otherwise (never TF32); the interpreter runs the fp32 path. Loads past the
+true rank are masked (never issued), so rank tails may hold NaN. No host
+synchronisation and a grid that depends only on the plan's capacities and the
+bank shape: capturable in a CUDA graph. ``group_tiles`` is a runtime argument
+(one compiled kernel for every batch size of a module shape).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_sgmv as sgmv
+from .launch import LaunchPlan
+from .triton_sgmv import _tile
+
+# Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
+# calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
+# launch-bound case with the fused launch forced on and off next to this rule's
+# choice and its A-traffic estimate.
+# Most rows (LaunchPlan row capacity) a fused launch takes: the launch-bound
+# bench cases the fused launch is for have T <= 64; x is re-read per column
+# group too, and at more rows split-K's bandwidth wins.
+FUSED_MAX_ROWS = 64
+# Most redundant A traffic (tiles x column groups x R x d_in x itemsize) a fused
+# launch may cost: 32 MiB is about 4 us of L2 reads at ~8 TB/s, less than the
+# ~5 us fixed cost of the expand launch plus the split-K sum it saves (H200,
+# BENCHMARKS.md tenth session).
+FUSED_MAX_A_BYTES = 32 << 20
+# Widest bank a fused program takes: z and the A and B tiles are R wide in one
+# program (no rank tiles), and 64 is the widest that compile_kernels.py checks.
+FUSED_MAX_R = 64
+# Column tiles one program streams at most: the groups keep the launch at about
+# one program per SM (each program's shrink is its fixed cost, so fewer,
+# longer programs repeat it less).
+FUSED_MAX_GROUP = 8
+
+
+@triton.jit
+def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.constexpr):
+    """(slice j, its first column group, its first and end B rows, its y column shift) of group ``pid_g``:
+    ``G1..G3`` are the first groups of slices 1..3, ``O1..O4`` the first B rows of slices 1..4 (O_n = the
+    total width), ``D0..D3`` each slice's y column = B row + D_j."""
+    j = 0
+    g_lo = 0
+    n_lo = 0
+    n_hi = O1
+    dy = D0
+    if N_SLICES > 1:
+        if pid_g >= G1:
+            j, g_lo, n_lo, n_hi, dy = 1, G1, O1, O2, D1
+    if N_SLICES > 2:
+        if pid_g >= G2:
+            j, g_lo, n_lo, n_hi, dy = 2, G2, O2, O3, D2
+    if N_SLICES > 3:
+        if pid_g >= G3:
+            j, g_lo, n_lo, n_hi, dy = 3, G3, O3, O4, D3
+    return j, g_lo, n_lo, n_hi, dy
+
+
+@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
+def _fused_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    ranks_ptr, scales_ptr,
+    d_in, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
+    stride_xt, stride_as, stride_aj, stride_ar, stride_bs, stride_bn, stride_yt,
+    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, NATIVE_A: tl.constexpr, NATIVE_B: tl.constexpr,
+):
+    """One row tile x one column group of one slice: its z, then its columns of y."""
+    pid_t = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
+    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                                       BLOCK_M)
+    if not valid:
+        return
+    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
+    if rank == 0:
+        return
+    scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + j * stride_aj
+    z = _shrink_tile(x_ptr, a_base, m_ok, rows, rank, d_in, stride_xt, stride_ar,
+                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_A) * scale
+    if NATIVE_B:  # a 16-bit expand dot: z rounded to B's dtype, as the two-launch expand does
+        zd = z.to(b_ptr.dtype.element_ty)
+    else:
+        zd = z
+    n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
+    _expand_group(zd, b_ptr + slot.to(tl.int64) * stride_bs, y_ptr + dy, m_ok, rows, rank, n_first, n_hi,
+                  group_tiles, stride_bn, stride_yt, BLOCK_N, BLOCK_R, NATIVE_B)
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_base, m_ok, rows, rank, d_in, stride_xt, stride_ar,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_A: tl.constexpr):
+    """fp32 ``x[rows] @ A[:rank].T`` over the whole d_in, ``[BLOCK_M, BLOCK_R]``, zero past the rank."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < d_in
+        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        # A stays in L2 for the tile's other column groups
+        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0, eviction_policy="evict_last")
+        if NATIVE_A:
+            acc += tl.dot(xt, tl.trans(at))
+        else:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr):
+    """``y[rows, c] += z @ B[c, :rank].T`` for the B rows ``c`` of ``group_tiles`` column tiles from
+    ``n_first`` (clipped to ``n_hi``, the slice's end); ``y_ptr`` already shifted to the slice's columns."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)
+    for g in range(0, group_tiles):
+        offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_stop
+        mask = m_ok[:, None] & n_ok[None, :]
+        yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
+        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                     other=0.0, eviction_policy="evict_last")
+        if NATIVE_B:
+            acc = tl.dot(z, tl.trans(bt))
+        else:
+            acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
+
+
+def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int, device: torch.device,
+                 **override) -> dict:
+    """Launch parameters of a fused launch and whether to take it (``"fused"``); depends only on
+    static shapes (the plan's tile and row capacities, the bank), so a captured graph and its
+    warm-up agree.
+
+    Rule: fused when ``rows <= FUSED_MAX_ROWS``, ``R <= FUSED_MAX_R`` and the redundant A
+    traffic ``a_bytes = tiles x column groups x R x d_in x itemsize`` (every program re-reads
+    its slot's A, mostly from L2) is at most ``FUSED_MAX_A_BYTES``. ``override``: ``fused``
+    (True / False forces the choice), ``fused_block_n``, ``fused_group``, ``fused_warps``,
+    ``fused_stages`` (the sweep's variants)."""
+    block_n = override.get("fused_block_n") or sgmv._pow2(min(widths), 16, 128)
+    col_tiles = sum(sgmv._cdiv(w, block_n) for w in widths)
+    # about one program per SM: more programs would repeat the shrink without adding bandwidth
+    group = override.get("fused_group") or max(1, min(FUSED_MAX_GROUP,
+                                                      sgmv._cdiv(tiles * col_tiles, sgmv._num_sms(device))))
+    groups = sum(sgmv._cdiv(w, block_n * group) for w in widths)
+    a_bytes = tiles * groups * R * d_in * itemsize
+    fused = override.get("fused")
+    if fused is None:
+        fused = rows <= FUSED_MAX_ROWS and R <= FUSED_MAX_R and a_bytes <= FUSED_MAX_A_BYTES
+    return dict(
+        fused=fused, a_bytes=a_bytes, block_n=block_n, group=group, block_r=sgmv._pow2(R, 16, 1 << 20),
+        block_k=128 if not sgmv._INTERPRET else sgmv._pow2(d_in, 16, 32),
+        # 4 warps: no spill on sm_90 up to a 64-wide bank (scripts/compile_kernels.py: 250 registers, no stack)
+        warps=override.get("fused_warps", 4), stages=override.get("fused_stages", 4),
+    )
+
+
+def _slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, list, int]:
+    """Scalar slice metadata of the kernel: first column group of slices 1..3, first B row of
+    slices 1..4, y column shift of slices 0..3 (padded past the last slice), and the group count."""
+    groups, offs = [0], [0]
+    for w in widths:
+        groups.append(groups[-1] + sgmv._cdiv(w, cols_per_group))
+        offs.append(offs[-1] + w)
+    n, m = len(widths), sgmv.MAX_SLICES
+    g_args = (groups[1:n] + [groups[-1]] * m)[: m - 1]
+    o_args = (offs[1:] + [offs[-1]] * m)[:m]
+    d_args = ([int(o) - b for o, b in zip(out_offsets, offs)] + [0] * m)[:m]
+    return g_args, o_args, d_args, groups[-1]
+
+
+def add_lora_slices_fused(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
+                          native_a: bool, native_b: bool):
+    """The whole update in one launch over ``lp``; y updated in place and returned. The caller
+    (``add_lora_slices_triton``) has made the innermost strides 1, given ranks and scales the same
+    strides, kept to at most ``MAX_SLICES`` slices and chosen ``cfg`` (:func:`fused_config`)."""
+    n, d_in = lora_a.shape[1], lora_a.shape[3]
+    g_args, o_args, d_args, n_groups = _slice_args(widths, out_offsets, cfg["block_n"] * cfg["group"])
+    _fused_kernel[(lp.tile_capacity, n_groups)](
+        x, lora_a, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks, scales,
+        d_in, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, cfg["group"],
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0),
+        N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        NATIVE_A=native_a, NATIVE_B=native_b, num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    return y
