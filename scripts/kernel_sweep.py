@@ -94,7 +94,7 @@ def main():
         if FUSED:
             rule = fused.fused_config(static.tile_capacity, static.row_capacity, max(ranks_per_slot), D_IN, widths,
                                       a.element_size(), a.device)
-            row.update(rule="fused" if rule["fused"] else "two_launch", a_MiB=round(rule["a_bytes"] / 2**20, 1))
+            row.update(rule="fused" if rule["rule"] else "two_launch", a_MiB=round(rule["a_bytes"] / 2**20, 1))
         variants = dict(VARIANTS)
         if SPLIT:
             variants.update(shrink_only={"__skip": ("_expand_kernel",), "fused": False},

@@ -115,15 +115,19 @@ def test_forced_fused_and_two_launch_agree(dtype):
     assert err < TOL[dtype], float(err)
 
 
-def test_the_rule_sends_small_batches_to_the_fused_launch(monkeypatch):
-    """Without an override a small plan takes the fused launch, and ``fused=False`` the pair."""
+@pytest.mark.parametrize("by_default", [True, False])
+def test_the_rule_sends_small_batches_to_the_fused_launch(monkeypatch, by_default):
+    """Without an override a small plan takes the fused launch where ``FUSED_BY_DEFAULT``
+    (else the pair), ``fused=False`` the pair and ``fused=True`` the fused launch."""
+    monkeypatch.setattr(tf, "FUSED_BY_DEFAULT", by_default)
     calls = []
     fused = tf.add_lora_slices_fused
     monkeypatch.setattr(tf, "add_lora_slices_fused", lambda *args: calls.append(1) or fused(*args))
     monkeypatch.setattr(ts, "_CONFIGS", {})
     case = sliced_case(35, T=9, S=3, widths=(16,))
     ref = sliced_oracle(*case)
-    for config, n_calls in ((None, 1), (dict(fused=False), 1), (dict(fused=True), 2)):
+    first = 1 if by_default else 0
+    for config, n_calls in ((None, first), (dict(fused=False), first), (dict(fused=True), first + 1)):
         y, x, a, b, rs, ranks, scales, widths = _dev(*case)
         y = y.clone()  # on the CPU _dev returns the case's own tensors
         lp = make_launch_plan(build_plan(rs), 16)
@@ -156,7 +160,8 @@ def test_selection_rule_on_representative_shapes(monkeypatch, T, adapters, modul
     monkeypatch.setattr(ts, "_num_sms", lambda device: H200_SMS)
     monkeypatch.setattr(ts, "_INTERPRET", False)
     cfg = _decide(T, adapters, module, R)
-    assert cfg["fused"] is fused, cfg
+    assert cfg["rule"] is fused, cfg
+    assert cfg["fused"] is (fused and tf.FUSED_BY_DEFAULT)
     if fused:  # the rule's own bound
         assert cfg["a_bytes"] <= tf.FUSED_MAX_A_BYTES
     assert _decide(T, adapters, module, R) == cfg  # static shapes only
@@ -183,7 +188,7 @@ def test_fused_compiles_one_kernel_per_module_shape(monkeypatch):
             seen = set()
             for b in buckets_for(256):
                 cfg = tf.fused_config(tile_capacity(b, slots, BLOCK_M), b, 16, d_in, widths, 2, torch.device("cuda"))
-                if cfg["fused"]:
+                if cfg["rule"]:
                     seen.add(tuple(cfg[k] for k in keys))
                     groups.add(cfg["group"])
             assert len(seen) == 1, (slots, name, seen)  # every module shape takes the fused launch at b = 1

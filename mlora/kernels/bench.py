@@ -138,7 +138,7 @@ def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, 
     static = empty_launch_plan(T, tile_capacity(T, n_adapters, lp.block_m), lp.block_m, "cuda")
     static.copy_from(lp)
     res["fused"] = fused_config(static.tile_capacity, static.row_capacity, R, D_IN, widths, a.element_size(),
-                                a.device)["fused"]
+                                a.device)["fused"]  # the path timed (off by default until calibrated)
     y = y0.clone()
     kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False)
     call = lambda: add_lora_slices(y, x, a, b, rs, **kw)  # noqa: E731

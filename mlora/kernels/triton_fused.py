@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import triton_sgmv as sgmv
 from .launch import LaunchPlan
-from .triton_sgmv import _tile
+from .triton_sgmv import _slice_of, _tile, slice_args
 
 # Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
 # calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
@@ -57,32 +57,15 @@ FUSED_MAX_A_BYTES = 32 << 20
 # Widest bank a fused program takes: z and the A and B tiles are R wide in one
 # program (no rank tiles), and 64 is the widest that compile_kernels.py checks.
 FUSED_MAX_R = 64
+# Whether the rule picks the fused launch without an override. Off until the H200
+# calibration above has run: the fused kernel's 16-bit tensor-core path has been compiled
+# (scripts/compile_kernels.py) but never executed or timed, and the engine's decode graphs
+# would take it at small batches. `config={"fused": True}` (tests, the sweep) forces it.
+FUSED_BY_DEFAULT = False
 # Column tiles one program streams at most: the groups keep the launch at about
 # one program per SM (each program's shrink is its fixed cost, so fewer,
 # longer programs repeat it less).
 FUSED_MAX_GROUP = 8
-
-
-@triton.jit
-def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.constexpr):
-    """(slice j, its first column group, its first and end B rows, its y column shift) of group ``pid_g``:
-    ``G1..G3`` are the first groups of slices 1..3, ``O1..O4`` the first B rows of slices 1..4 (O_n = the
-    total width), ``D0..D3`` each slice's y column = B row + D_j."""
-    j = 0
-    g_lo = 0
-    n_lo = 0
-    n_hi = O1
-    dy = D0
-    if N_SLICES > 1:
-        if pid_g >= G1:
-            j, g_lo, n_lo, n_hi, dy = 1, G1, O1, O2, D1
-    if N_SLICES > 2:
-        if pid_g >= G2:
-            j, g_lo, n_lo, n_hi, dy = 2, G2, O2, O3, D2
-    if N_SLICES > 3:
-        if pid_g >= G3:
-            j, g_lo, n_lo, n_hi, dy = 3, G3, O3, O4, D3
-    return j, g_lo, n_lo, n_hi, dy
 
 
 @triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
@@ -169,9 +152,10 @@ def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int
     static shapes (the plan's tile and row capacities, the bank), so a captured graph and its
     warm-up agree.
 
-    Rule: fused when ``rows <= FUSED_MAX_ROWS``, ``R <= FUSED_MAX_R`` and the redundant A
-    traffic ``a_bytes = tiles x column groups x R x d_in x itemsize`` (every program re-reads
-    its slot's A, mostly from L2) is at most ``FUSED_MAX_A_BYTES``. ``override``: ``fused``
+    Rule (``"rule"``): fused when ``rows <= FUSED_MAX_ROWS``, ``R <= FUSED_MAX_R`` and the
+    redundant A traffic ``a_bytes = tiles x column groups x R x d_in x itemsize`` (every
+    program re-reads its slot's A, mostly from L2) is at most ``FUSED_MAX_A_BYTES``; it
+    decides ``"fused"`` only where ``FUSED_BY_DEFAULT`` (off until measured). ``override``: ``fused``
     (True / False forces the choice), ``fused_block_n``, ``fused_group``, ``fused_warps``,
     ``fused_stages`` (the sweep's variants)."""
     block_n = override.get("fused_block_n") or sgmv._pow2(min(widths), 16, 128)
@@ -181,29 +165,16 @@ def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int
                                                       sgmv._cdiv(tiles * col_tiles, sgmv._num_sms(device))))
     groups = sum(sgmv._cdiv(w, block_n * group) for w in widths)
     a_bytes = tiles * groups * R * d_in * itemsize
+    rule = rows <= FUSED_MAX_ROWS and R <= FUSED_MAX_R and a_bytes <= FUSED_MAX_A_BYTES
     fused = override.get("fused")
     if fused is None:
-        fused = rows <= FUSED_MAX_ROWS and R <= FUSED_MAX_R and a_bytes <= FUSED_MAX_A_BYTES
+        fused = FUSED_BY_DEFAULT and rule
     return dict(
-        fused=fused, a_bytes=a_bytes, block_n=block_n, group=group, block_r=sgmv._pow2(R, 16, 1 << 20),
+        fused=fused, rule=rule, a_bytes=a_bytes, block_n=block_n, group=group, block_r=sgmv._pow2(R, 16, 1 << 20),
         block_k=128 if not sgmv._INTERPRET else sgmv._pow2(d_in, 16, 32),
         # 4 warps: no spill on sm_90 up to a 64-wide bank (scripts/compile_kernels.py: 250 registers, no stack)
         warps=override.get("fused_warps", 4), stages=override.get("fused_stages", 4),
     )
-
-
-def _slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, list, int]:
-    """Scalar slice metadata of the kernel: first column group of slices 1..3, first B row of
-    slices 1..4, y column shift of slices 0..3 (padded past the last slice), and the group count."""
-    groups, offs = [0], [0]
-    for w in widths:
-        groups.append(groups[-1] + sgmv._cdiv(w, cols_per_group))
-        offs.append(offs[-1] + w)
-    n, m = len(widths), sgmv.MAX_SLICES
-    g_args = (groups[1:n] + [groups[-1]] * m)[: m - 1]
-    o_args = (offs[1:] + [offs[-1]] * m)[:m]
-    d_args = ([int(o) - b for o, b in zip(out_offsets, offs)] + [0] * m)[:m]
-    return g_args, o_args, d_args, groups[-1]
 
 
 def add_lora_slices_fused(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
@@ -212,7 +183,7 @@ def add_lora_slices_fused(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, w
     (``add_lora_slices_triton``) has made the innermost strides 1, given ranks and scales the same
     strides, kept to at most ``MAX_SLICES`` slices and chosen ``cfg`` (:func:`fused_config`)."""
     n, d_in = lora_a.shape[1], lora_a.shape[3]
-    g_args, o_args, d_args, n_groups = _slice_args(widths, out_offsets, cfg["block_n"] * cfg["group"])
+    g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, cfg["block_n"] * cfg["group"])
     _fused_kernel[(lp.tile_capacity, n_groups)](
         x, lora_a, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks, scales,
         d_in, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, cfg["group"],

@@ -42,12 +42,13 @@ Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
 exits at once, and every load of z, A or B past the true rank is masked (never
 issued), so padded tails cost no bytes and may hold NaN.
 
-Small batches take one fused launch instead (``triton_fused.py``: same ABI and
+Small batches can take one fused launch instead (``triton_fused.py``: same ABI and
 numerics, grid ``(tile_capacity, column groups)``, each program recomputing its
 tile's z over the whole d_in before its columns; no partials, no counters, no
 PDL). ``triton_fused.fused_config`` chooses it from static shapes (row
 capacity, bank width, the redundant A traffic against the second launch's
-fixed cost); ``config={"fused": True/False}`` forces either path.
+fixed cost) once ``FUSED_BY_DEFAULT`` is on (off until measured on a GPU);
+``config={"fused": True/False}`` forces either path.
 
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
 shrink ``(tile_capacity, n * rank tiles, split)``, expand ``(tile_capacity,
@@ -189,6 +190,28 @@ def _shrink_rows(
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
 
 
+@triton.jit
+def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.constexpr):
+    """(slice j, its first column group, its first and end B rows, its y column shift) of group ``pid_g``:
+    ``G1..G3`` are the first groups of slices 1..3, ``O1..O4`` the first B rows of slices 1..4 (O_n = the
+    total width), ``D0..D3`` each slice's y column = B row + D_j."""
+    j = 0
+    g_lo = 0
+    n_lo = 0
+    n_hi = O1
+    dy = D0
+    if N_SLICES > 1:
+        if pid_g >= G1:
+            j, g_lo, n_lo, n_hi, dy = 1, G1, O1, O2, D1
+    if N_SLICES > 2:
+        if pid_g >= G2:
+            j, g_lo, n_lo, n_hi, dy = 2, G2, O2, O3, D2
+    if N_SLICES > 3:
+        if pid_g >= G3:
+            j, g_lo, n_lo, n_hi, dy = 3, G3, O3, O4, D3
+    return j, g_lo, n_lo, n_hi, dy
+
+
 @triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -213,20 +236,7 @@ def _expand_kernel(
     dependency wait, z after it."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
-    j = 0
-    g_lo = 0
-    n_lo = 0
-    n_hi = O1
-    dy = D0
-    if N_SLICES > 1:
-        if pid_g >= G1:
-            j, g_lo, n_lo, n_hi, dy = 1, G1, O1, O2, D1
-    if N_SLICES > 2:
-        if pid_g >= G2:
-            j, g_lo, n_lo, n_hi, dy = 2, G2, O2, O3, D2
-    if N_SLICES > 3:
-        if pid_g >= G3:
-            j, g_lo, n_lo, n_hi, dy = 3, G3, O3, O4, D3
+    j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
     y_ptr += dy  # this slice's columns of y (row stride unchanged)
     valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
                                        BLOCK_M)
@@ -446,16 +456,9 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         SUM_CHUNK=cfg["sum_chunk"], num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
-    groups = [0]  # first column group of each slice, then the total
-    offs = [0]  # first column of each slice, then the total width
-    for w in widths:
-        groups.append(groups[-1] + _cdiv(w, bn * gt))
-        offs.append(offs[-1] + w)
-    g_args = (groups[1:n] + [groups[-1]] * MAX_SLICES)[: MAX_SLICES - 1]
-    o_args = (offs[1:] + [offs[-1]] * MAX_SLICES)[:MAX_SLICES]
-    d_args = ([int(o) - b for o, b in zip(out_offsets, offs)] + [0] * MAX_SLICES)[:MAX_SLICES]
+    g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, bn * gt)
     extra = dict(launch_pdl=True) if pdl else {}
-    _expand_kernel[(lp.tile_capacity, groups[-1])](
+    _expand_kernel[(lp.tile_capacity, n_groups)](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales,
         R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
@@ -465,6 +468,20 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
+
+
+def slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, list, int]:
+    """Scalar slice metadata of the expand and fused kernels: first column group of slices 1..3, first B row of
+    slices 1..4, y column shift of slices 0..3 (padded past the last slice), and the group count."""
+    groups, offs = [0], [0]
+    for w in widths:
+        groups.append(groups[-1] + _cdiv(w, cols_per_group))
+        offs.append(offs[-1] + w)
+    n, m = len(widths), MAX_SLICES
+    g_args = (groups[1:n] + [groups[-1]] * m)[: m - 1]
+    o_args = (offs[1:] + [offs[-1]] * m)[:m]
+    d_args = ([int(o) - b for o, b in zip(out_offsets, offs)] + [0] * m)[:m]
+    return g_args, o_args, d_args, groups[-1]
 
 
 def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize, override: dict) -> dict:
