@@ -45,6 +45,17 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+def shuffled_tables(lens: list[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block tables of sequences of ``lens`` tokens over all pages in a seeded random order."""
+    pages = [-(-n // PAGE) for n in lens]
+    perm = torch.randperm(sum(pages), generator=gen).tolist()
+    tables, at = [], 0
+    for p in pages:
+        tables.append(perm[at : at + p])
+        at += p
+    return tables, sum(pages)
+
+
 def matmul_rate() -> float:
     """bf16 flop/s of a large square matmul."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -60,17 +71,12 @@ def prefill_case(tokens: int, gen: torch.Generator):
         if sum(lens) + n > tokens:
             break
         lens.append(n)
-    pages = [-(-n // PAGE) for n in lens]
-    perm = torch.randperm(sum(pages), generator=gen).tolist()
-    tables, at = [], 0
-    for p in pages:
-        tables.append(perm[at : at + p])
-        at += p
+    tables, num_pages = shuffled_tables(lens, gen)
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
     layout = pa.PagedLayout.build(starts, lens, tables, H // HKV, torch.device("cuda"))
-    return layout, lens, sum(pages)
+    return layout, lens, num_pages
 
 
 def sweep_prefill(tokens: int, quick: bool, bw: float, gen: torch.Generator) -> None:
@@ -110,14 +116,9 @@ def sweep_prefill(tokens: int, quick: bool, bw: float, gen: torch.Generator) -> 
 
 def layout_for(rows: int, gen: torch.Generator):
     ctx = torch.randint(129, 1153, (rows,), generator=gen).tolist()
-    pages = [-(-c // PAGE) for c in ctx]
-    perm = torch.randperm(sum(pages), generator=gen).tolist()
-    tables, at = [], 0
-    for p in pages:
-        tables.append(perm[at : at + p])
-        at += p
+    tables, num_pages = shuffled_tables(ctx, gen)
     layout = pa.PagedLayout.build(list(range(rows + 1)), ctx, tables, H // HKV, torch.device("cuda"))
-    return layout, ctx, sum(pages)
+    return layout, ctx, num_pages
 
 
 def main() -> None:

@@ -82,26 +82,6 @@ def test_fused_uneven_slices_at_out_offsets(config):
     _check(case, y0, y, torch.float32, ref)
 
 
-def test_fused_mixed_ranks_with_nan_tails():
-    """Ranks 0..64 in a rank-64 bank (one program's z is R wide), tails NaN in A and B."""
-    case = list(sliced_case(33, T=40, S=5, R=64, d_in=48, widths=(32, 16), base_frac=0.1))
-    a, b, ranks = case[2], case[3], case[5]
-    ranks[0] = torch.tensor([4, 16, 17, 40, 64], dtype=torch.int32)
-    ranks[1] = torch.tensor([64, 1, 16, 0, 33], dtype=torch.int32)
-    a.normal_()
-    b.normal_()
-    off = [0, 32, 48]
-    for j in range(2):
-        for s in range(5):
-            a[s, j, ranks[j, s]:] = float("nan")
-            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
-    case = _poisoned(case)
-    ref = sliced_oracle(*case)
-    y0, y, rs = _run(case, fused=True)
-    _check(case, y0, y, torch.float32, ref)
-    assert torch.equal(y[rs == 3, 32:], y0[rs == 3, 32:])  # rank 0 in slice 1
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forced_fused_and_two_launch_agree(dtype):
     """The same call forced down each path: within the dtype's tolerance of each other (split-K
