@@ -19,6 +19,7 @@
 #   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
 #   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
+#   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -120,6 +121,11 @@ case "${1:-quick}" in
     timeout 200 python scripts/attention_sweep.py --prefill --quick 2>&1 | tee "$OUT/attention-sweep-prefill.txt" | tail -22
     timeout 200 python -u scripts/compile_log.py bench batch --rows 512 --adapters 0,8 --out "$OUT/batch-compiles.json" \
       > "$OUT/compile-log.txt" 2>&1; grep -E "adapters:|compiles|^ +[0-9]+ " "$OUT/compile-log.txt" | head -30
+    ;;
+  fused)  # the fused single-launch LoRA kernel (twelfth session, off by default): correctness, then its calibration
+    timeout 200 python -m pytest -q tests/test_kernels_fused.py tests/test_kernels_slices.py tests/test_kernels_triton.py \
+      tests/test_kernels_spec.py 2>&1 | tail -3
+    timeout 360 python scripts/kernel_sweep.py --fused 2>&1 | tail -60 | tee "$OUT/kernel-sweep-fused.txt"
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do
