@@ -4,8 +4,8 @@
 
 Runs the mlora command line with Triton's JIT hooks installed and prints to
 stderr, per compile: seconds since start, seconds the compile took, the
-kernel and its specialisation (argument types, divisibility-by-16 marks,
-constexprs). A compile that lands after a benchmark's warm-up is time inside
+kernel with its launch options, constexpr values and specialisation
+attributes (which arguments were taken as 16-byte aligned or divisible by 16). A compile that lands after a benchmark's warm-up is time inside
 a timed run (the eleventh and twelfth sessions' first scenario of ``bench
 batch`` had 1.6-1.9x the prefill time of a repeat of the same scenario). Ends
 with the count of compiles per kernel. Changes nothing else.
@@ -22,10 +22,13 @@ _started: dict[int, float] = {}
 COUNTS: collections.Counter = collections.Counter()
 
 
-def _short(repr_: str) -> str:
-    name, _, args = repr_.partition("(")
-    name = name.split("[")[0]
-    return f"{name}({args[:400]}"
+def _short(repr_: str, compile: dict) -> str:  # noqa: A002 (Triton's name)
+    """Kernel name, launch options, constexpr values and the specialisation attributes
+    (alignment / divisibility marks per argument): what tells two variants apart."""
+    options = repr_.partition("(")[0]
+    constants = {k: v for k, v in (compile.get("constants") or {}).items()}
+    attrs = compile.get("configs")
+    return f"{options} constexprs={constants} attrs={str(attrs)[:400]}"
 
 
 def _pre(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
@@ -37,7 +40,7 @@ def _post(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noq
     now = time.perf_counter()
     took = now - _started.pop(id(key), now)
     COUNTS[repr.split("[")[0]] += 1
-    print(f"[compile {now - T0:7.1f} s, {took:5.2f} s] {_short(repr)}", file=sys.stderr, flush=True)
+    print(f"[compile {now - T0:7.1f} s, {took:5.2f} s] {_short(repr, compile)}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -78,9 +78,9 @@ def codes(manifest: dict) -> set[str]:
 
 @pytest.fixture(params=["two_launch", "fused"])
 def lora_path(request, monkeypatch):
-    """Every Triton LoRA call of the test takes one path: the shrink + expand pair or the
-    fused launch, whatever triton_fused.fused_config's rule would choose (an explicit
-    ``config={"fused": ...}`` still wins)."""
+    """Every Triton LoRA call of the test is forced down one path, the shrink + expand pair
+    or the fused launch, whatever triton_fused.fused_config's rule and default say (an
+    explicit ``config={"fused": ...}`` in the test still wins)."""
     from mlora.kernels import triton_fused as tf
     from mlora.kernels import triton_sgmv as ts
 
