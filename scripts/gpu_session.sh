@@ -41,7 +41,9 @@ case "${1:-quick}" in
     timeout 120 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-gpus0 --base examples/demo/base \
       --adapters examples/demo/adapters --max-new-tokens 40 --gpus 0 --dtype float32 -q >/dev/null 2>"$OUT/demo-gpus0.err"
     echo "demo --gpus 0: $(python scripts/check_demo_outputs.py /tmp/demo-gpus0 | tail -1)"
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    # through compile_log: every Triton compile with its time, so compiles inside timed runs show (twelfth session)
+    timeout 300 python -u scripts/compile_log.py bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" \
+      > "$OUT/batch-compiles.txt" 2>&1; grep -E "adapters:|compiles$|^ +[0-9]+  " "$OUT/batch-compiles.txt"
     timeout 120 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 10 2>&1 | grep -v USDT | head -8
     ;;
   lookahead)  # batch-run --lookahead on the GPU: graph tests, the demo check, then the batch bench A/B part
