@@ -5,7 +5,8 @@ before any device time is spent. Run with TRITON_INTERPRET unset.
     python scripts/compile_kernels.py [--arch 90]
 
 Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
-rank tiles; one and three slices), the fused small-batch LoRA kernel (one and three slices,
+rank tiles; one and three slices; the bundle operator's variants with the bank-row map and
+the JD-Full / JD-Diag core), the fused small-batch LoRA kernel (one and three slices,
 ranks 16 and 64), the residency word-stats kernel and the paged
 attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
 kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel
@@ -59,6 +60,7 @@ def main() -> int:
     pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "zp_ptr": "*fp32",
                 "scales_ptr": "*fp32", "cnt_ptr": "*i32", "rows_ptr": "*i32", "tile_slot_ptr": "*i32",
                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "num_tiles_ptr": "*i32", "ranks_ptr": "*i32",
+                "bank_rows_ptr": "*i32", "core_ptr": "*bf16",
                 "w_ptr": "*i16", "w0_ptr": "*i16", "w1_ptr": "*i16", "out_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_starts_ptr": "*i32",
                 "tile_seq_ptr": "*i32", "tile_q0_ptr": "*i32", "scale_log2e": "fp32", "part_ptr": "*fp32",
@@ -82,7 +84,8 @@ def main() -> int:
             cfg = sgmv.launch_config(64, 1, rank, 4096, [4096], torch.device("cpu"), True, bm)
             build(sgmv._shrink_kernel,
                   dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
-                       BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SUM_CHUNK=cfg["sum_chunk"]),
+                       BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SUM_CHUNK=cfg["sum_chunk"],
+                       BANK_ROWS=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 64)])):
@@ -90,9 +93,26 @@ def main() -> int:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
             build(sgmv._expand_kernel,
                   dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=slices,
-                       BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"]),
+                       BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
+    # the bundle operator (add_bundle_slices_triton): bank-row map in the shrink; map and core
+    # (JD-Full R x R, JD-Diag R) in the expand; q/k/v-like groups of three slices
+    cfg = sgmv.launch_config(64, 3, 64, 4096, [4096] * 3, torch.device("cpu"), True, 16)
+    build(sgmv._shrink_kernel,
+          dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
+               BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"],
+               BANK_ROWS=True),
+          f"bundle shrink block_m=16 split_k=True block_r={cfg['block_r']}",
+          num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+    for bm, rank, core in ((16, 16, 2), (16, 64, 2), (16, 64, 1), (32, 64, 2)):
+        cfg = sgmv.launch_config(64, 3, rank, 4096, [4096] * 3, torch.device("cpu"), True, bm)
+        build(sgmv._expand_kernel,
+              dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=3,
+                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=True, CORE=core),
+              f"bundle expand block_m={bm} slices=3 block_r={cfg['block_r_expand']} "
+              f"core={('jd-diag', 'jd-full')[core - 1]}",
+              num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # the fused small-batch launch (triton_fused) with fused_config's block sizes, warps and stages
     for slices, rank in ((1, 16), (1, 64), (3, 16), (3, 64)):
         cfg = tf.fused_config(4, 64, rank, 4096, [4096] * slices, 2, torch.device("cpu"))

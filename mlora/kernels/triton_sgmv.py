@@ -42,6 +42,15 @@ Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
 exits at once, and every load of z, A or B past the true rank is masked (never
 issued), so padded tails cost no bytes and may hold NaN.
 
+Bundles (``add_bundle_slices_triton``, spec 0x06G4): the same two launches with two
+compile-time additions, off for plain LoRA (those variants compile as before):
+``BANK_ROWS`` reads A and B row ``bank_rows[j, s]`` (an ``[n, S]`` table with the
+strides of ``ranks``) instead of slot ``s``, so a bank holds a group's cluster bases
+(``V_c^T``, ``U_c``) and the slot stays the member; ``CORE`` multiplies the tile's
+summed z by the slot's core of slice j in the expand program, before its column
+loop (``z @ core^T`` for JD-Full, ``z * core`` for JD-Diag, fp32), in place of the
+scale. Never the fused launch.
+
 Small batches can take one fused launch instead (``triton_fused.py``: same ABI and
 numerics, grid ``(tile_capacity, column groups)``, each program recomputing its
 tile's z over the whole d_in before its columns; no partials, no counters, no
@@ -70,12 +79,13 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchPlan
+from .plan import PlanError
 
 # The CPU interpreter mis-computes 16-bit tl.dot; there the fp32 path runs
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused)"
+KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused); bundles: [n,S] slot->bank-row map, core on z in the expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
@@ -102,12 +112,15 @@ def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tile
 @triton.jit(do_not_specialize=["split"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
+    bank_rows_ptr,
     d_in, R, stride_rj, stride_rs, k_per_split, split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    SUM_CHUNK: tl.constexpr,
+    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr,
 ):
+    """z partials of one (tile, slice, rank tile, split) program. With ``BANK_ROWS`` the A row
+    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -122,29 +135,33 @@ def _shrink_kernel(
     if r0 >= rank:
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
+    a_row = slot
+    if BANK_ROWS:  # a bundle's cluster basis: the slot's row of the A bank for slice j
+        a_row = tl.load(bank_rows_ptr + j * stride_rj + slot * stride_rs)
     if BLOCK_R > RANK_CLASS:  # narrow path for low-rank slots in a wide bank (mixed ranks)
         if rank <= RANK_CLASS:
-            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
                          split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
         else:
-            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+            _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
                          split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
     else:
-        _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+        _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
                      split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
 
 
 @triton.jit
 def _shrink_rows(
-    x_ptr, a_ptr, zp_ptr, cnt, slot, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
+    x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu, split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
     SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr,
 ):
-    """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank.
+    """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank, from
+    row ``a_row`` of the A bank (the tile's slot, or its bank row).
 
     With ``SPLIT_K`` (``split > 1``) the last of the tile's ``split`` programs to
     arrive (an acquire-release counter) sums the ``split`` partials in the fixed
@@ -157,7 +174,7 @@ def _shrink_rows(
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + j * stride_aj
+    a_base = a_ptr + a_row.to(tl.int64) * stride_as + j * stride_aj
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -215,12 +232,12 @@ def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.co
 @triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    ranks_ptr, scales_ptr,
+    ranks_ptr, scales_ptr, bank_rows_ptr, core_ptr,
     R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
-    stride_zu, stride_bs, stride_bn, stride_yt,
+    stride_zu, stride_bs, stride_bn, stride_yt, stride_cs, stride_cj, stride_cr, stride_ck,
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -233,7 +250,12 @@ def _expand_kernel(
     y (y column = B row + D_j; all 0 when the slices fill y side by side). With ``USE_PDL`` the kernel is launched as a programmatic
     dependent of the shrink: everything it reads that the shrink does not write
     (plan, ranks, scales, B, the first y tile) is loaded before the grid-
-    dependency wait, z after it."""
+    dependency wait, z after it.
+
+    Bundle options (compile-time; off: the plain LoRA expand): ``BANK_ROWS`` reads B
+    row ``bank_rows[j, slot]`` instead of the slot's; ``CORE`` (1: JD-Diag, 2: JD-Full)
+    multiplies the tile's z by the slot's core of slice j (``core_ptr`` with strides
+    ``stride_cs, stride_cj, stride_cr, stride_ck``) in place of the scale."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -245,33 +267,43 @@ def _expand_kernel(
     rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
     if rank == 0:
         return
-    scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
+    if CORE == 0:
+        scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
+        core_base = core_ptr
+    else:  # a bundle: the core carries the member's magnitude (scale 1)
+        scale = 1.0
+        core_base = core_ptr + slot.to(tl.int64) * stride_cs + j * stride_cj
+    b_row = slot
+    if BANK_ROWS:
+        b_row = tl.load(bank_rows_ptr + j * stride_rj + slot * stride_rs)
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
         if rank <= RANK_CLASS:
-            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
-                            stride_zu, stride_bs, stride_bn, stride_yt,
-                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL)
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                            stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
         else:
-            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
-                            stride_zu, stride_bs, stride_bn, stride_yt,
-                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
+            _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                            stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
+                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
     else:
-        _expand_columns(zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
-                        stride_zu, stride_bs, stride_bn, stride_yt,
-                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL)
+        _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
+                        stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
+                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
 
 
 @triton.jit
 def _expand_columns(
-    zp_ptr, b_ptr, y_ptr, scale, slot, u, m_ok, rows, rank, j, R, n_first, n_hi,
-    stride_zu, stride_bs, stride_bn, stride_yt, group_tiles,
+    zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
+    stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck, group_tiles,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr,
 ):
-    """The expand of one tile over its column group, z and B BLOCK_R wide (>= rank).
+    """The expand of one tile over its column group from row ``b_row`` of the B bank, z and
+    B BLOCK_R wide (>= rank). ``CORE`` 0: z times ``scale``; 1 / 2: z times the core at
+    ``core_base`` (loaded before the grid-dependency wait: the shrink does not write it).
 
     Narrow z (BLOCK_R <= 32): column tile g+1's B and y are loaded while tile
     g's dot and store run (register double buffering), and tile 0's before z
@@ -279,7 +311,7 @@ def _expand_columns(
     spill), with only the plan metadata read before the wait."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank  # the true rank: z and B past it are never read
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_base = b_ptr + b_row.to(tl.int64) * stride_bs
     offs_n = n_first + tl.arange(0, BLOCK_N)
     mask = m_ok[:, None] & (offs_n < n_hi)[None, :]
     yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
@@ -289,10 +321,16 @@ def _expand_columns(
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
         bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                      mask=(offs_n < n_hi)[:, None] & r_ok[None, :], other=0.0, eviction_policy="evict_last")
+    if CORE != 0:
+        core = _load_core(core_base, offs_r, r_ok, stride_cr, stride_ck, CORE)
     if USE_PDL:  # z is the shrink's output: wait for the shrink grid to finish and flush
         tl.extra.cuda.gdc_wait()
     zmask = m_ok[:, None] & r_ok[None, :]
-    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=zmask, other=0.0) * scale
+    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=zmask, other=0.0)
+    if CORE == 0:
+        z = z * scale
+    else:
+        z = _times_core(z, core, CORE)
     if NATIVE_DOT:
         zd = z.to(b_ptr.dtype.element_ty)
     else:
@@ -326,6 +364,29 @@ def _expand_columns(
             else:
                 acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
             tl.store(yg, (old.to(tl.float32) + acc).to(old.dtype), mask=mk, eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_core(core_base, offs_r, r_ok, stride_cr, stride_ck, CORE: tl.constexpr):
+    """A member's core of one slice in fp32, zero past the rank: ``[BLOCK_R]`` (``CORE`` 1,
+    JD-Diag) or ``[BLOCK_R, BLOCK_R]`` with ``core[r, k]`` (``CORE`` 2, JD-Full)."""
+    if CORE == 1:
+        core = tl.load(core_base + offs_r * stride_cr, mask=r_ok, other=0.0)
+    else:
+        core = tl.load(core_base + offs_r[:, None] * stride_cr + offs_r[None, :] * stride_ck,
+                       mask=r_ok[:, None] & r_ok[None, :], other=0.0)
+    return core.to(tl.float32)
+
+
+@triton.jit
+def _times_core(z, core, CORE: tl.constexpr):
+    """``z[m, r] * core[r]`` (JD-Diag) or ``sum_k core[r, k] z[m, k]`` = ``z @ core^T`` (JD-Full),
+    fp32 (IEEE dot, never TF32)."""
+    if CORE == 1:
+        out = z * core[None, :]
+    else:
+        out = tl.dot(z, tl.trans(core), input_precision="ieee")
+    return out
 
 
 # Plain-Python helpers: triton.cdiv / next_power_of_2 are JIT functions whose
@@ -443,31 +504,115 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
 
         return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
                                      native_a, native_b)
+    return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
+
+
+def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
+                   native_a: bool, native_b: bool, bank_rows=None, cores=None, core_kind: int = 0):
+    """The two launches (split-K shrink, then expand) of ``cfg`` (:func:`launch_config`) over
+    ``lp``; y updated in place and returned. ``bank_rows`` (an ``[n, S]`` table with the
+    strides of ``ranks``): the A and B rows to read per slice and slot instead of the slot.
+    ``cores`` with ``core_kind`` 1 (JD-Diag, ``[S, n, R]``) or 2 (JD-Full, ``[S, n, R, R]``):
+    the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update."""
+    S, n, R, d_in = lora_a.shape
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
     cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
+    rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
+        rows_map,
         d_in, R, ranks.stride(0), ranks.stride(1), cfg["k_per_split"], cfg["split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
-        SUM_CHUNK=cfg["sum_chunk"], num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
+        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     bn, gt = cfg["block_n"], cfg["group_tiles"]
     g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, bn * gt)
     extra = dict(launch_pdl=True) if pdl else {}
+    core_strides = (0, 0, 0, 0) if cores is None else tuple(cores.stride()) + (0,) * (4 - cores.dim())
     _expand_kernel[(lp.tile_capacity, n_groups)](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
-        ranks, scales,
+        ranks, scales, rows_map, scales if cores is None else cores,
         R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
-        zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
+        BANK_ROWS=bank_rows is not None, CORE=core_kind,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
+
+
+def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank_rows, cores, widths,
+                             out_offsets=None, diag: bool = False, config=None):
+    """The three-stage bundle operator (spec 0x06G4) of one (layer, group) as one shrink and
+    one expand launch over ``lp``, the slot being the member; y updated in place and returned.
+
+    ``bases_a`` ``[Rows, n, R, d_in]`` and ``bases_b`` ``[Rows, sum(widths), R]``: the group's
+    cluster bases, ``bases_a[c, j] = V_c^T`` and ``bases_b[c, off_j : off_j + w_j] = U_c`` of
+    slice j's cluster c (``off_j = sum(widths[:j])``; any leading strides, innermost 1).
+    ``ranks`` and ``bank_rows``: int32 ``[n, S]`` (any strides; both the same or copied);
+    ``cores``: ``[S, n, R, R]`` (JD-Full) or, with ``diag``, ``[S, n, R]`` (JD-Diag), any
+    strides. For every row ``t`` of tile slot ``s`` in ``lp`` and slice ``j`` with
+    ``r = ranks[j, s] > 0`` and ``c = bank_rows[j, s]``::
+
+        h  = x[t] @ bases_a[c, j, :r].T                                 (fp32, split-K as for LoRA)
+        h  = core[s, j, :r, :r] @ h   |   core[s, j, :r] * h            (fp32, in the expand program)
+        y[t, out_offsets[j] : out_offsets[j] + w_j] += h @ bases_b[c, off_j : off_j + w_j, :r].T
+
+    i.e. ``y_t += U_c core_s V_c^T x_t`` (no scale: the core carries it). Rows outside the
+    plan and slices with ``ranks[j, s] == 0`` are never touched (bit-identical); bank rows,
+    cores and rank tails no (slot, slice) of the plan names are never read (may hold NaN).
+    Always the two-launch path (the fused small-batch kernel has no core stage). No host
+    synchronisation, grids from static shapes: capturable in a CUDA graph. ``config``
+    overrides :func:`launch_config` entries. At most ``MAX_SLICES`` slices."""
+    _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag)
+    Rows, n, R, d_in = bases_a.shape
+    if out_offsets is None:
+        out_offsets = [sum(widths[:j]) for j in range(n)]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bases_a.stride(3) != 1:
+        bases_a = bases_a.contiguous()
+    if bases_b.stride(2) != 1:
+        bases_b = bases_b.contiguous()
+    if ranks.stride() != bank_rows.stride():  # the kernels index both [n, S] tables with one pair of strides
+        ranks, bank_rows = ranks.contiguous(), bank_rows.contiguous()
+    assert y.stride(1) == 1, "y must be row-major"
+    native_a = x.dtype == bases_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    native_b = bases_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    key = ("bundle", lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a,
+           lp.block_m)
+    cfg = _CONFIGS.get(key) if config is None else None
+    if cfg is None:
+        cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
+        if config is None:
+            _CONFIGS[key] = cfg
+    return _shrink_expand(y, x, bases_a, bases_b, lp, ranks, ranks, widths, out_offsets, cfg, native_a, native_b,
+                          bank_rows=bank_rows, cores=cores, core_kind=1 if diag else 2)
+
+
+def _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag: bool) -> None:
+    """Shape and dtype checks of a bundle call (no device synchronisation); E_BANK_SHAPE."""
+    if bases_a.dim() != 4 or bases_b.dim() != 3:
+        raise PlanError("E_BANK_SHAPE", "bases_a must be [Rows, n, R, d_in] and bases_b [Rows, sum(widths), R]")
+    Rows, n, R, d_in = bases_a.shape
+    S = ranks.shape[1] if ranks.dim() == 2 else -1
+    core_shape = (S, n, R) if diag else (S, n, R, R)
+    if not 1 <= n <= MAX_SLICES or len(widths) != n or bases_b.shape != (Rows, sum(widths), R):
+        raise PlanError("E_BANK_SHAPE", f"bases_a {tuple(bases_a.shape)}, bases_b {tuple(bases_b.shape)} and widths "
+                        f"{list(widths)} disagree (at most {MAX_SLICES} slices)")
+    if ranks.shape != (n, S) or bank_rows.shape != (n, S) or tuple(cores.shape) != core_shape:
+        raise PlanError("E_BANK_SHAPE", f"ranks {tuple(ranks.shape)}, bank_rows {tuple(bank_rows.shape)} must be "
+                        f"[n, S] = [{n}, S] and cores {tuple(cores.shape)} [S, n, R{'' if diag else ', R'}]")
+    if ranks.dtype != torch.int32 or bank_rows.dtype != torch.int32:
+        raise PlanError("E_BANK_DTYPE", f"ranks and bank_rows must be int32, got {ranks.dtype} and {bank_rows.dtype}")
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.shape[1] != d_in:
+        raise PlanError("E_BANK_SHAPE", f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [T, {d_in}] and [T, d_out]")
 
 
 def slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, list, int]:
