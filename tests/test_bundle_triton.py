@@ -4,8 +4,11 @@ oracle, and BundleBank's ``operator="triton"`` against its torch operator."""
 import pytest
 import torch
 
+from mlora.batch.bundle_bank import BundleBank
+from mlora.batch.lora import GROUPS
 from mlora.kernels import build_plan, make_launch_plan
 from mlora.kernels.triton_sgmv import add_bundle_slices_triton
+from test_bundle_serving import _rows, served  # noqa: F401 - the demo bundle fixture, jd-full and jd-diag
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -77,4 +80,170 @@ def test_bundle_kernel_equals_the_float64_oracle(diag, seed, config):
         assert torch.equal(_bits(y[idle, o : o + w]), _bits(y0[idle, o : o + w]))
     act = row_slots >= 0
     assert not torch.isnan(y[act]).any()  # no NaN bank row, core or rank tail was read
+    assert not torch.equal(y[act], y0[act])
     assert torch.allclose(y[act].double(), want[act], rtol=1e-4, atol=1e-4), float((y[act].double() - want[act]).abs().max())
+
+
+def test_triton_operator_equals_the_torch_operator(served):
+    bundle, pinned, shapes, layers = served
+    members = bundle.member_ids()
+    ref = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    tri = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    assert tri.nbytes() <= BundleBank.bytes_needed(bundle, torch.float32)  # one K per module here: no padding
+    ids = _rows(members, 23, seed=1)
+    used = sorted({i for i in ids if i})
+    slot_r, slot_t = ref.ensure(used, pinned), tri.ensure(used, pinned)
+    ctx_r = ref.context(torch.tensor([-1 if i is None else slot_r[i] for i in ids], dtype=torch.int32))
+    ctx_t = tri.context(torch.tensor([-1 if i is None else slot_t[i] for i in ids], dtype=torch.int32))
+    base_rows = torch.tensor([i is None for i in ids])
+    g = torch.Generator().manual_seed(2)
+    changed = 0
+    for layer in range(layers):
+        for group in GROUPS:
+            d_in, widths = shapes[group]
+            x = torch.randn(len(ids), d_in, generator=g)
+            y0 = torch.randn(len(ids), sum(widths), generator=g)
+            y0[0, 0] = -0.0  # a base row's -0.0 must stay -0.0
+            a, b = y0.clone(), y0.clone()
+            ctx_r.apply(layer, group, x, a)
+            ctx_t.apply(layer, group, x, b)
+            assert torch.equal(_bits(b[base_rows]), _bits(y0[base_rows]))
+            assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (layer, group, float((b - a).abs().max()))
+            changed += int(not torch.equal(b, y0))
+    assert changed > 0
+
+
+def test_triton_static_plan_is_refilled_per_replay(served):
+    """A graph's context over a static row buffer reads the static LaunchPlan that
+    ``context(..., static=buf)`` refills: each refill serves its own rows (as a fresh
+    context does, up to rounding: a larger plan capacity may split d_in differently)."""
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    buf = torch.zeros(8, dtype=torch.int64)
+    graph_ctx = bb.graph_context(buf[:5])
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, shapes["qkv"][0], generator=g)
+    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g)
+    empty = y0.clone()
+    graph_ctx.apply(0, "qkv", x, empty)  # before any refill: no tiles, nothing changes
+    assert torch.equal(empty, y0)
+    for rows in ([0, -1, 1, 0, -1], [2, 2, -1, 1, 0], [-1] * 5):
+        rows = torch.tensor(rows, dtype=torch.int32)
+        bb.context(rows, static=buf)  # refill, as before a replay
+        a, b = y0.clone(), y0.clone()
+        graph_ctx.apply(0, "qkv", x, a)
+        bb.context(rows).apply(0, "qkv", x, b)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[rows < 0], y0[rows < 0])
+
+
+def test_triton_operator_with_fewer_core_slots(served):
+    """Two core slots: loads copy a member's cores, clusters and ranks into its slot; the
+    Triton operator then equals the all-resident torch operator."""
+    bundle, pinned, shapes, layers = served
+    members = bundle.member_ids()
+    by_member = {p.bundle_member: a for a, p in pinned.items()}
+    full = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned)
+    few = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned, core_slots=2, operator="triton")
+    for step, names in enumerate([members[:2], members[2:3], [members[0], members[2]], members[-1:]]):
+        ids = [by_member[m] for m in names]
+        slot_f, slot_w = full.ensure(ids, pinned), few.ensure(ids, pinned)
+        g = torch.Generator().manual_seed(10 + step)
+        pick = [None] + ids + [ids[k] for k in torch.randint(0, len(ids), (5,), generator=g).tolist()]
+        ctx_f = full.context(torch.tensor([-1 if a is None else slot_f[a] for a in pick], dtype=torch.int32))
+        ctx_w = few.context(torch.tensor([-1 if a is None else slot_w[a] for a in pick], dtype=torch.int32))
+        for layer in range(layers):
+            for group in GROUPS:
+                x = torch.randn(len(pick), shapes[group][0], generator=g)
+                y = torch.randn(len(pick), sum(shapes[group][1]), generator=g)
+                a, b = y.clone(), y.clone()
+                ctx_f.apply(layer, group, x, a)
+                ctx_w.apply(layer, group, x, b)
+                assert torch.equal(b[0], y[0]) and torch.allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert few.stats.evictions >= 2
+
+
+def _uneven_bundle(method: str, R: int = 3, layers: int = 2):
+    """A bundle object (the fields BundleBank reads) adapting q (2 clusters) and v (3) but not
+    k, and gate (1 cluster, members m0 and m1 only) but not up, with different assignments
+    per module and layer; float32 values."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(21)
+    members = ["m0", "m1", "m2", "m3"]
+    shapes = {"qkv": (12, (12, 4, 4)), "gate_up": (12, (10, 10))}
+    plan = {"self_attn.q_proj": (12, 2, members), "self_attn.v_proj": (4, 3, members),
+            "mlp.gate_proj": (10, 1, members[:2])}
+    modules, bases, cores = {}, {}, {}
+    for layer in range(layers):
+        for role, (d_out, K, users) in plan.items():
+            name = f"model.layers.{layer}.{role}"
+            modules[name] = {"d_out": d_out, "d_in": 12, "clusters": K,
+                             "assignments": {m: (i + layer) % K for i, m in enumerate(users)}}
+            for k in range(K):
+                bases[f"{name}/cluster{k}/U"] = torch.randn(d_out, R, generator=g)
+                bases[f"{name}/cluster{k}/V"] = torch.randn(12, R, generator=g)
+            for m in users:
+                cores[f"{name}/{m}"] = torch.randn((R,) if method == "jd-diag" else (R, R), generator=g)
+    bundle = SimpleNamespace(manifest={"bundle_sha256": "f" * 64, "options": {"rank": R}, "modules": modules,
+                                       "members": [{"id": m} for m in members]},
+                             bases=bases, cores=cores, method=method, member_ids=lambda: members)
+    return bundle, shapes, layers
+
+
+@pytest.mark.parametrize("method", ["jd-full", "jd-diag"])
+def test_triton_operator_with_unadapted_slices_and_uneven_clusters(method):
+    """Slices the bundle does not adapt (k, up) keep their columns bit-identical, members that
+    do not adapt gate keep their gate columns, and per-slice cluster counts differ within a
+    group (the banks pad to the most): the Triton operator equals the torch one."""
+    bundle, shapes, layers = _uneven_bundle(method)
+    ref = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
+    tri = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    rows = torch.tensor([1, -1, 0, 3, 2, 1, -1, 0], dtype=torch.int32)
+    ctx_r, ctx_t = ref.context(rows), tri.context(rows)
+    g = torch.Generator().manual_seed(22)
+    for layer in range(layers):
+        for group, (d_in, widths) in shapes.items():
+            x = torch.randn(len(rows), d_in, generator=g)
+            y0 = torch.randn(len(rows), sum(widths), generator=g)
+            a, b = y0.clone(), y0.clone()
+            ctx_r.apply(layer, group, x, a)
+            ctx_t.apply(layer, group, x, b)
+            assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (layer, group)
+            idle = slice(12, 16) if group == "qkv" else slice(10, 20)  # k, up: no module
+            assert torch.equal(b[:, idle], y0[:, idle]) and torch.equal(b[[1, 6]], y0[[1, 6]])
+            if group == "gate_up":
+                assert torch.equal(b[[3, 4]], y0[[3, 4]])  # m3, m2 do not adapt gate
+            assert not torch.equal(b, y0)
+
+
+def test_unknown_operator_is_refused(served):
+    bundle, pinned, shapes, layers = served
+    with pytest.raises(ValueError, match="unknown bundle operator"):
+        BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")
+def test_graph_replay_of_the_triton_operator_equals_eager(served):
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.bfloat16, "cuda", operator="triton")
+    buf = torch.zeros(8, dtype=torch.int64, device="cuda")
+    ctx = bb.graph_context(buf)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, shapes["qkv"][0], generator=g).to("cuda", torch.bfloat16)
+    y0 = torch.randn(8, sum(shapes["qkv"][1]), generator=g).to("cuda", torch.bfloat16)
+    y = y0.clone()
+    ctx.apply(0, "qkv", x, y)  # warm-up outside the capture (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ctx.apply(0, "qkv", x, y)
+    for seed in range(3):
+        rows = torch.randint(-1, bb.num_slots, (8,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        bb.context(rows, static=buf)
+        y.copy_(y0)
+        graph.replay()
+        ref = y0.clone()
+        ctx.apply(0, "qkv", x, ref)  # eager through the same static plan: the same launches
+        fresh = y0.clone()
+        bb.context(rows).apply(0, "qkv", x, fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref) and torch.allclose(y.float(), fresh.float(), rtol=2e-2, atol=2e-2)

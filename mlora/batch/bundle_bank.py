@@ -56,9 +56,16 @@ from dataclasses import dataclass
 
 import torch
 
+from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+
 from .bank import BankError, BankStats, lru_slot
 from .catalog import PinnedAdapter
 from .lora import GROUPS, ROLE_SLICE
+
+# "torch": grouped dense GEMMs over all clusters (BundleContext), the default until the H200
+# serving benchmark compares the two; "triton": the segmented kernels with the member as the
+# slot, one LaunchPlan per invocation (BundleTritonContext, docs/compress.md)
+OPERATORS = ("torch", "triton")
 
 
 @dataclass
@@ -81,7 +88,7 @@ class _Group:
 class _Module:
     """Device tensors of one (layer, role): ``V`` [d_in, K*R], ``Ut`` [K*R, d_out], and
     views of the bank's slot tables: ``cores`` [S+1, R, R] (JD-Full) or [S+1, R] (JD-Diag)
-    with row S all zero, ``cluster`` int64 [S+1] (slot -> its member's cluster, 0 for S),
+    with row S all zero, ``cluster`` int32 [S+1] (slot -> its member's cluster, 0 for S),
     ``adapts`` bool [S+1] (False for S and for members that do not adapt the module)."""
 
     V: torch.Tensor
@@ -94,6 +101,33 @@ class _Module:
     index: int  # its column in the bank's slot tables
 
 
+@dataclass
+class _Banks:
+    """The Triton operator's tensors of one (layer, group) (``add_bundle_slices_triton``'s
+    arguments): ``A`` [K, n, R, d_in] with ``A[c, k] = V_c^T`` and ``B`` [K, sum(widths), R]
+    with ``B[c, off_k : off_k + w_k] = U_c`` of the k-th slice the bundle adapts here (K: the
+    most clusters of any of them; rows past a slice's own clusters are zero and never read),
+    ``widths`` and ``out_offsets`` (first y column) of those slices, and views of the slot
+    tables: ``ranks`` int32 [n, S+1] (R where the slot's member adapts the slice, else 0),
+    ``rows`` int32 [n, S+1] (its cluster: the bank row), ``cores`` [S+1, n, R(, R)]."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    widths: list[int]
+    out_offsets: list[int]
+    ranks: torch.Tensor
+    rows: torch.Tensor
+    cores: torch.Tensor
+    diag: bool
+
+
+def _columns(indices: list[int]) -> tuple[int, int]:
+    """``(lo, hi)``: the slot-table columns of one (layer, group)'s modules, which are
+    contiguous because the columns are in (layer, group, slice) order."""
+    assert indices == list(range(indices[0], indices[0] + len(indices))), "table columns not in (layer, group, slice) order"
+    return indices[0], indices[-1] + 1
+
+
 class BundleBank:
     """One bundle's shared bases resident and its members' cores in ``num_slots`` slots
     (``core_slots``; default one per member, loaded at start, slot = member index).
@@ -103,7 +137,11 @@ class BundleBank:
     error = BankError
 
     def __init__(self, bundle, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype,
-                 device, pinned: dict[str, PinnedAdapter] | None = None, core_slots: int | None = None):
+                 device, pinned: dict[str, PinnedAdapter] | None = None, core_slots: int | None = None,
+                 operator: str = "torch"):
+        if operator not in OPERATORS:
+            raise ValueError(f"unknown bundle operator {operator!r}; expected one of {OPERATORS}")
+        self.operator = operator
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers = num_layers
@@ -130,7 +168,8 @@ class BundleBank:
         core_shape = (R,) if diag else (R, R)
         # host tables, member-major: one member's cores for every module are one contiguous row
         host_cores = torch.zeros((M, len(names)) + core_shape, dtype=torch.float32)
-        host_cluster = torch.zeros(M, len(names), dtype=torch.int64)
+        host_cluster = torch.zeros(M, len(names), dtype=torch.int32)
+        host_ranks = torch.zeros(M, len(names), dtype=torch.int32)
         host_adapts = torch.zeros(M, len(names), dtype=torch.bool)
         bases = {}
         for mi, name in enumerate(names):
@@ -150,52 +189,92 @@ class BundleBank:
             for member, c in mod["assignments"].items():
                 i = self.index[member]
                 host_cores[i, mi] = bundle.cores[f"{name}/{member}"]
-                host_cluster[i, mi], host_adapts[i, mi] = int(c), True
-            bases[(layer, role)] = (mi, V.to(self.device, dtype).contiguous(), Ut.to(self.device, dtype).contiguous(), K)
+                host_cluster[i, mi], host_ranks[i, mi], host_adapts[i, mi] = int(c), R, True
+            bases[(layer, role)] = (mi, V, Ut, K)
         # device slot tables; row S is the base model's (zero core, adapts nothing)
         self.slot_cores = torch.zeros((S + 1, len(names)) + core_shape, dtype=dtype, device=self.device)
-        self.slot_cluster = torch.zeros(S + 1, len(names), dtype=torch.int64, device=self.device)
+        self.slot_cluster = torch.zeros(S + 1, len(names), dtype=torch.int32, device=self.device)
+        self.slot_ranks = torch.zeros(S + 1, len(names), dtype=torch.int32, device=self.device)
         self.slot_adapts = torch.zeros(S + 1, len(names), dtype=torch.bool, device=self.device)
+        self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in bases)
+        if operator == "torch":
+            self._torch_groups(bases, len(names))
+        else:
+            self._triton_banks(bases, shapes)
+        tables = (self.slot_cores, self.slot_cluster, self.slot_ranks, self.slot_adapts)
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # member -> slot, least recently used first
+        if S == M:  # every member has its slot, for the whole job
+            for table, host in zip(tables, (host_cores, host_cluster, host_ranks, host_adapts)):
+                table[:M] = host.to(self.device, table.dtype)
+            self._slot_of.update((i, i) for i in range(M))
+            self._host = None
+        else:  # cores stay on the host (page-locked on a GPU: copies are asynchronous) until a slot takes them
+            hosts = (host_cores.to(dtype), host_cluster, host_ranks, host_adapts)
+            self._host = tuple(t.pin_memory() for t in hosts) if self.device.type == "cuda" else hosts
+        self._tables = tables
+        self._static_plans: dict[tuple[int, int], tuple] = {}  # (buffer address, rows) -> (buffer, LaunchPlan)
+        # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
+        self._sha_of = {self.index[p.bundle_member]: p.semantic_sha256 for p in (pinned or {}).values()
+                        if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
+
+    def _torch_groups(self, bases: dict, num_columns: int) -> None:
+        """The torch operator's device tensors: per module its ``V`` and ``Ut``, per (layer,
+        group) the joint projection matrix and the column maps (``_Group``, ``col_base``)."""
+        R, dtype = self.max_rank, self.dtype
+        bases = {key: (mi, V.to(self.device, dtype).contiguous(), Ut.to(self.device, dtype).contiguous(), K)
+                 for key, (mi, V, Ut, K) in bases.items()}
         self.modules: dict[tuple[int, str], _Module] = {
             key: _Module(V=V, Ut=Ut, cores=self.slot_cores[:, mi], cluster=self.slot_cluster[:, mi],
                          adapts=self.slot_adapts[:, mi], K=K, R=R, index=mi)
             for key, (mi, V, Ut, K) in bases.items()}
-        self.targeted = frozenset((layer, ROLE_SLICE[role][0]) for layer, role in self.modules)
         self.groups_of: dict[tuple[int, str], _Group] = {}
         for layer, group in sorted(self.targeted):
             roles = [(j, self.modules[(layer, role)]) for j, role in enumerate(GROUPS[group])
                      if (layer, role) in self.modules]
             voff = [sum(m.K * m.R for _, m in roles[:k]) for k in range(len(roles))]
-            col_module = torch.full((sum(self.widths[group]),), len(names), dtype=torch.int64)
+            col_module = torch.full((sum(self.widths[group]),), num_columns, dtype=torch.int64)
             for j, m in roles:
                 off = self.offsets[group][j]
                 col_module[off : off + self.widths[group][j]] = m.index
-            idx = [m.index for _, m in roles]
-            assert idx == list(range(idx[0], idx[0] + len(idx))), "table columns not in (layer, group, slice) order"
+            lo, hi = _columns([m.index for _, m in roles])
             grp = self.groups_of[(layer, group)] = _Group(
-                roles, torch.cat([m.V for _, m in roles], dim=1).contiguous(), voff, idx[0], idx[-1] + 1,
-                col_module.to(self.device))
+                roles, torch.cat([m.V for _, m in roles], dim=1).contiguous(), voff, lo, hi, col_module.to(self.device))
             for (_, m), v in zip(roles, voff):
                 m.V = grp.V[:, v : v + m.K * m.R]  # a view: the bases are held once
         # each table column's first column in its group's projection, plus 0 .. R-1: the
         # projection columns of cluster c are col_base + c * R
-        col_base = torch.zeros(len(names), R, dtype=torch.int64)
+        col_base = torch.zeros(num_columns, R, dtype=torch.int64)
         for grp in self.groups_of.values():
             for (_, m), v in zip(grp.roles, grp.voff):
                 col_base[m.index] = v + torch.arange(R)
         self.col_base = col_base.to(self.device)
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # member -> slot, least recently used first
-        if S == M:  # every member has its slot, for the whole job
-            self.slot_cores[:M] = host_cores.to(self.device, dtype)
-            self.slot_cluster[:M], self.slot_adapts[:M] = host_cluster.to(self.device), host_adapts.to(self.device)
-            self._slot_of.update((i, i) for i in range(M))
-            self._host = None
-        else:  # cores stay on the host (page-locked on a GPU: copies are asynchronous) until a slot takes them
-            tables = (host_cores.to(dtype), host_cluster, host_adapts)
-            self._host = tuple(t.pin_memory() for t in tables) if self.device.type == "cuda" else tables
-        # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
-        self._sha_of = {self.index[p.bundle_member]: p.semantic_sha256 for p in (pinned or {}).values()
-                        if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
+
+    def _triton_banks(self, bases: dict, shapes: dict) -> None:
+        """The Triton operator's device tensors: per (layer, group) its cluster bases as the
+        segmented kernels' A and B banks and views of the slot tables (``_Banks``)."""
+        from mlora.kernels.triton_sgmv import _INTERPRET
+
+        if self.device.type != "cuda" and not _INTERPRET:
+            raise ValueError("the triton bundle operator needs a CUDA device (or TRITON_INTERPRET=1)")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"the triton bundle operator serves bfloat16, float16 or float32, not {self.dtype}")
+        R = self.max_rank
+        self.banks: dict[tuple[int, str], _Banks] = {}
+        for layer, group in sorted(self.targeted):
+            held = [(j, bases[(layer, role)]) for j, role in enumerate(GROUPS[group]) if (layer, role) in bases]
+            widths = [self.widths[group][j] for j, _ in held]
+            K, d_in = max(b[3] for _, b in held), int(shapes[group][0])
+            A = torch.zeros(K, len(held), R, d_in, dtype=self.dtype)
+            B = torch.zeros(K, sum(widths), R, dtype=self.dtype)
+            for k, (_, (_, V, Ut, Kj)) in enumerate(held):
+                off = sum(widths[:k])
+                A[:Kj, k] = V.T.reshape(Kj, R, d_in)  # V_c^T
+                B[:Kj, off : off + widths[k]] = Ut.reshape(Kj, R, -1).transpose(1, 2)  # U_c
+            lo, hi = _columns([b[0] for _, b in held])
+            self.banks[(layer, group)] = _Banks(
+                A.to(self.device), B.to(self.device), widths,
+                [self.offsets[group][j] for j, _ in held], self.slot_ranks[:, lo:hi].t(),
+                self.slot_cluster[:, lo:hi].t(), self.slot_cores[:, lo:hi], self.method == "jd-diag")
 
     @staticmethod
     def bytes_needed(bundle, dtype: torch.dtype) -> int:
@@ -206,7 +285,8 @@ class BundleBank:
     @staticmethod
     def split_bytes(bundle, dtype: torch.dtype) -> tuple[int, int]:
         """(device bytes of the shared bases, device bytes of one core slot: every module's
-        core, cluster and adapts entries)."""
+        core, cluster, rank and adapts entries). The Triton operator holds more where a
+        group's slices have different cluster counts (its banks pad to the most)."""
         elem = torch.empty((), dtype=dtype).element_size()
         R = int(bundle.manifest["options"]["rank"])
         core = R if bundle.method == "jd-diag" else R * R
@@ -219,7 +299,9 @@ class BundleBank:
     def nbytes(self) -> int:
         """Device bytes held: the slot tables and every basis (a group's joint projection
         matrix is stored instead of its modules' separate V)."""
-        tables = sum(t.numel() * t.element_size() for t in (self.slot_cores, self.slot_cluster, self.slot_adapts))
+        tables = sum(t.numel() * t.element_size() for t in self._tables)
+        if self.operator == "triton":
+            return tables + sum(t.numel() * t.element_size() for b in self.banks.values() for t in (b.A, b.B))
         return tables + sum(g.V.numel() * g.V.element_size() for g in self.groups_of.values()) + sum(
             m.Ut.numel() * m.Ut.element_size() for m in self.modules.values())
 
@@ -268,10 +350,8 @@ class BundleBank:
         """Copy ``member``'s cores into a free slot, else into the least recently used slot of
         a member not in ``keep``."""
         free = lru_slot(self._slot_of, self.num_slots, keep, self.stats)
-        cores, cluster, adapts = self._host
-        self.slot_cores[free].copy_(cores[member], non_blocking=True)
-        self.slot_cluster[free].copy_(cluster[member], non_blocking=True)
-        self.slot_adapts[free].copy_(adapts[member], non_blocking=True)
+        for table, host in zip(self._tables, self._host):
+            table[free].copy_(host[member], non_blocking=True)
         self._slot_of[member] = free
         self.stats.loads += 1
 
@@ -292,6 +372,8 @@ class BundleBank:
             empty = set(host.tolist()) - {-1} - set(self._slot_of.values())
             if empty:
                 raise BankError("E_BANK_SLOT_EMPTY", f"slots {sorted(empty)} hold no member (ensure loads them)")
+        if self.operator == "triton":
+            return BundleTritonContext(self, self._launch_plan(host, static))
         members = torch.where(host < 0, self.num_slots, host)  # the zero core's row
         if static is not None:
             static[: members.numel()].copy_(members, non_blocking=True)
@@ -302,7 +384,33 @@ class BundleBank:
         """A context over a static row-member buffer (capture once, refill with ``context(...,
         static=row_members)`` before each replay); padded rows hold the zero core's index."""
         row_members.fill_(self.num_slots)
+        if self.operator == "triton":
+            return BundleTritonContext(self, self._static_plan(row_members, row_members.numel()))
         return BundleContext(self, row_members)
+
+    def _launch_plan(self, host: torch.Tensor, static) -> LaunchPlan | None:
+        """The Triton operator's tile list of one invocation from the host row slots (-1:
+        base model, not in the plan), built on the host (nothing waits for the device): copied
+        into the static plan of ``static`` (a graph's row buffer, :meth:`_static_plan`), else
+        moved to the device; None when no row has a member."""
+        plan = build_plan(host)
+        if static is not None:
+            lp = self._static_plan(static, host.numel())
+            return lp.copy_from(make_launch_plan(plan, block_m=lp.block_m))
+        return make_launch_plan(plan).to(self.device) if plan.num_segments else None
+
+    def _static_plan(self, static: torch.Tensor, rows: int) -> LaunchPlan:
+        """The static LaunchPlan buffers a captured graph of ``rows`` rows reads, keyed by its
+        row buffer (``graph_context(buf[:rows])`` and ``context(..., static=buf)`` of ``rows``
+        row slots name the same plan); held with the buffer, so the key's address is never
+        reused. Empty (no tiles) until ``context`` fills it."""
+        from .graphs import BLOCK_M  # the decode graphs' row tile
+
+        key = (static.data_ptr(), rows)
+        if key not in self._static_plans:
+            lp = empty_launch_plan(rows, tile_capacity(rows, self.num_slots, BLOCK_M), BLOCK_M, self.device)
+            self._static_plans[key] = (static, lp)
+        return self._static_plans[key][1]
 
 
 class BundleContext:
@@ -356,3 +464,24 @@ class BundleContext:
             parts.append(y.new_zeros(T, y.shape[1] - at))
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         torch.where(adapts[:, grp.col_module], y + delta, y, out=y)
+
+
+class BundleTritonContext:
+    """``mlora.batch.lora.LoraContext`` of a BundleBank with ``operator="triton"`` for one
+    invocation: one LaunchPlan over the rows' members (the slot is the member), shared by
+    every (layer, group); None when every row is the base model's."""
+
+    def __init__(self, bank: BundleBank, plan: LaunchPlan | None):
+        self.bank, self.plan = bank, plan
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the members' three-stage deltas to ``y`` in place: one shrink and one expand
+        launch (``add_bundle_slices_triton``; semantics: module docstring). Base rows and
+        slices a row's member does not adapt (rank 0) stay bit-identical."""
+        banks = self.bank.banks.get((layer, group))
+        if banks is None or self.plan is None:
+            return
+        from mlora.kernels.triton_sgmv import add_bundle_slices_triton  # deferred: importing triton is slow
+
+        add_bundle_slices_triton(y, x, banks.A, banks.B, self.plan, banks.ranks, banks.rows, banks.cores,
+                                 banks.widths, banks.out_offsets, diag=banks.diag)
