@@ -45,8 +45,26 @@ the least recently used one the call does not name, on the current stream:
 the kernels of earlier invocations that read the slot were enqueued before the
 copy, so stream order retires them first. More distinct members in one call
 than slots is E_BANK_FULL (the scheduler admits at most ``num_slots``). Not
-built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``), and a
-Triton path (this one runs grouped dense torch GEMMs on either device: docs/compress.md).
+built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``).
+
+Two operators, chosen per bank (``operator=``; the engine always takes the default):
+
+* ``"torch"`` (default): the grouped dense GEMMs above, on either device.
+* ``"triton"`` (opt-in; run under the CPU interpreter in tests, never on a GPU yet, so
+  neither measured nor the default): the segmented LoRA kernels with the slot still the
+  member (``mlora.kernels.triton_sgmv.add_bundle_slices_triton``), one shrink and one
+  expand launch per (layer, group) over one LaunchPlan per invocation built from the
+  rows' slots (base rows are not in it). Per (layer, group) the bank holds the cluster
+  bases as the kernels' A bank ``[K, n, R, d_in]`` (``V_c^T``) and B bank ``[K, sum(w),
+  R]`` (``U_c``) of the n slices the bundle adapts there (K: their most clusters; a
+  slice with fewer leaves zero rows, never read), and the kernels read per-(layer,
+  group) views of the slot tables: ``slot_cluster`` as the slot -> bank-row map,
+  ``slot_ranks`` (R where the member adapts the module, else 0: those columns stay
+  bit-identical), ``slot_cores`` (applied to z in the expand). Captured graphs read a
+  static LaunchPlan per row buffer and batch size, refilled by ``context(...,
+  static=buf)``. Numerics: fp32 accumulation and core product; 16-bit bases run the
+  dots on tensor cores (z rounded to the bases' dtype after the core), where the torch
+  path rounds the projection to the model dtype before the core.
 """
 
 from __future__ import annotations
