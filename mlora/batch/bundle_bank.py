@@ -142,7 +142,8 @@ class _Banks:
 def _columns(indices: list[int]) -> tuple[int, int]:
     """``(lo, hi)``: the slot-table columns of one (layer, group)'s modules, which are
     contiguous because the columns are in (layer, group, slice) order."""
-    assert indices == list(range(indices[0], indices[0] + len(indices))), "table columns not in (layer, group, slice) order"
+    assert indices == list(range(indices[0], indices[0] + len(indices))), \
+        "table columns not in (layer, group, slice) order"
     return indices[0], indices[-1] + 1
 
 

@@ -514,7 +514,7 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
     strides of ``ranks``): the A and B rows to read per slice and slot instead of the slot.
     ``cores`` with ``core_kind`` 1 (JD-Diag, ``[S, n, R]``) or 2 (JD-Full, ``[S, n, R, R]``):
     the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update."""
-    S, n, R, d_in = lora_a.shape
+    _, n, R, d_in = lora_a.shape
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     bm = lp.block_m
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
@@ -571,7 +571,7 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
     synchronisation, grids from static shapes: capturable in a CUDA graph. ``config``
     overrides :func:`launch_config` entries. At most ``MAX_SLICES`` slices."""
     _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag)
-    Rows, n, R, d_in = bases_a.shape
+    _, n, R, d_in = bases_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
     if x.stride(1) != 1:
