@@ -17,6 +17,7 @@
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
 #   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
+#   bash scripts/gpu_session.sh bundle-triton  then: the bundle through the Triton operator against the torch one
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
 #   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
@@ -165,6 +166,11 @@ case "${1:-quick}" in
     ;;
   bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the three runs
     timeout 570 python -m mlora bench bundle /tmp/bb --out "$OUT/bundle-h200.json" 2>&1 | tail -16
+    ;;
+  bundle-triton)  # part 3, same workspace: the bundle through the Triton operator (tests first), against the torch one
+    timeout 120 python -m pytest -q tests/test_bundle_triton.py tests/test_bundle_serving.py 2>&1 | tail -2
+    timeout 450 python -m mlora bench bundle /tmp/bb --runs bundle,bundle-triton --out "$OUT/bundle-triton-h200.json" \
+      2>&1 | tail -12
     ;;
   compress)
     [ -d /tmp/cb7/adapters ] || timeout 200 python examples/make_compress_bench_data.py /tmp/cb7/adapters --adapters 1000 \

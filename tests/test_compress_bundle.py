@@ -287,6 +287,32 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     assert rows["error_code"] == [None, None]
 
 
+def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run_cli):
+    """--bundle-operator three-stage-triton (the Triton kernels' operator, experimental) needs a
+    CUDA device: on the CPU a bundle job fails closed (exit 2, E_BUNDLE_OPERATOR, no output)
+    instead of falling back to the torch operator; a mixed job is refused as three-stage is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import DEMO
+
+    bundle = tmp_path / "bundle"
+    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    common = ("--base", os.path.join(DEMO, "base"), "--max-new-tokens", 2, "--device", "cpu", "-q",
+              "--bundle-operator", "three-stage-triton")
+    cat = tmp_path / "catalog.json"
+    cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"}}))
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello"], "adapter": ["up"]}), str(inp))
+    code, _, stderr = run_cli("batch-run", inp, tmp_path / "out", *common[:-2], "--catalog", cat, *common[-2:])
+    assert code == 2 and "E_BUNDLE_OPERATOR" in stderr and "CUDA" in stderr, stderr
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"}, "plain": os.path.join(DEMO, "adapters", "spell")}))
+    pq.write_table(pa.table({"prompt": ["hello", "world"], "adapter": ["up", "plain"]}), str(inp))
+    code, _, stderr = run_cli("batch-run", inp, tmp_path / "mixed", *common[:-2], "--catalog", cat, *common[-2:])
+    assert code == 2 and "three-stage-triton serves the members of one bundle" in " ".join(stderr.split()), stderr
+
+
 def test_the_summary_says_why_there_is_no_single_break_even_size(tmp_path, run_cli):
     """The demo's adapters adapt different module sets (rot13 only the MLP): the ledger has no
     single break-even n, and the human summary says why instead of printing "None"."""

@@ -189,7 +189,7 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     if o.slots is not None:
         slots = o.slots
     runs = []
-    for name in ("bundle", "adapters", "base"):
+    for name in ("bundle", "bundle-triton", "adapters", "base"):
         if name not in o.runs:
             continue
         out = fresh_output(root, name)
@@ -198,10 +198,11 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
         summary = run_job(JobOptions(
             input=os.path.join(root, "input-base.parquet" if name == "base" else "input.parquet"), output=out,
             base=os.path.join(root, "base"),
-            adapters_dir=None if name == "base" else os.path.join(root, name),
+            adapters_dir=None if name == "base" else os.path.join(root, "bundle" if name == "bundle-triton" else name),
             prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=o.max_new_tokens, device=o.device,
             dtype=o.dtype, max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens,
             max_gpu_adapters=slots if name == "adapters" else None,
+            bundle_operator="three-stage-triton" if name == "bundle-triton" else "auto",
             gpu_memory_utilization=o.gpu_memory_utilization))
         with open(os.path.join(out, "_metrics.json")) as f:
             m = json.load(f)["metrics"]
@@ -220,4 +221,5 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     return dict(options=o.__dict__ | {"targets": list(o.targets), "runs": list(o.runs)}, workspace=ws,
                 bundle_device_bytes=bundle_bytes, slot_bytes=slot_bytes, slots=slots, runs=runs,
                 bundle_vs_adapters=ratio("bundle", "adapters"), bundle_vs_base=ratio("bundle", "base"),
+                bundle_triton_vs_bundle=ratio("bundle-triton", "bundle"),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() and o.device == "cuda" else "cpu")

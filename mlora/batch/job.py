@@ -91,7 +91,7 @@ class JobOptions:
     # starved the engine of CPU (BENCHMARKS.md, residency, sixth session)
     image_build_processes: int = 0
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
-    bundle_operator: str = "auto"  # auto | three-stage | materialized (bundle members; mlora.batch.bundle_bank)
+    bundle_operator: str = "auto"  # auto | three-stage | materialized | three-stage-triton (mlora.batch.bundle_bank)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
     # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
     gpus: str | None = None  # "0,1" or "all": one worker process per GPU (placement.py)

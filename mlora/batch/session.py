@@ -54,6 +54,9 @@ class EngineSession:
             from .bundle_bank import BundleBank
             from .job import ADAPTER_MEMORY_SHARE, JobError, _usable_gpu_bytes
 
+            if opts.bundle_operator == "three-stage-triton" and device.type != "cuda":
+                raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
+                               "CUDA device; use three-stage (or auto) here", 2)
             members = len(bundle.member_ids())
             core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
             if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
@@ -67,7 +70,8 @@ class EngineSession:
                                    "slots with --bundle-operator materialized, or raise --gpu-memory-utilization")
                 core_slots = min(core_slots, fit)
             self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
-                                   core_slots=core_slots)
+                                   core_slots=core_slots,
+                                   operator="triton" if opts.bundle_operator == "three-stage-triton" else "torch")
         elif good:
             host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
             # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
@@ -159,7 +163,9 @@ class EngineSession:
             self._switch = None
 
 
-BUNDLE_OPERATORS = ("auto", "three-stage", "materialized")
+# three-stage-triton: three-stage through the segmented Triton kernels (bundle_bank
+# operator="triton"), CUDA only, opt-in until the H200 serving benchmark compares it
+BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while prefetch threads run
 
 
@@ -178,7 +184,9 @@ def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
     member of one bundle, slots otherwise; ``three-stage``: the same condition, and a
     job that does not meet it fails (E_BUNDLE_OPERATOR, exit 2) instead of being
     served another way; ``materialized``: always slots (each member's factors
-    ``U_c core_i``, ``V_c^T`` in a slot of its own)."""
+    ``U_c core_i``, ``V_c^T`` in a slot of its own); ``three-stage-triton``: as
+    ``three-stage``, the operator run by the segmented Triton kernels (CUDA only:
+    E_BUNDLE_OPERATOR, exit 2, on another device)."""
     from .job import JobError
 
     mode = opts.bundle_operator
@@ -189,8 +197,8 @@ def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
         return None
     bundles = {(p.bundle, p.artifact_sha256) if p.bundle else None for p in good.values()}
     if len(bundles) != 1 or None in bundles:
-        if mode == "three-stage":
-            raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage serves the members of one bundle, "
+        if mode in ("three-stage", "three-stage-triton"):
+            raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator {mode} serves the members of one bundle, "
                            "but this job also names adapters that are not members of it (or members of several "
                            "bundles); use --bundle-operator materialized or auto", 2)
         return None

@@ -67,7 +67,7 @@ def batch_run(
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",
-                                        help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, or materialized (each member's factors in a slot)."),
+                                        help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, materialized (each member's factors in a slot), or three-stage-triton (three-stage through the segmented Triton kernels; CUDA only, experimental: not yet measured)."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",

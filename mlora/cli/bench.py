@@ -319,7 +319,7 @@ def bench_bundle(
     dtype: str = typer.Option("bfloat16", "--dtype"),
     seed: int = typer.Option(0, "--seed"),
     runs: str = typer.Option("bundle,adapters,base", "--runs",
-                             help="Which runs: bundle, adapters, base; none = only write the workspace and bundle."),
+                             help="Which runs: bundle, adapters, base, bundle-triton (the bundle through --bundle-operator three-stage-triton, experimental); none = only write the workspace and bundle."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -357,7 +357,8 @@ def bench_bundle(
     con.print(table)
     fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     con.print(f"bundle / uncompressed: {fmt(results['bundle_vs_adapters'])} (target >= 1.5x); "
-              f"bundle / base: {fmt(results['bundle_vs_base'])} (target >= 0.8x)")
+              f"bundle / base: {fmt(results['bundle_vs_base'])} (target >= 0.8x); "
+              f"bundle through Triton / bundle: {fmt(results['bundle_triton_vs_bundle'])}")
 
 
 @bench_app.command("peft")
