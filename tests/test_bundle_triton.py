@@ -217,6 +217,22 @@ def test_triton_operator_with_unadapted_slices_and_uneven_clusters(method):
             assert not torch.equal(b, y0)
 
 
+def test_bytes_needed_counts_each_operators_bases_exactly():
+    """The device bytes a job reserves for a bundle (E_BUNDLE_TOO_LARGE's check, the serving
+    benchmark's matched slots) are what each operator's bank holds: the Triton banks pad a
+    group's slices to its most clusters (q 2 and v 3 here), so they need more than the torch
+    operator's per-module bases, and ``nbytes`` equals ``bytes_needed`` for both."""
+    bundle, shapes, layers = _uneven_bundle("jd-full")
+    for operator in ("torch", "triton"):
+        bank = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator=operator)
+        assert bank.nbytes() == BundleBank.bytes_needed(bundle, torch.float32, operator), operator
+    torch_bases, per_slot = BundleBank.split_bytes(bundle, torch.float32, "torch")
+    triton_bases, per_slot_t = BundleBank.split_bytes(bundle, torch.float32, "triton")
+    assert per_slot == per_slot_t and triton_bases > torch_bases
+    with pytest.raises(ValueError, match="unknown bundle operator"):
+        BundleBank.split_bytes(bundle, torch.float32, "cuda")
+
+
 def test_unknown_operator_is_refused(served):
     bundle, pinned, shapes, layers = served
     with pytest.raises(ValueError, match="unknown bundle operator"):

@@ -296,23 +296,34 @@ class BundleBank:
                 self.slot_cluster[:, lo:hi].t(), self.slot_cores[:, lo:hi], self.method == "jd-diag")
 
     @staticmethod
-    def bytes_needed(bundle, dtype: torch.dtype) -> int:
+    def bytes_needed(bundle, dtype: torch.dtype, operator: str = "torch") -> int:
         """Device bytes of the bank with one core slot per member (and the base model's zero row)."""
-        bases, per_slot = BundleBank.split_bytes(bundle, dtype)
+        bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
         return bases + (len(bundle.member_ids()) + 1) * per_slot
 
     @staticmethod
-    def split_bytes(bundle, dtype: torch.dtype) -> tuple[int, int]:
+    def split_bytes(bundle, dtype: torch.dtype, operator: str = "torch") -> tuple[int, int]:
         """(device bytes of the shared bases, device bytes of one core slot: every module's
-        core, cluster, rank and adapts entries). The Triton operator holds more where a
-        group's slices have different cluster counts (its banks pad to the most)."""
+        core, cluster, rank and adapts entries) for ``operator``. The torch operator holds
+        each module's K clusters; the Triton operator's banks hold, per (layer, group), the
+        group's most clusters for every slice it adapts (``[K_max, n, R, d_in]`` and
+        ``[K_max, sum(widths), R]``), more where the slices' cluster counts differ."""
+        if operator not in OPERATORS:
+            raise ValueError(f"unknown bundle operator {operator!r}; expected one of {OPERATORS}")
         elem = torch.empty((), dtype=dtype).element_size()
         R = int(bundle.manifest["options"]["rank"])
         core = R if bundle.method == "jd-diag" else R * R
-        bases = per_slot = 0
-        for mod in bundle.manifest["modules"].values():
-            bases += int(mod["clusters"]) * R * (int(mod["d_in"]) + int(mod["d_out"])) * elem
-            per_slot += core * elem + 9
+        modules = bundle.manifest["modules"]
+        per_slot = len(modules) * (core * elem + 9)
+        if operator == "torch":
+            bases = sum(int(m["clusters"]) * R * (int(m["d_in"]) + int(m["d_out"])) * elem for m in modules.values())
+            return bases, per_slot
+        groups: dict[tuple, list] = {}  # (layer, group) -> its modules
+        for name, m in modules.items():
+            parts = name.split(".")
+            groups.setdefault((int(parts[2]), ROLE_SLICE[parts[-1]][0]), []).append(m)
+        bases = sum(max(int(m["clusters"]) for m in ms) * R * sum(int(m["d_in"]) + int(m["d_out"]) for m in ms)
+                    for ms in groups.values()) * elem
         return bases, per_slot
 
     def nbytes(self) -> int:

@@ -54,14 +54,15 @@ class EngineSession:
             from .bundle_bank import BundleBank
             from .job import ADAPTER_MEMORY_SHARE, JobError, _usable_gpu_bytes
 
-            if opts.bundle_operator == "three-stage-triton" and device.type != "cuda":
+            operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
+            if operator == "triton" and device.type != "cuda":
                 raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
                                "CUDA device; use three-stage (or auto) here", 2)
             members = len(bundle.member_ids())
             core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
             if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
                 share = ADAPTER_MEMORY_SHARE * _usable_gpu_bytes(opts, device)
-                bases, per_slot = BundleBank.split_bytes(bundle, dtype)
+                bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
                 fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
                 if fit < 1:
                     raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
@@ -70,8 +71,7 @@ class EngineSession:
                                    "slots with --bundle-operator materialized, or raise --gpu-memory-utilization")
                 core_slots = min(core_slots, fit)
             self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
-                                   core_slots=core_slots,
-                                   operator="triton" if opts.bundle_operator == "three-stage-triton" else "torch")
+                                   core_slots=core_slots, operator=operator)
         elif good:
             host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
             # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
