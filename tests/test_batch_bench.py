@@ -269,3 +269,12 @@ def test_bundle_bench_serves_the_same_collection_three_ways(tmp_path):
     first = r["workspace"]["compress"]["seconds"]
     again = run_bundle_bench(str(tmp_path), BundleBenchOptions(**{**o.__dict__, "runs": ("base",)}))
     assert again["workspace"]["compress"]["seconds"] == first and len(again["runs"]) == 1  # bundle reused
+
+
+def test_bundle_bench_refuses_an_unknown_run(tmp_path, run_cli):
+    """A misspelt --runs name fails at once (exit 2, the names to choose from) instead of
+    silently running nothing; nothing is written."""
+    code, _, stderr = run_cli("bench", "bundle", tmp_path / "w", "--preset", "tiny", "--device", "cpu",
+                              "--runs", "bundle,bundel")
+    assert code == 2 and "bundel" in stderr and "bundle-triton" in stderr, stderr
+    assert not (tmp_path / "w").exists()

@@ -181,6 +181,11 @@ def matched_slots(root: str, o: BundleBenchOptions) -> tuple[int, int, int]:
     return max(1, need // slot), need, slot
 
 
+# the runs of one call, in this order: the bundle (torch three-stage operator), the bundle through
+# the Triton operator (--bundle-operator three-stage-triton), the adapters uncompressed, the base alone
+BUNDLE_RUNS = ("bundle", "bundle-triton", "adapters", "base")
+
+
 def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     from .job import JobOptions, run_job
 
@@ -189,7 +194,7 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     if o.slots is not None:
         slots = o.slots
     runs = []
-    for name in ("bundle", "bundle-triton", "adapters", "base"):
+    for name in BUNDLE_RUNS:
         if name not in o.runs:
             continue
         out = fresh_output(root, name)

@@ -325,9 +325,15 @@ def bench_bundle(
 ) -> None:
     """Serve bundle members (three-stage operator) against the uncompressed adapters under the same
     GPU memory, and against the base model alone."""
-    from ..batch.bench_bundle import BundleBenchOptions, run_bundle_bench
+    from ..batch.bench_bundle import BUNDLE_RUNS, BundleBenchOptions, run_bundle_bench
 
     err = Console(stderr=True)
+    names = tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none"))
+    unknown = sorted(set(names) - set(BUNDLE_RUNS))
+    if unknown:
+        err.print(f"[red]error:[/red] --runs: unknown run(s) {', '.join(unknown)}; choose from "
+                  f"{', '.join(BUNDLE_RUNS)} or none")
+        raise typer.Exit(2)
     _require_cuda(err, device)
     opts = BundleBenchOptions(preset=preset, adapters=adapters, rank=rank,
                               targets=tuple(t.strip() for t in targets.split(",") if t.strip()), shared_rank=shared_rank,
@@ -335,7 +341,7 @@ def bench_bundle(
                               compress_device=compress_device, rows=rows, zipf=zipf, prompt_min=prompt_min,
                               prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                               max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
-                              seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none")))
+                              seed=seed, runs=names)
     results = run_bundle_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if _save(results, out, json_out):
         return
