@@ -137,6 +137,33 @@ def test_triton_static_plan_is_refilled_per_replay(served):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[rows < 0], y0[rows < 0])
 
 
+def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkeypatch):
+    """Consecutive decode steps with the same row slots reuse the static plan as filled (no
+    host plan built, nothing copied); other rows refill it, and the graph context serves them."""
+    import mlora.batch.bundle_bank as bundle_bank
+
+    bundle, pinned, shapes, layers = served
+    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    built = []
+    real = bundle_bank.make_launch_plan
+    monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    buf = torch.zeros(5, dtype=torch.int64)
+    graph_ctx = bb.graph_context(buf)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, shapes["qkv"][0], generator=g)
+    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g)
+    for rows, fills in (([0, -1, 1, 0, -1], 1), ([0, -1, 1, 0, -1], 1), ([1, 1, -1, 0, 2], 2), ([0, -1, 1, 0, -1], 3)):
+        rows = torch.tensor(rows, dtype=torch.int32)
+        bb.context(rows, static=buf)
+        assert len(built) == fills
+        a, b = y0.clone(), y0.clone()
+        graph_ctx.apply(0, "qkv", x, a)
+        monkeypatch.setattr(bundle_bank, "make_launch_plan", real)
+        bb.context(rows).apply(0, "qkv", x, b)
+        monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[rows < 0], y0[rows < 0])
+
+
 def test_triton_operator_with_fewer_core_slots(served):
     """Two core slots: loads copy a member's cores, clusters and ranks into its slot; the
     Triton operator then equals the all-resident torch operator."""

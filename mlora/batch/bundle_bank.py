@@ -232,6 +232,7 @@ class BundleBank:
             self._host = tuple(t.pin_memory() for t in hosts) if self.device.type == "cuda" else hosts
         self._tables = tables
         self._static_plans: dict[tuple[int, int], tuple] = {}  # (buffer address, rows) -> (buffer, LaunchPlan)
+        self._static_rows: dict[int, tuple] = {}  # id(static LaunchPlan) -> the row slots it was last filled from
         # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
         self._sha_of = {self.index[p.bundle_member]: p.semantic_sha256 for p in (pinned or {}).values()
                         if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
@@ -422,11 +423,17 @@ class BundleBank:
         """The Triton operator's tile list of one invocation from the host row slots (-1:
         base model, not in the plan), built on the host (nothing waits for the device): copied
         into the static plan of ``static`` (a graph's row buffer, :meth:`_static_plan`), else
-        moved to the device; None when no row has a member."""
-        plan = build_plan(host)
+        moved to the device; None when no row has a member. A static plan is refilled only
+        when the row slots differ from its last fill's (a slot's member may change between
+        calls, but the plan maps rows to slots, not to members)."""
         if static is not None:
             lp = self._static_plan(static, host.numel())
-            return lp.copy_from(make_launch_plan(plan, block_m=lp.block_m))
+            key = tuple(host.tolist())
+            if self._static_rows.get(id(lp)) == key:  # e.g. consecutive decode steps: the plan holds already
+                return lp
+            self._static_rows[id(lp)] = key
+            return lp.copy_from(make_launch_plan(build_plan(host), block_m=lp.block_m))
+        plan = build_plan(host)
         return make_launch_plan(plan).to(self.device) if plan.num_segments else None
 
     def _static_plan(self, static: torch.Tensor, rows: int) -> LaunchPlan:
