@@ -21,6 +21,7 @@
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
 #   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
+#   bash scripts/gpu_session.sh kv-layout    page-major against layer-major KV (the one-arena ledger's first step): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -129,6 +130,19 @@ case "${1:-quick}" in
     timeout 200 python -m pytest -q tests/test_kernels_fused.py tests/test_kernels_slices.py tests/test_kernels_triton.py \
       tests/test_kernels_spec.py 2>&1 | tail -3
     timeout 360 python scripts/kernel_sweep.py --fused 2>&1 | tail -60 | tee "$OUT/kernel-sweep-fused.txt"
+    ;;
+  kv-layout)  # MLORA_KV_LAYOUT=page-major (docs/sizing.md's arena, step one) against the default, base only (~6 min)
+    MLORA_KV_LAYOUT=page-major timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
+    rm -rf /tmp/demo-pm; MLORA_KV_LAYOUT=page-major timeout 90 python -m mlora batch-run examples/demo/prompts.parquet \
+      /tmp/demo-pm --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda \
+      --dtype bfloat16 -q >/dev/null; echo "demo bf16 page-major: $(python scripts/check_demo_outputs.py /tmp/demo-pm | tail -1)"
+    for lay in layer-major page-major; do
+      echo "$lay:"
+      MLORA_KV_LAYOUT=$lay timeout 120 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
+        --no-repeat-base --out "$OUT/batch-64seqs-$lay.json" 2>&1 | grep adapters
+      MLORA_KV_LAYOUT=$lay timeout 150 python -m mlora bench batch --rows 1024 --adapters 0 --no-repeat-base \
+        --out "$OUT/batch-$lay.json" 2>&1 | grep adapters
+    done
     ;;
   profile)  # the decode iteration's GPU kernels by total time, base and 64 adapters (step 7's gap, ~3 min)
     for n in 0 64; do

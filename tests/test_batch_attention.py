@@ -198,3 +198,22 @@ def test_decode_splits_rule(monkeypatch):
     assert pa.decode_splits(1, cpu) == pa.MAX_DECODE_SPLITS
     monkeypatch.setenv("MLORA_DECODE_SPLITS", "3")
     assert pa.decode_splits(10_000, cpu) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_page_major_views(dtype):
+    """The page-major KV layout's per-layer views (block stride = a whole page of every layer)
+    through the kernel and the reference: the same output as the contiguous layer tensors."""
+    q, kv, meta = paged_case(12, [(1, 40), (5, 21), (1, 3)], 8, 2, 16, 4, dtype)
+    paged = KVCache(3, kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, dtype=dtype, device=DEVICE,
+                    layout="page-major")
+    paged.pages.fill_(float("nan"))
+    paged.k[1].copy_(kv.k[0])
+    paged.v[1].copy_(kv.v[0])
+    want = run_kernel(q, kv, meta)
+    layout = meta.paged_layout(kv.block_size, q.shape[1] // kv.num_kv_heads, q.device)
+    got = paged_attention(q, paged.k[1], paged.v[1], layout, q.shape[-1] ** -0.5)
+    assert torch.equal(got, want)
+    meta.backend = "torch"
+    ref = attention(q, 1, paged, meta, q.shape[-1] ** -0.5)
+    assert (ref.float() - want.float()).abs().max() <= TOL[dtype] * want.float().abs().max()

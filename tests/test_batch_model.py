@@ -457,8 +457,10 @@ def test_allocator_refuses_double_and_foreign_frees(blocks):
     assert alloc.num_free == 7
 
 
-def test_kv_cache_write_addresses_slots_and_sizes():
-    kv = KVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu")
+@pytest.mark.parametrize("layout", ["layer-major", "page-major"])
+def test_kv_cache_write_addresses_slots_and_sizes(layout):
+    kv = KVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu",
+                 layout=layout)
     assert kv.k[1].shape == (3, 4, 2, 8)
     rows = torch.randn(2, 2, 8)
     kv.write(1, rows, -rows, torch.tensor([9, 2]))  # block 2 offset 1, block 0 offset 2
@@ -466,6 +468,33 @@ def test_kv_cache_write_addresses_slots_and_sizes():
     assert kv.k[0].abs().sum() == 0
     assert kv.bytes_per_block() == 2 * 2 * 4 * 2 * 8 * 2
     assert KVCache.blocks_for_budget(10 * kv.bytes_per_block() + 5, 2, 4, 2, 8, torch.float16) == 10
+
+
+def test_page_major_kv_cache_holds_what_layer_major_holds():
+    """The page-major layout (one page per block id: every layer's K and V) stores and reads back
+    exactly what the per-layer tensors do, through the same views and slot addressing; a block's
+    page is contiguous; an unknown layout is refused."""
+    g = torch.Generator().manual_seed(3)
+    caches = [KVCache(3, 5, 4, 2, 8, torch.float32, "cpu", layout=lay) for lay in ("layer-major", "page-major")]
+    for c in caches:  # poison: a write must land in exactly its slots
+        for t in c.k + c.v:
+            t.fill_(float("nan"))
+    for _ in range(4):
+        slots = torch.randperm(20, generator=g)[:6]
+        for layer in range(3):
+            k, v = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+            for c in caches:
+                c.write(layer, k, v, slots)
+    a, b = caches
+    for layer in range(3):
+        assert torch.equal(a.k[layer].nan_to_num(7.0), b.k[layer].nan_to_num(7.0))
+        assert torch.equal(a.v[layer].nan_to_num(7.0), b.v[layer].nan_to_num(7.0))
+        want = torch.tensor([0, 5, 19])
+        assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a.read(layer, want), b.read(layer, want)))
+    assert b.pages[2].is_contiguous() and b.pages[2].numel() * 4 == b.bytes_per_block()
+    assert b.k[1].stride(0) == b.pages.stride(0)  # a layer's view steps a whole page per block
+    with pytest.raises(ValueError, match="layout"):
+        KVCache(1, 1, 1, 1, 1, layout="block-major")
 
 
 def test_metadata_with_too_few_blocks_is_refused(checkpoints):

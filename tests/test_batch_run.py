@@ -217,6 +217,22 @@ def test_demo_workspace_outputs(tmp_path, lookahead):
             assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
 
 
+def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypatch):
+    """The whole demo job through the page-major KV layout (MLORA_KV_LAYOUT) gives the expected rows."""
+    from mlora.batch.job import JobOptions, run_job
+
+    monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
+                       max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32"))
+    rows = _rows(tmp_path / "out")
+    for i, _ in enumerate(expected["prompts"]):
+        for a, outs in expected["outputs"].items():
+            assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+
+
 def test_adapter_bytes_changed_after_pinning_are_never_served(env, tmp_path, monkeypatch):
     import shutil
 

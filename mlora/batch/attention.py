@@ -138,21 +138,19 @@ def attention(q: torch.Tensor, layer: int, kv: KVCache, meta: AttentionMetadata,
         raise ValueError(f"attention: {q.shape[0]} query rows, metadata covers {meta.query_starts[-1]}")
     if meta.backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {meta.backend!r}; expected 'auto', 'torch' or 'triton'")
-    heads, head_dim = q.shape[1], q.shape[2]
+    heads = q.shape[1]
     if meta.backend == "triton" or (meta.backend == "auto" and q.is_cuda):
         from mlora.batch.paged_attention import paged_attention
 
         layout = meta.paged_layout(kv.block_size, heads // kv.num_kv_heads, q.device)
         return paged_attention(q, kv.k[layer], kv.v[layer], layout, scale)
     group = heads // kv.num_kv_heads
-    k_flat = kv.k[layer].view(-1, kv.num_kv_heads, head_dim)
-    v_flat = kv.v[layer].view(-1, kv.num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for start, end, slots, mask in meta.sequence_views(kv.block_size, q.device):
         if start == end:
             continue
-        k = k_flat.index_select(0, slots).to(q.dtype)
-        v = v_flat.index_select(0, slots).to(q.dtype)
+        k, v = kv.read(layer, slots)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)

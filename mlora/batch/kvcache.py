@@ -9,13 +9,28 @@ block tables and decides who gets blocks (spec 0x04-0x05, joint admission).
 Addressing: token ``p`` of a sequence with block table ``bt`` lives at slot
 ``bt[p // block_size] * block_size + p % block_size``; ``slot_mapping`` is that
 slot for every new row of one invocation.
+
+Two storage layouts, the same views (``k[layer]``, ``v[layer]``: [num_blocks,
+block_size, kv_heads, head_dim]) and the same addressing:
+
+* ``layer-major`` (default): one contiguous tensor per layer for K and for V.
+* ``page-major``: one tensor ``[num_blocks, layers, 2, block_size, kv_heads,
+  head_dim]``, so one block id's K and V of every layer are one contiguous page
+  (``bytes_per_block``); the per-layer views are strided (block stride = a page).
+  The first step of the one-arena GPU ledger (docs/sizing.md): pages that KV
+  blocks and adapter slots could both be carved from. Selected with
+  ``layout=`` or ``MLORA_KV_LAYOUT=page-major``; not yet measured on a GPU (the
+  paged attention kernel reads it through its strides).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
+
+LAYOUTS = ("layer-major", "page-major")
 
 
 class KVCacheFull(RuntimeError):
@@ -28,12 +43,17 @@ class KVCacheFull(RuntimeError):
 
 
 class KVCache:
-    """``k[layer]`` and ``v[layer]``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """``k[layer]`` and ``v[layer]``: [num_blocks, block_size, num_kv_heads, head_dim] (views of
+    one page-major tensor with ``layout="page-major"``; see the module docstring)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", layout: str | None = None):
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("KVCache dimensions must be positive")
+        layout = layout or os.environ.get("MLORA_KV_LAYOUT") or "layer-major"
+        if layout not in LAYOUTS:
+            raise ValueError(f"KV cache layout {layout!r}; expected one of {LAYOUTS}")
+        self.layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -42,14 +62,42 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        if layout == "page-major":
+            self.pages = torch.zeros((num_blocks, num_layers, 2) + shape[1:], dtype=dtype, device=self.device)
+            self.k = [self.pages[:, layer, 0] for layer in range(num_layers)]
+            self.v = [self.pages[:, layer, 1] for layer in range(num_layers)]
+        else:
+            self.pages = None
+            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._split: tuple | None = None  # (slot_mapping, its blocks, its offsets): one split per invocation
+
+    def _blocks_offsets(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in the block) of every slot; computed once per slot_mapping tensor
+        (every layer of an invocation writes the same rows)."""
+        if self._split is None or self._split[0] is not slot_mapping:
+            self._split = (slot_mapping, slot_mapping // self.block_size, slot_mapping % self.block_size)
+        return self._split[1], self._split[2]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store rows ``k[t]``, ``v[t]`` ([T, kv_heads, head_dim]) at slot ``slot_mapping[t]``."""
+        if self.pages is not None:
+            blocks, offsets = self._blocks_offsets(slot_mapping)
+            self.k[layer].index_put_((blocks, offsets), k.to(self.dtype))
+            self.v[layer].index_put_((blocks, offsets), v.to(self.dtype))
+            return
         flat_shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         self.k[layer].view(flat_shape).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat_shape).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows ([len(slots), kv_heads, head_dim]) of ``layer`` at ``slots`` (copies)."""
+        if self.pages is not None:
+            blocks, offsets = slots // self.block_size, slots % self.block_size
+            return self.k[layer][blocks, offsets], self.v[layer][blocks, offsets]
+        flat_shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.k[layer].view(flat_shape).index_select(0, slots),
+                self.v[layer].view(flat_shape).index_select(0, slots))
 
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
