@@ -481,17 +481,8 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
                                    scales[j0 : j0 + MAX_SLICES], ws, config, out_offsets[j0 : j0 + MAX_SLICES])
             off += sum(ws)
         return y
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if lora_a.stride(3) != 1:
-        lora_a = lora_a.contiguous()
-    if lora_b.stride(2) != 1:
-        lora_b = lora_b.contiguous()
-    if ranks.stride() != scales.stride():  # the kernels index both [n, S] tables with one pair of strides
-        ranks, scales = ranks.contiguous(), scales.contiguous()
     assert y.stride(1) == 1, "y must be row-major"
-    native_a = x.dtype == lora_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-    native_b = lora_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
     key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m,
            lora_a.dtype)
     cfg = _CONFIGS.get(key) if config is None else None
@@ -505,6 +496,24 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
                                      native_a, native_b)
     return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
+
+
+def _kernel_operands(x, a, b, table, other):
+    """``x``, the A bank ``[S, n, R, d_in]``, the B bank ``[S, sum(w), R]`` and two ``[n, S]``
+    tables with the layout the kernels read (innermost strides 1; both tables indexed with one
+    pair of strides), copied only where they differ, and whether the shrink (x and A) and the
+    expand (B) dots run natively in 16 bits (never under the CPU interpreter)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if a.stride(3) != 1:
+        a = a.contiguous()
+    if b.stride(2) != 1:
+        b = b.contiguous()
+    if table.stride() != other.stride():
+        table, other = table.contiguous(), other.contiguous()
+    native_a = x.dtype == a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    native_b = b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    return x, a, b, table, other, native_a, native_b
 
 
 def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
@@ -574,17 +583,9 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
     _, n, R, d_in = bases_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bases_a.stride(3) != 1:
-        bases_a = bases_a.contiguous()
-    if bases_b.stride(2) != 1:
-        bases_b = bases_b.contiguous()
-    if ranks.stride() != bank_rows.stride():  # the kernels index both [n, S] tables with one pair of strides
-        ranks, bank_rows = ranks.contiguous(), bank_rows.contiguous()
     assert y.stride(1) == 1, "y must be row-major"
-    native_a = x.dtype == bases_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-    native_b = bases_b.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
+    x, bases_a, bases_b, ranks, bank_rows, native_a, native_b = _kernel_operands(x, bases_a, bases_b, ranks,
+                                                                                 bank_rows)
     key = ("bundle", lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a,
            lp.block_m)
     cfg = _CONFIGS.get(key) if config is None else None
