@@ -85,6 +85,14 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 1 <= num_seqs <= self.max_seqs and max_blocks <= self.width
 
+    def capture_all(self) -> None:
+        """Capture every bucket not captured yet, now (benchmarks: no capture inside a timed
+        run; a job captures each bucket the first time a batch of its size runs)."""
+        for b in self.buckets:
+            if b not in self.graphs:
+                self._pad(0, b)
+                self._capture(b)
+
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
