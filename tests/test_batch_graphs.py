@@ -54,6 +54,26 @@ def test_graph_decode_gives_the_eager_tokens(max_num_seqs):
 
 
 @cuda
+def test_graphs_captured_up_front_give_the_eager_tokens():
+    """``capture_all`` (what ``bench batch`` runs before its clock) captures every bucket; the
+    job then replays them, captures nothing more, and gives the eager tokens."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), torch.float32, seed=7)
+    bank, pinned = random_bank(model, 3, 4, seed=7)
+    reqs = _requests(19, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=8)
+    eager, _ = _run(model, bank, pinned, reqs, False, 16)
+    eng = Engine(model, bank, pinned, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
+                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng.graphs.capture_all()
+    captured = dict(eng.graphs.graphs)
+    assert sorted(captured) == eng.graphs.buckets
+    for r in reqs:
+        assert eng.add(r) is None
+    assert {r.row: r.token_ids for r in eng.drain()} == eager
+    assert eng.graphs.replays > 0 and eng.graphs.graphs == captured  # the same graph objects: none recaptured
+
+
+@cuda
 def test_graph_logits_equal_eager_logits_with_padding():
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cuda"), torch.float32, seed=5)
