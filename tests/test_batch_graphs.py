@@ -70,7 +70,8 @@ def test_graphs_captured_up_front_give_the_eager_tokens():
     for r in reqs:
         assert eng.add(r) is None
     assert {r.row: r.token_ids for r in eng.drain()} == eager
-    assert eng.graphs.replays > 0 and eng.graphs.graphs == captured  # the same graph objects: none recaptured
+    assert eng.graphs.replays > 0 and sorted(eng.graphs.graphs) == sorted(captured)
+    assert all(eng.graphs.graphs[b] is captured[b] for b in captured)  # the same graphs: none recaptured
 
 
 @cuda
