@@ -32,7 +32,8 @@ case "${1:-quick}" in
   quick)
     timeout 300 python -m pytest -q tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py \
       tests/test_residency.py tests/test_residency_validate.py tests/test_kernels_triton.py tests/test_kernels_slices.py \
-      tests/test_batch_fused.py tests/test_bundle_serving.py tests/test_batch_lookahead.py tests/test_residency_pinned.py 2>&1 | tail -15
+      tests/test_batch_fused.py tests/test_bundle_serving.py tests/test_batch_lookahead.py tests/test_residency_pinned.py \
+      tests/test_kernels_fused.py tests/test_bundle_triton.py 2>&1 | tail -15
     for dt in float32 bfloat16; do
       rm -rf "/tmp/demo-$dt"
       timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-$dt" --base examples/demo/base \
