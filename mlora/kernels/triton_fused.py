@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import triton_sgmv as sgmv
 from .launch import LaunchPlan
-from .triton_sgmv import _slice_of, _tile, slice_args
+from .triton_sgmv import _expand_group, _slice_of, _tile, slice_args
 
 # Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
 # calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
@@ -121,29 +121,6 @@ def _shrink_tile(x_ptr, a_base, m_ok, rows, rank, d_in, stride_xt, stride_ar,
         else:
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr):
-    """``y[rows, c] += z @ B[c, :rank].T`` for the B rows ``c`` of ``group_tiles`` column tiles from
-    ``n_first`` (clipped to ``n_hi``, the slice's end); ``y_ptr`` already shifted to the slice's columns."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)
-    for g in range(0, group_tiles):
-        offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_stop
-        mask = m_ok[:, None] & n_ok[None, :]
-        yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
-        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0, eviction_policy="evict_last")
-        if NATIVE_B:
-            acc = tl.dot(z, tl.trans(bt))
-        else:
-            acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
 
 
 def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int, device: torch.device,

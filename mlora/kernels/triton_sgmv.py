@@ -351,19 +351,31 @@ def _expand_columns(
             tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
             offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
     else:
-        for g in range(0, group_tiles):
-            offs = offs_n + g * BLOCK_N
-            n_ok = offs < n_stop
-            mk = m_ok[:, None] & n_ok[None, :]
-            yg = yp + g * BLOCK_N
-            old = tl.load(yg, mask=mk, other=0.0, eviction_policy="evict_first")
-            bt = tl.load(b_base + offs[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                         other=0.0, eviction_policy="evict_last")
-            if NATIVE_DOT:
-                acc = tl.dot(zd, tl.trans(bt))
-            else:
-                acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-            tl.store(yg, (old.to(tl.float32) + acc).to(old.dtype), mask=mk, eviction_policy="evict_first")
+        _expand_group(zd, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
+                      BLOCK_N, BLOCK_R, NATIVE_DOT)
+
+
+@triton.jit
+def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr):
+    """``y[rows, c] += z @ B[c, :rank].T`` for the B rows ``c`` of ``group_tiles`` column tiles from
+    ``n_first`` (clipped to ``n_hi``, the slice's end); ``y_ptr`` already shifted to the slice's columns."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)
+    for g in range(0, group_tiles):
+        offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_stop
+        mask = m_ok[:, None] & n_ok[None, :]
+        yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+        old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
+        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                     other=0.0, eviction_policy="evict_last")
+        if NATIVE_B:
+            acc = tl.dot(z, tl.trans(bt))
+        else:
+            acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
