@@ -67,9 +67,12 @@ def apply_both(first, second, served) -> tuple[int, int]:
             x = torch.randn(len(ids), d_in, generator=g)
             y0 = torch.randn(len(ids), sum(widths), generator=g)
             y0[0, 0] = -0.0
-            ys = [y0.clone(), y0.clone()]
-            for k, (ctx, y) in enumerate(zip(contexts, ys)):
-                ctx.apply(layer, group, x, y)
+            ys = []
+            for k, (bank, ctx) in enumerate(zip((first, second), contexts)):
+                y = y0.to(bank.device, copy=True)  # each bank on its own device (the Triton one on the GPU there)
+                ctx.apply(layer, group, x.to(bank.device), y)
+                y = y.cpu()
+                ys.append(y)
                 assert torch.equal(y[base_rows].view(torch.int32), y0[base_rows].view(torch.int32))
                 changed[k] += int(not torch.equal(y, y0))
             assert torch.allclose(ys[1], ys[0], rtol=1e-5, atol=1e-5), (layer, group, float((ys[1] - ys[0]).abs().max()))

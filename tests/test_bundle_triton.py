@@ -10,6 +10,7 @@ from mlora.batch.lora import GROUPS
 from mlora.kernels import build_plan, make_launch_plan
 from mlora.kernels.triton_sgmv import add_bundle_slices_triton
 from test_bundle_serving import apply_both, served  # noqa: F401 - the demo bundle fixture, jd-full and jd-diag
+from test_kernels_slices import DEVICE  # the GPU where there is one, else the CPU (Triton interpreted)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,9 +68,12 @@ def _case(seed, diag, R=6, d_in=40, widths=(24, 8, 16), clusters=(3, 1, 2), S=5,
 @pytest.mark.parametrize("seed,config", [(0, None), (1, {"split": 2}), (2, {"block_r": 16, "group_tiles": 2})])
 def test_bundle_kernel_equals_the_float64_oracle(diag, seed, config):
     x, y0, A, B, row_slots, ranks, bank_rows, cores, widths, out_offsets = _case(seed, diag)
-    lp = make_launch_plan(build_plan(row_slots))
-    y = y0.clone()
-    add_bundle_slices_triton(y, x, A, B, lp, ranks, bank_rows, cores, widths, out_offsets, diag=diag, config=config)
+    lp = make_launch_plan(build_plan(row_slots)).to(DEVICE)
+    y = y0.to(DEVICE, copy=True)
+    dev = [t.to(DEVICE) for t in (x, A, B, ranks, bank_rows, cores)]
+    add_bundle_slices_triton(y, dev[0], dev[1], dev[2], lp, dev[3], dev[4], dev[5], widths, out_offsets, diag=diag,
+                             config=config)
+    y = y.cpu()
     want = _oracle(y0, x, A, B, row_slots, ranks, bank_rows, cores, widths, out_offsets, diag)
     assert torch.equal(_bits(y[row_slots < 0]), _bits(y0[row_slots < 0]))  # base rows, NaN and -0.0 included
     gaps = torch.ones(y.shape[1], dtype=torch.bool)
@@ -89,7 +93,7 @@ def test_bundle_kernel_equals_the_float64_oracle(diag, seed, config):
 def test_triton_operator_equals_the_torch_operator(served):
     bundle, pinned, shapes, layers = served
     ref = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
-    tri = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    tri = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, operator="triton")
     assert tri.nbytes() <= BundleBank.bytes_needed(bundle, torch.float32)  # one K per module here: no padding
     _, changed = apply_both(ref, tri, served)
     assert changed > 0
@@ -100,12 +104,12 @@ def test_triton_static_plan_is_refilled_per_replay(served):
     ``context(..., static=buf)`` refills: each refill serves its own rows (as a fresh
     context does, up to rounding: a larger plan capacity may split d_in differently)."""
     bundle, pinned, shapes, layers = served
-    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
-    buf = torch.zeros(8, dtype=torch.int64)
+    bb = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, operator="triton")
+    buf = torch.zeros(8, dtype=torch.int64, device=DEVICE)
     graph_ctx = bb.graph_context(buf[:5])
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(5, shapes["qkv"][0], generator=g)
-    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g)
+    x = torch.randn(5, shapes["qkv"][0], generator=g).to(DEVICE)
+    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g).to(DEVICE)
     empty = y0.clone()
     graph_ctx.apply(0, "qkv", x, empty)  # before any refill: no tiles, nothing changes
     assert torch.equal(empty, y0)
@@ -115,7 +119,8 @@ def test_triton_static_plan_is_refilled_per_replay(served):
         a, b = y0.clone(), y0.clone()
         graph_ctx.apply(0, "qkv", x, a)
         bb.context(rows).apply(0, "qkv", x, b)
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[rows < 0], y0[rows < 0])
+        base = (rows < 0).to(DEVICE)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[base], y0[base])
 
 
 def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkeypatch):
@@ -124,15 +129,15 @@ def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkey
     import mlora.batch.bundle_bank as bundle_bank
 
     bundle, pinned, shapes, layers = served
-    bb = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    bb = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, operator="triton")
     built = []
     real = bundle_bank.make_launch_plan
     monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
-    buf = torch.zeros(5, dtype=torch.int64)
+    buf = torch.zeros(5, dtype=torch.int64, device=DEVICE)
     graph_ctx = bb.graph_context(buf)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(5, shapes["qkv"][0], generator=g)
-    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g)
+    x = torch.randn(5, shapes["qkv"][0], generator=g).to(DEVICE)
+    y0 = torch.randn(5, sum(shapes["qkv"][1]), generator=g).to(DEVICE)
     for rows, fills in (([0, -1, 1, 0, -1], 1), ([0, -1, 1, 0, -1], 1), ([1, 1, -1, 0, 2], 2), ([0, -1, 1, 0, -1], 3)):
         rows = torch.tensor(rows, dtype=torch.int32)
         bb.context(rows, static=buf)
@@ -142,7 +147,8 @@ def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkey
         monkeypatch.setattr(bundle_bank, "make_launch_plan", real)
         bb.context(rows).apply(0, "qkv", x, b)
         monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[rows < 0], y0[rows < 0])
+        base = (rows < 0).to(DEVICE)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[base], y0[base])
 
 
 def test_triton_operator_with_fewer_core_slots(served):
@@ -152,7 +158,7 @@ def test_triton_operator_with_fewer_core_slots(served):
     members = bundle.member_ids()
     by_member = {p.bundle_member: a for a, p in pinned.items()}
     full = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned)
-    few = BundleBank(bundle, layers, shapes, torch.float32, "cpu", pinned=pinned, core_slots=2, operator="triton")
+    few = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, pinned=pinned, core_slots=2, operator="triton")
     for step, names in enumerate([members[:2], members[2:3], [members[0], members[2]], members[-1:]]):
         ids = [by_member[m] for m in names]
         slot_f, slot_w = full.ensure(ids, pinned), few.ensure(ids, pinned)
@@ -164,9 +170,10 @@ def test_triton_operator_with_fewer_core_slots(served):
             for group in GROUPS:
                 x = torch.randn(len(pick), shapes[group][0], generator=g)
                 y = torch.randn(len(pick), sum(shapes[group][1]), generator=g)
-                a, b = y.clone(), y.clone()
+                a, b = y.clone(), y.to(DEVICE, copy=True)
                 ctx_f.apply(layer, group, x, a)
-                ctx_w.apply(layer, group, x, b)
+                ctx_w.apply(layer, group, x.to(DEVICE), b)
+                b = b.cpu()
                 assert torch.equal(b[0], y[0]) and torch.allclose(b, a, rtol=1e-5, atol=1e-5)
     assert few.stats.evictions >= 2
 
@@ -206,7 +213,7 @@ def test_triton_operator_with_unadapted_slices_and_uneven_clusters(method):
     group (the banks pad to the most): the Triton operator equals the torch one."""
     bundle, shapes, layers = _uneven_bundle(method)
     ref = BundleBank(bundle, layers, shapes, torch.float32, "cpu")
-    tri = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="triton")
+    tri = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, operator="triton")
     rows = torch.tensor([1, -1, 0, 3, 2, 1, -1, 0], dtype=torch.int32)
     ctx_r, ctx_t = ref.context(rows), tri.context(rows)
     g = torch.Generator().manual_seed(22)
@@ -214,9 +221,10 @@ def test_triton_operator_with_unadapted_slices_and_uneven_clusters(method):
         for group, (d_in, widths) in shapes.items():
             x = torch.randn(len(rows), d_in, generator=g)
             y0 = torch.randn(len(rows), sum(widths), generator=g)
-            a, b = y0.clone(), y0.clone()
+            a, b = y0.clone(), y0.to(DEVICE, copy=True)
             ctx_r.apply(layer, group, x, a)
-            ctx_t.apply(layer, group, x, b)
+            ctx_t.apply(layer, group, x.to(DEVICE), b)
+            b = b.cpu()
             assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (layer, group)
             idle = slice(12, 16) if group == "qkv" else slice(10, 20)  # k, up: no module
             assert torch.equal(b[:, idle], y0[:, idle]) and torch.equal(b[[1, 6]], y0[[1, 6]])
@@ -232,7 +240,8 @@ def test_bytes_needed_counts_each_operators_bases_exactly():
     operator's per-module bases, and ``nbytes`` equals ``bytes_needed`` for both."""
     bundle, shapes, layers = _uneven_bundle("jd-full")
     for operator in ("torch", "triton"):
-        bank = BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator=operator)
+        bank = BundleBank(bundle, layers, shapes, torch.float32, "cpu" if operator == "torch" else DEVICE,
+                          operator=operator)
         assert bank.nbytes() == BundleBank.bytes_needed(bundle, torch.float32, operator), operator
     torch_bases, per_slot = BundleBank.split_bytes(bundle, torch.float32, "torch")
     triton_bases, per_slot_t = BundleBank.split_bytes(bundle, torch.float32, "triton")
