@@ -78,7 +78,7 @@ from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch
 
 from .bank import BankError, BankStats, lru_slot
 from .catalog import PinnedAdapter
-from .lora import GROUPS, ROLE_SLICE
+from .lora import GROUPS, ROLE_SLICE, module_layer_role
 
 # "torch": grouped dense GEMMs over all clusters (BundleContext), the default until the H200
 # serving benchmark compares the two; "triton": the segmented kernels with the member as the
@@ -179,9 +179,9 @@ class BundleBank:
         group_order = {g: k for k, g in enumerate(GROUPS)}
 
         def table_order(name: str):  # (layer, group, slice): a group's modules are adjacent columns
-            parts = name.split(".")
-            g, j = ROLE_SLICE.get(parts[-1], ("", -1))
-            return (int(parts[2]) if parts[2].isdigit() else -1, group_order.get(g, -1), j, name)
+            layer, role = module_layer_role(name)
+            g, j = ROLE_SLICE.get(role, ("", -1))
+            return (-1 if layer is None else layer, group_order.get(g, -1), j, name)
 
         names = sorted(bundle.manifest["modules"], key=table_order)
         core_shape = (R,) if diag else (R, R)
@@ -193,10 +193,9 @@ class BundleBank:
         bases = {}
         for mi, name in enumerate(names):
             mod = bundle.manifest["modules"][name]
-            parts = name.split(".")
-            layer, role = int(parts[2]), parts[-1]
-            group, j = ROLE_SLICE[role]
-            if group not in self.widths or not 0 <= layer < num_layers:
+            layer, role = module_layer_role(name)
+            group, j = ROLE_SLICE.get(role, ("", -1))
+            if group not in self.widths or layer is None or not 0 <= layer < num_layers:
                 raise BankError("E_BANK_SHAPE", f"bundle module {name} does not fit the model")
             d_out, d_in = self.widths[group][j], int(shapes[group][0])
             if (int(mod["d_out"]), int(mod["d_in"])) != (d_out, d_in):
@@ -321,8 +320,8 @@ class BundleBank:
             return bases, per_slot
         groups: dict[tuple, list] = {}  # (layer, group) -> its modules
         for name, m in modules.items():
-            parts = name.split(".")
-            groups.setdefault((int(parts[2]), ROLE_SLICE[parts[-1]][0]), []).append(m)
+            layer, role = module_layer_role(name)
+            groups.setdefault((layer, ROLE_SLICE[role][0]), []).append(m)
         bases = sum(max(int(m["clusters"]) for m in ms) * R * sum(int(m["d_in"]) + int(m["d_out"]) for m in ms)
                     for ms in groups.values()) * elem
         return bases, per_slot

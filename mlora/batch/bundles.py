@@ -34,7 +34,7 @@ import os
 import torch
 
 from .catalog import AdapterChanged, AdapterError, CatalogEntry, PinnedAdapter, PinnedModule, TensorRef
-from .lora import config_role_shapes
+from .lora import config_role_shapes, module_layer_role
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
 _BUNDLES: dict[tuple[str, str], object] = {}
@@ -103,9 +103,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
         for name, mod in man["modules"].items():
             if e.bundle_member not in mod["assignments"]:
                 continue
-            parts = name.split(".")
-            layer = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
-            role = parts[-1]
+            layer, role = module_layer_role(name)
             problem = _unsupported_module(name, "linear", role, layer)
             shape = expected.get(role)
             if problem is None and (layer >= config.num_layers or shape != (mod["d_out"], mod["d_in"])):

@@ -35,6 +35,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ROLE_SLICE: dict[str, tuple[str, int]] = {role: (g, j) for g, roles in GROUPS.items() for j, role in enumerate(roles)}
 
 
+def module_layer_role(name: str) -> tuple[int | None, str]:
+    """(layer, role) of a bundle's module name ``model.layers.<i>.<block>.<role>``; layer is
+    None for any other shape (the caller refuses such a module)."""
+    parts = name.split(".")
+    layer = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
+    return layer, parts[-1]
+
+
 def held_slices(roles) -> dict[str, tuple[int, ...]]:
     """group -> the slice indices (into ``GROUPS[group]``) of the given target roles, for the
     groups any of them is in: what a slot bank must hold for adapters targeting ``roles``."""
