@@ -342,10 +342,7 @@ def run_job(opts: JobOptions, progress=None, note=None) -> JobSummary:
             return run_workers(prep, plan.places, progress, note)
         return _run_single(prep, progress)
     except BaseException:
-        try:  # commit what is contiguous so far; everything after a gap runs again on --resume
-            prep.sink.close(final=False)
-        except Exception:
-            pass
+        prep.sink.close_after_failure()  # what is contiguous so far; rows after a gap run again on --resume
         raise
 
 

@@ -477,6 +477,14 @@ class ResultSink:
         again on resume."""
         self._finish(final, metrics=None)
 
+    def close_after_failure(self) -> None:
+        """``close(final=False)`` on the way out of a failed or interrupted job: commit the
+        contiguous prefix; an error doing so never hides the job's own exception."""
+        try:
+            self.close(final=False)
+        except Exception:
+            pass
+
     def finish(self, metrics: dict) -> None:
         """``close(final=True)`` that also writes ``_metrics.json`` before ``_SUCCESS``."""
         self._finish(True, metrics=metrics)

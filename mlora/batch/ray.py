@@ -288,10 +288,7 @@ def run_ray_job(opts: JobOptions, plan, progress=None, note=None):
         try:
             return _drive(ray, prep, n, on_gpu, cpus, progress)
         except BaseException:
-            try:  # commit what is contiguous so far; everything after a gap runs again on --resume
-                prep.sink.close(final=False)
-            except Exception:
-                pass
+            prep.sink.close_after_failure()  # what is contiguous so far; rows after a gap run again on --resume
             raise
     finally:
         if started_here:
