@@ -27,8 +27,13 @@ def _short(repr_: str, compile: dict) -> str:  # noqa: A002 (Triton's name)
     (alignment / divisibility marks per argument): what tells two variants apart."""
     options = repr_.partition("(")[0]
     constants = {k: v for k, v in (compile.get("constants") or {}).items()}
-    attrs = compile.get("configs")
-    return f"{options} constexprs={constants} attrs={str(attrs)[:400]}"
+    marks: dict[str, list[int]] = {}  # attribute -> the argument indices it marks (all of them)
+    for config in compile.get("configs") or ():
+        for key, attrs in (config or {}).items():
+            for name, value in attrs:
+                marks.setdefault(f"{name.removeprefix('tt.')}={value}", []).append(key[0] if key else -1)
+    shown = " ".join(f"{k}:{sorted(v)}" for k, v in sorted(marks.items()))
+    return f"{options} constexprs={constants} {shown or 'no marks'}"
 
 
 def _pre(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)

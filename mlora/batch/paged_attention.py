@@ -50,10 +50,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREFILL_ROWS = 64  # query rows x heads of one prefill tile
 BLOCK_N = 64
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
-# Warps per attention program. At 4, both tile shapes of an 8B model (head_dim 128) use all 255
-# registers and spill to local memory on sm_90 (`scripts/compile_kernels.py` prints the stack
-# bytes); at 8 they do not, but the job is slower (H200, tenth session: prefill +30%, decode
-# +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`), so 4 stays.
+# Warps per attention program: 4. At 8 the job is slower (H200, tenth session: prefill +30%,
+# decode +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`). With the
+# alignment and divisibility marks a GPU launch gets, 4 warps do not spill on sm_90 (decode
+# tiles 94 registers, prefill 204; `scripts/compile_kernels.py`). The tenth session's "255
+# registers and a spill at 4 warps" came from compiling without those marks (unvectorised
+# K/V loads), not from what runs (thirteenth session).
 ATTENTION_WARPS = 4
 # Decode launches with fewer than this many programs per SM (tiles x KV heads / SMs) split
 # their keys (flash-decoding). Measured on the H200 (twelfth session, BENCHMARKS.md,

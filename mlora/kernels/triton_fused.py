@@ -149,7 +149,7 @@ def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int
     return dict(
         fused=fused, rule=rule, a_bytes=a_bytes, block_n=block_n, group=group, block_r=sgmv._pow2(R, 16, 1 << 20),
         block_k=128 if not sgmv._INTERPRET else sgmv._pow2(d_in, 16, 32),
-        # 4 warps: no spill on sm_90 up to a 64-wide bank (scripts/compile_kernels.py: 250 registers, no stack)
+        # 4 warps: no spill on sm_90 up to a 64-wide bank (scripts/compile_kernels.py: 138 registers, no stack)
         warps=override.get("fused_warps", 4), stages=override.get("fused_stages", 4),
     )
 

@@ -439,8 +439,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
-        # 8 warps where 4 would spill: a 32-row tile with a 64-wide rank tile needs more than
-        # 255 registers per thread at 4 warps on sm_90 (scripts/compile_kernels.py reports it)
+        # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
+        # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
+        # on the H200 the two were equal within noise, tenth session)
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 4,
         shrink_stages=4, expand_warps=4, expand_stages=2, rank_class=16,
         # split-K partials loaded per step of the final sum: one at a time measured best on the
