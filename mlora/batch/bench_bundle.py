@@ -181,9 +181,11 @@ def matched_slots(root: str, o: BundleBenchOptions) -> tuple[int, int, int]:
     return max(1, need // slot), need, slot
 
 
-# the runs of one call, in this order: the bundle (torch three-stage operator), the bundle through
-# the Triton operator (--bundle-operator three-stage-triton), the adapters uncompressed, the base alone
-BUNDLE_RUNS = ("bundle", "bundle-triton", "adapters", "base")
+# the runs of one call, in this order: the bundle (torch three-stage operator), the base alone, the
+# bundle through the Triton operator (--bundle-operator three-stage-triton), the adapters
+# uncompressed last (the slowest: its loads churn through few slots; a call stopped by a time
+# limit has printed the others' figures by then)
+BUNDLE_RUNS = ("bundle", "base", "bundle-triton", "adapters")
 
 
 def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:

@@ -319,7 +319,7 @@ def bench_bundle(
     dtype: str = typer.Option("bfloat16", "--dtype"),
     seed: int = typer.Option(0, "--seed"),
     runs: str = typer.Option("bundle,adapters,base", "--runs",
-                             help="Which runs: bundle, adapters, base, bundle-triton (the bundle through --bundle-operator three-stage-triton, experimental); none = only write the workspace and bundle."),
+                             help="Which runs (they run in the order bundle, base, bundle-triton, adapters): bundle, adapters, base, bundle-triton (the bundle through --bundle-operator three-stage-triton, experimental); none = only write the workspace and bundle."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
