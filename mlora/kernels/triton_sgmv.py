@@ -438,7 +438,12 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     split = _cdiv(d_in, k_per_split)
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
-        block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 else 128), block_r_expand=_pow2(R, 16, 1 << 20),
+        # 64-wide column tiles at rank <= 16 (and for 32-row tiles): at rank 16 the expand needs
+        # 114 registers against 158 at 128 (4 programs per SM, not 3), and the tenth session's
+        # H200 sweep had 64 faster or equal in 10 of its 11 rank <= 16 cases (up to 9%:
+        # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md)
+        block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 or R <= 16 else 128),
+        block_r_expand=_pow2(R, 16, 1 << 20),
         # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
         # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
         # on the H200 the two were equal within noise, tenth session)
