@@ -4,6 +4,8 @@ consistent with the bank it measures (no timings are asserted)."""
 
 import json
 
+import pytest
+
 import torch
 
 from mlora.batch.bench import BatchBenchOptions, Ceilings, adapter_bytes, decode_floor, preset_config, random_bank, \
@@ -50,6 +52,29 @@ def test_decode_floor_counts_each_term_once():
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     assert more_ctx["bytes"] - base["bytes"] == 50 * kv_per_token
     assert base["bound"] == "memory" and base["floor_s"] == base["bytes"] / 1e12
+    # all stages bandwidth-bound here: the staged floor is the same bytes, counted once each
+    assert two["staged_floor_s"] == pytest.approx(two["bytes"] / 1e12, rel=1e-12)
+
+
+def test_staged_floor_sums_a_compute_bound_gemm_and_a_bandwidth_bound_attention():
+    """A GEMM stage bound by flops and an attention stage bound by bytes: the floor is the
+    larger whole-iteration term, the staged floor the sum of the two stages' own limits."""
+    from mlora.batch.bench import layer_params
+
+    c = preset_config("tiny", "float32")
+    rows, ctx = 64, 5000
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * ctx
+    gemm_flops = 2 * rows * c.num_layers * layer_params(c) + 2 * rows * c.vocab_size * c.hidden_size
+    attn_flops = 4 * ctx * c.num_heads * c.head_dim * c.num_layers
+    bw = 1e12
+    rate = gemm_flops / (kv / bw)  # the GEMMs' flops take exactly as long as reading the K/V
+    f = decode_floor(c, torch.float32, rows=rows, context_tokens=ctx, distinct=0, rank=4,
+                     ceil=Ceilings(copy_bytes_per_s=bw, matmul_flops_per_s=rate))
+    gemm_bytes = f["bytes"] - kv
+    want = max(gemm_bytes / bw, gemm_flops / rate) + max(kv / bw, attn_flops / rate)
+    assert f["staged_floor_s"] == pytest.approx(want, rel=1e-12)
+    assert f["floor_s"] == pytest.approx(f["bytes"] / bw, rel=1e-12)  # overlapped: bytes and flops tie
+    assert f["staged_floor_s"] > 1.4 * f["floor_s"]  # in sequence: the K/V time counted twice, nearly
 
 
 def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path):
@@ -251,12 +276,12 @@ def test_bundle_bench_serves_the_same_collection_three_ways(tmp_path):
                            rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, max_num_seqs=6, max_batch_tokens=48,
                            device="cpu", dtype="float32")
     r = run_bundle_bench(str(tmp_path), o)
-    assert [x["name"] for x in r["runs"]] == ["bundle", "adapters", "base"]
+    assert [x["name"] for x in r["runs"]] == ["bundle", "base", "adapters"]  # the slowest last
     assert all(x["error_rows"] == 0 for x in r["runs"])
     assert r["workspace"]["compress"]["worst_error"] < 1e-6
     slots, need, slot = matched_slots(str(tmp_path), o)
     assert r["slots"] == slots == max(1, need // slot) and need == r["bundle_device_bytes"] > 0
-    bundle, adapters, base = r["runs"]
+    bundle, base, adapters = r["runs"]
     assert bundle["loads"] == 0 and adapters["loads"] >= r["workspace"]["distinct_adapters_used"] >= 3
     assert pq.read_table(str(tmp_path / "input-base.parquet")).column("adapter").null_count == 24
 

@@ -29,6 +29,15 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
   flops = 2 * rows * (layer weights + LM head) + attention (4 * context * heads * head_dim per row and layer)
         + LoRA (2 * rows * rank * (d_in + d_out) per module)
   floor = max(bytes / copy bandwidth, flops / bf16 matmul rate), both measured in the same run.
+
+  Also the *staged floor*: the same terms split by the kernels that do them,
+  each stage's own max(bytes, flops) time, summed: GEMMs (weights, activations
+  and logits against the GEMM and LM-head flops), attention (K/V bytes against
+  the attention flops) and LoRA (adapter bytes against the LoRA flops). Stages
+  that run one after the other cannot overlap a compute-bound GEMM with a
+  bandwidth-bound attention, so the staged floor (>= the floor) is what
+  kernels in sequence can reach; at 256 decode rows of an 8B model, the GEMMs
+  are compute-bound and attention bandwidth-bound (eleventh session).
 * Reported per scenario: generated tokens per second over the whole job (wall
   clock, prefill included), and for decode-only iterations the median time,
   the median floor and the median of time / floor, overall and at full batch
@@ -206,7 +215,14 @@ def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: i
     flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
         + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)
     t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
-    return dict(rows=rows, bytes=total, flops=flops, floor_s=max(t_bytes, t_flops),
+    bw, rate = ceil.copy_bytes_per_s, ceil.matmul_flops_per_s
+    stages = (  # (bytes, flops) of the GEMMs, attention and LoRA: the terms above, each counted once
+        (weights + act, 2 * rows * c.num_layers * layer_params(c) + 2 * sampled * c.vocab_size * c.hidden_size),
+        (kv_tokens * kv_per_token, 4 * pairs * c.num_heads * c.head_dim * c.num_layers),
+        (distinct * adapter_bytes(c, rank, itemsize), 2 * lora_rows * adapter_bytes(c, rank, 1)),
+    )
+    staged = sum(max(b / bw, f / rate) for b, f in stages)
+    return dict(rows=rows, bytes=total, flops=flops, floor_s=max(t_bytes, t_flops), staged_floor_s=staged,
                 bound="memory" if t_bytes >= t_flops else "compute")
 
 
@@ -319,6 +335,8 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                     total_s=sum(d["seconds"] for d in items), max_s=max(d["seconds"] for d in items),
                     median_floor_s=statistics.median(d["floor_s"] for d in items),
                     median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
+                    median_staged_floor_s=statistics.median(d["staged_floor_s"] for d in items),
+                    median_staged_ratio=statistics.median(d["seconds"] / d["staged_floor_s"] for d in items),
                     bound=statistics.mode(d["bound"] for d in items))
 
     result = dict(adapters=n_adapters, rows=o.rows, generated_tokens=generated, wall_s=wall,

@@ -167,7 +167,8 @@ def bench_batch(
         d = s["decode_full_batch"] or s["decode"]
         dd = s["decode"]
         err.print(f"[dim]{s['adapters']:>4} adapters{' (again)' if s.get('repeat') else ''}: {s['tokens_per_s']:9.1f} tok/s"
-                  + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms" if d else "")
+                  + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms (staged "
+                     f"{d['median_staged_floor_s'] * 1e3:.2f})" if d else "")
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
                   + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
                   + f" + {s['outside_iterations_s']:.1f} outside[/dim]", soft_wrap=True)
@@ -189,7 +190,8 @@ def _print_batch_table(r: dict) -> None:
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
                   f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
     for col in ("adapters", "tok/s", "vs base", "decode iters", "rows (median)", "decode ms", "floor ms", "x floor",
-                "full-batch ms", "full floor ms", "full x floor", "prefill s", "prefill floor s", "prefill x floor"):
+                "full-batch ms", "full floor ms", "full x floor", "full x staged floor", "prefill s", "prefill floor s",
+                "prefill x floor"):
         table.add_column(col, justify="right")
     for s in r["scenarios"]:
         d, f = s["decode"] or {}, s["decode_full_batch"] or {}
@@ -202,6 +204,7 @@ def _print_batch_table(r: dict) -> None:
                       str(d.get("iterations", 0)), str(d.get("median_rows", "-")), ms(d.get("median_s")),
                       ms(d.get("median_floor_s")), f"{d['median_ratio']:.2f}" if d else "-", ms(f.get("median_s")),
                       ms(f.get("median_floor_s")), f"{f['median_ratio']:.2f}" if f else "-",
+                      f"{f['median_staged_ratio']:.2f}" if f else "-",
                       f"{s['prefill']['seconds']:.2f}", f"{s['prefill']['floor_s']:.2f}",
                       "-" if s["prefill"]["ratio"] is None else f"{s['prefill']['ratio']:.2f}")
     con.print(table)
