@@ -82,7 +82,7 @@ def main() -> int:
         # attention metadata's 64-byte offsets are aligned), the row and column strides and the
         # sizes that are multiples of 16; not the slot tables' strides (their slot count is any
         # number). Without the marks, loads are not vectorised: the decode attention kernel
-        # needs 255 registers and spills instead of 116 (thirteenth session).
+        # needs 255 registers and spills instead of 94 (thirteenth session).
         attrs = {} if args.no_marks else {
             (i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
             if n not in consts and (signature[n].startswith("*") or n in DIVISIBLE
