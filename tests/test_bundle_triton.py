@@ -254,3 +254,20 @@ def test_unknown_operator_is_refused(served):
     bundle, pinned, shapes, layers = served
     with pytest.raises(ValueError, match="unknown bundle operator"):
         BundleBank(bundle, layers, shapes, torch.float32, "cpu", operator="cuda")
+
+
+@pytest.mark.parametrize("bad", ["model.layers.0.self_attn.rotary_proj", "model.layers.x.self_attn.q_proj",
+                                 "lm_head", "model.layers.9.self_attn.q_proj"])
+def test_a_bundle_module_the_model_does_not_have_is_refused(bad):
+    """A module name with no role the banks know, no layer number, or a layer past the model's
+    is E_BANK_SHAPE when the bank is built, whichever operator (never a KeyError or a skip)."""
+    from mlora.batch.bank import BankError
+
+    bundle, shapes, layers = _uneven_bundle("jd-full")
+    mods = bundle.manifest["modules"]
+    mods[bad] = dict(mods["model.layers.0.self_attn.q_proj"])
+    for operator in ("torch", "triton"):
+        with pytest.raises(BankError) as e:
+            BundleBank(bundle, layers, shapes, torch.float32, "cpu" if operator == "torch" else DEVICE,
+                       operator=operator)
+        assert e.value.code == "E_BANK_SHAPE", (bad, operator)
