@@ -23,6 +23,7 @@
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
 #   bash scripts/gpu_session.sh kv-layout    page-major against layer-major KV (the one-arena ledger's first step): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
+#   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
 export PYTHONPATH=.
@@ -131,6 +132,18 @@ case "${1:-quick}" in
     timeout 200 python -m pytest -q tests/test_kernels_fused.py tests/test_kernels_slices.py tests/test_kernels_triton.py \
       tests/test_kernels_spec.py 2>&1 | tail -3
     timeout 360 python scripts/kernel_sweep.py --fused 2>&1 | tail -60 | tee "$OUT/kernel-sweep-fused.txt"
+    ;;
+  overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
+    MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \
+      tests/test_batch_catalog.py -k "ahead or graph" 2>&1 | tail -2
+    rm -rf /tmp/demo-ov; MLORA_LORA_OVERLAP=1 timeout 90 python -m mlora batch-run examples/demo/prompts.parquet \
+      /tmp/demo-ov --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda \
+      --dtype bfloat16 -q >/dev/null; echo "demo bf16 overlap: $(python scripts/check_demo_outputs.py /tmp/demo-ov | tail -1)"
+    for ov in 0 1; do
+      echo "MLORA_LORA_OVERLAP=$ov:"
+      MLORA_LORA_OVERLAP=$ov timeout 170 python -m mlora bench batch --rows 1024 --adapters 8,64 --out "$OUT/batch-overlap$ov.json" \
+        2>&1 | grep adapters
+    done
     ;;
   kv-layout)  # MLORA_KV_LAYOUT=page-major (docs/sizing.md's arena, step one) against the default, base only (~6 min)
     MLORA_KV_LAYOUT=page-major timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1

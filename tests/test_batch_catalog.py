@@ -404,6 +404,47 @@ def test_triton_backend_equals_torch(ws, pinned):
     assert not torch.equal(out["torch"], y0)
 
 
+def test_shrinks_launched_ahead_give_the_same_bits_for_every_module(ws, pinned, monkeypatch):
+    """A SlotBank with ``overlap`` (MLORA_LORA_OVERLAP=1): ``prepare`` before the base GEMM
+    then ``apply`` gives, for every (layer, group), the bits of ``apply`` alone; a module no
+    active slot adapts launches nothing ahead; the split-K path is forced (small batches
+    otherwise take the fused launch, which is never split)."""
+    import mlora.kernels.triton_sgmv as ts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setenv("MLORA_LORA_OVERLAP", "1")
+    real = ts._choose_config
+    monkeypatch.setattr(ts, "_choose_config", lambda *a, **k: real(*a[:-1], {**a[-1], "fused": False}, **k))
+    ts._CONFIGS.clear()
+    banks = {on: SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, device, backend="triton") for on in (True, False)}
+    banks[False].overlap = False
+    assert banks[True].overlap
+    g = torch.Generator().manual_seed(11)
+    row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0, 2, 1], dtype=torch.int32)
+    ctxs = {}
+    for on, bank in banks.items():
+        assert bank.ensure(["all", "pattern", "qv"], pinned) == {"all": 0, "pattern": 1, "qv": 2}
+        ctxs[on] = bank.context(row_slots.to(device))
+    launched = 0
+    for layer in range(LAYERS):
+        for group, (d_in, widths) in SHAPES.items():
+            x = torch.randn(len(row_slots), d_in, generator=g).to(device)
+            y0 = torch.randn(len(row_slots), sum(widths), generator=g).to(device)
+            out = {}
+            for on, ctx in ctxs.items():
+                y = y0.clone()
+                ctx.prepare(layer, group, x)
+                launched += len(ctx._ahead)
+                ctx.apply(layer, group, x, y)
+                assert not ctx._ahead  # apply consumed what prepare launched
+                out[on] = y
+            assert torch.equal(out[True].view(torch.int32), out[False].view(torch.int32)), (layer, group)
+            if (layer, group) in ctxs[True].targeted:
+                assert not torch.equal(out[True], y0)
+    assert launched == len(ctxs[True].targeted) > 0  # one shrink ahead per adapted module, none when off
+    ts._CONFIGS.clear()
+
+
 def test_static_launch_plan_is_refilled_only_when_the_row_slots_change(ws, pinned):
     """SlotTensors._plans with a captured graph's LaunchPlan buffers: filled from the row
     slots, left as they are (same SegmentPlan) when the next replay has the same row slots,

@@ -191,7 +191,7 @@ def test_split_k_path_matches_the_oracle(lora_path):
     # call starts from zeroed counters and gives bit-identical output (fixed order)
     from mlora.kernels.triton_sgmv import _COUNTERS
 
-    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS[str(y.device)])
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS[f"{y.device}/"])
     y2 = y0.clone()
     add_lora_slices(y2, x, a, b, rs, widths=widths, ranks=ranks, scales=scales, backend="triton")
     assert torch.equal(y2, y)
@@ -396,3 +396,55 @@ def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
                 splits.add(cfg["split"])
             assert len(seen) <= 2, (slots, name, seen)
             assert len(splits) >= 2  # the runtime split really varies: the constants above are what stays fixed
+
+
+@pytest.mark.parametrize("seed, dtype, config", [
+    (40, torch.float32, dict(fused=False)),
+    (41, torch.bfloat16, dict(fused=False, split=3, block_k=16)),  # split-K: the counters of the ahead stream
+    (42, torch.float16, dict(fused=False, group_tiles=2, block_n=16)),
+])
+def test_shrink_ahead_then_expand_is_the_same_call(seed, dtype, config):
+    """``shrink_ahead_triton`` (on a side stream on a GPU) then the call with ``ahead=`` gives
+    the bits of the one call, equal to the oracle; base rows untouched; the side stream's
+    split-K counters are back at zero."""
+    from mlora.kernels.triton_sgmv import _COUNTERS, add_lora_slices_triton, shrink_ahead_triton
+
+    y, x, a, b, rs, ranks, scales, widths = _dev(*sliced_case(seed, dtype=dtype))
+    ref = sliced_oracle(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in (y, x, a, b, rs, ranks, scales)],
+                        widths)
+    lp = make_launch_plan(build_plan(rs.cpu())).to(DEVICE)
+    one = y.clone()
+    add_lora_slices_triton(one, x, a, b, lp, ranks, scales, widths, config=config)
+    stream = torch.cuda.Stream(priority=-1) if DEVICE == "cuda" else None
+    two = y.clone()
+    ahead = shrink_ahead_triton(x, a, b, lp, ranks, scales, widths, stream=stream, config=config)
+    assert ahead is not None and ahead.cfg["fused"] is False
+    add_lora_slices_triton(two, x, a, b, lp, ranks, scales, widths, config=config, ahead=ahead)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(two.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       one.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    base = (rs < 0)
+    assert torch.equal(two[base], y[base])
+    err = (two.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype], float(err)
+    key = f"{x.device}/ahead" if stream is not None else f"{x.device}/"
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.get(key, []))
+
+
+def test_shrink_ahead_declines_the_fused_launch_and_wide_calls():
+    """Where the call runs as one fused launch, or has more slices than one launch takes,
+    nothing is launched ahead (None) and the plain call serves it."""
+    from mlora.kernels import shrink_ahead
+
+    y, x, a, b, rs, ranks, scales, widths = _dev(*sliced_case(43))
+    lp = make_launch_plan(build_plan(rs.cpu())).to(DEVICE)
+    from mlora.kernels.triton_sgmv import shrink_ahead_triton
+
+    assert shrink_ahead_triton(x, a, b, lp, ranks, scales, widths, config=dict(fused=True)) is None
+    wide = sliced_case(44, widths=(8, 16, 8, 24, 8, 16))
+    y2, x2, a2, b2, rs2, ranks2, scales2, widths2 = _dev(*wide)
+    lp2 = make_launch_plan(build_plan(rs2.cpu())).to(DEVICE)
+    assert shrink_ahead(x2, a2, b2, lp2, widths=widths2, ranks=ranks2, scales=scales2) is None
+    with pytest.raises(ValueError, match="LaunchPlan"):
+        shrink_ahead(x, a, b, build_plan(rs.cpu()), widths=widths, ranks=ranks, scales=scales)

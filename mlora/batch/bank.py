@@ -39,13 +39,14 @@ after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan
+from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan, shrink_ahead
 
 from .catalog import PinnedAdapter, load_factors
 from .lora import GROUPS, ROLE_SLICE
@@ -133,6 +134,20 @@ class SlotTensors:
         # static LaunchPlan buffers (captured graphs) -> (buffers, row slots, SegmentPlan) they were last filled
         # from in _plans, the only writer: a replay with the same row slots needs no rebuild or copy
         self._static_fills: dict[int, tuple] = {}
+        # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
+        # (``BankContext.prepare``): opt-in until measured on the H200 (MLORA_LORA_OVERLAP=1)
+        self.overlap = backend == "triton" and os.environ.get("MLORA_LORA_OVERLAP") == "1"
+        self._side_stream = None
+
+    def side_stream(self):
+        """The stream shrinks launched ahead run on: a high-priority CUDA stream of the bank's
+        device (its blocks are scheduled before the GEMM's waiting ones), None off CUDA (the
+        shrink then runs in order on the current stream: same results, no overlap)."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._side_stream
 
     def layer_tables(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' ``[n, S]`` ranks and scales of one (group, layer): views, no copy."""
@@ -305,6 +320,20 @@ class BankContext:
 
     def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
         self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
+        self._ahead: dict[tuple[int, str], object] = {}  # shrinks launched by prepare(), by module
+
+    def prepare(self, layer: int, group: str, x: torch.Tensor) -> None:
+        """With the bank's ``overlap`` on: launch this module's shrink now on the side stream, so
+        it runs beside the base GEMM the model launches next; ``apply`` for the same (layer,
+        group) then runs only the expand (the same output bits). Otherwise nothing."""
+        if not self.bank.overlap or (layer, group) not in self.targeted or not isinstance(self.plan, LaunchPlan):
+            return
+        bank = self.bank
+        ranks, scales = bank.layer_tables(group, layer)
+        ahead = shrink_ahead(x, bank.A[group][:, layer], bank.B[group][:, layer], self.plan,
+                             widths=bank.widths[group], ranks=ranks, scales=scales, stream=bank.side_stream())
+        if ahead is not None:
+            self._ahead[(layer, group)] = ahead
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
@@ -316,5 +345,5 @@ class BankContext:
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
-            out_offsets=bank.out_offsets[group],
+            out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None),
         )

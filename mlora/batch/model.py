@@ -282,6 +282,9 @@ class DecoderLayer(torch.nn.Module):
         c, i, rows = self.config, self.index, h.shape[0]
         ops = ops_for(h.device)  # fused Triton element-wise kernels on CUDA, torch references elsewhere
         x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
+        prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
+        if prepare is not None:
+            prepare(i, "qkv", x)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
@@ -298,14 +301,20 @@ class DecoderLayer(torch.nn.Module):
         v = v.reshape(rows, c.num_kv_heads, c.head_dim)
         kv.write(i, k, v, meta.slot_mapping)
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
+        if prepare is not None:
+            prepare(i, "o", a)
         o = F.linear(a, self.o_weight, self.o_bias)
         if lora is not None:
             lora.apply(i, "o", a, o)
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
+        if prepare is not None:
+            prepare(i, "gate_up", x)
         gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:
             lora.apply(i, "gate_up", x, gate_up)
         m = ops.silu_mul(gate_up, c.intermediate_size)
+        if prepare is not None:
+            prepare(i, "down", m)
         down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)

@@ -26,6 +26,11 @@ Public entry points::
       instead (increasing, non-overlapping, within y): a bank holding only some slices of a fused
       projection (q and v of q/k/v) adds into the full projection output, the other columns untouched.
 
+    shrink_ahead(x, lora_a, lora_b, plan, *, widths, ranks, scales, stream=None) -> pending or None
+      launches the shrink half of that add_lora_slices call (Triton, a LaunchPlan) on ``stream`` now,
+      so it overlaps the base GEMM the caller launches next; ``add_lora_slices(..., ahead=pending)``
+      then waits for it and runs the expand: the same output bits as one call.
+
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
 ``"triton"`` (segmented split-K shrink and multi-slice expand over a
 LaunchPlan tile list, ``triton_sgmv.py``, or for small batches one fused
@@ -49,7 +54,7 @@ from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 __all__ = [
     "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "build_plan", "check_bank",
     "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "make_launch_plan",
-    "tile_capacity", "validate_plan",
+    "shrink_ahead", "tile_capacity", "validate_plan",
 ]
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -136,8 +141,9 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
 
 
 def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None):
-    """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above)."""
+                    plan=None, check_values=True, out_offsets=None, ahead=None):
+    """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above).
+    ``ahead``: this call's shrink, already launched by :func:`shrink_ahead` (Triton only)."""
     widths = [int(w) for w in widths]
     _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
     if out_offsets is None:
@@ -170,7 +176,25 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                                  out_offsets=out_offsets)
+                                  out_offsets=out_offsets, ahead=ahead)
+
+
+def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, stream=None):
+    """Launch the shrink half of ``add_lora_slices(y, x, lora_a, lora_b, ..., plan=plan,
+    widths=widths, ranks=ranks, scales=scales, backend="triton")`` now, on ``stream`` (a CUDA
+    stream; None: in order on the current one), so that it runs beside whatever the caller
+    launches next on the current stream (the base GEMM of the same module); pass the result
+    to that call as ``ahead=``. The result is bit for bit the same as the call without it.
+    Returns None (nothing launched; call ``add_lora_slices`` as usual) for shapes that run as
+    one fused launch. Callers have checked shapes and values (the Triton backend's
+    preconditions of ``add_lora_slices``)."""
+    from .triton_sgmv import shrink_ahead_triton  # deferred: importing triton is slow
+
+    if not isinstance(plan, LaunchPlan):
+        raise ValueError("shrink_ahead takes the LaunchPlan of the add_lora_slices call it precedes")
+    widths = [int(w) for w in widths]
+    return shrink_ahead_triton(x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
+                               stream)
 
 
 def _resolve(backend: str, x) -> str:

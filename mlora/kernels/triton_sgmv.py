@@ -74,6 +74,8 @@ from __future__ import annotations
 
 import os
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -478,7 +480,7 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
-                           out_offsets=None):
+                           out_offsets=None, ahead: "ShrinkAhead | None" = None):
     """Shrink then expand over ``lp``, or for small batches one fused launch
     (``triton_fused.fused_config`` decides from static shapes; ``config={"fused":
     True/False}`` forces it); y updated in place and returned. No host
@@ -486,11 +488,15 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
     entries of :func:`launch_config` and of ``fused_config``. ``out_offsets``:
     each slice's first column in y (default: side by side from 0). More than
-    ``MAX_SLICES`` slices run as several launches of at most that many."""
+    ``MAX_SLICES`` slices run as several launches of at most that many. ``ahead``: the
+    shrink of this same call already launched by :func:`shrink_ahead_triton` (only the
+    expand runs here, after the current stream waits for it)."""
     S, n, R, d_in = lora_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
     if n > MAX_SLICES:
+        if ahead is not None:
+            raise ValueError(f"shrink_ahead_triton returns None for more than {MAX_SLICES} slices")
         off = 0
         for j0 in range(0, n, MAX_SLICES):
             ws = list(widths[j0 : j0 + MAX_SLICES])
@@ -501,6 +507,22 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         return y
     assert y.stride(1) == 1, "y must be row-major"
     x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
+    if ahead is not None:  # the shrink was launched by shrink_ahead_triton: wait for it, then expand
+        if ahead.stream is not None:
+            torch.cuda.current_stream(x.device).wait_stream(ahead.stream)
+        return _expand(y, ahead.zp, lora_b, lp, ranks, scales, widths, out_offsets, ahead.cfg, native_b, False)
+    cfg = _config(lp, x, lora_a, widths, native_a, config)
+    if cfg["fused"]:  # small batches: one fused launch
+        from .triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
+
+        return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
+                                     native_a, native_b)
+    return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
+
+
+def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None) -> dict:
+    """The launch configuration of one call (cached per static shape unless ``config`` overrides)."""
+    _, n, R, d_in = lora_a.shape
     key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m,
            lora_a.dtype)
     cfg = _CONFIGS.get(key) if config is None else None
@@ -508,12 +530,42 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         cfg = _choose_config(lp, n, R, d_in, widths, x.device, native_a, lora_a.element_size(), config or {})
         if config is None:
             _CONFIGS[key] = cfg
-    if cfg["fused"]:  # small batches: one fused launch
-        from .triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
+    return cfg
 
-        return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
-                                     native_a, native_b)
-    return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
+
+class ShrinkAhead(NamedTuple):
+    """A shrink launched ahead of its expand (:func:`shrink_ahead_triton`)."""
+
+    zp: torch.Tensor  # the z partials the expand reads
+    cfg: dict
+    stream: "torch.cuda.Stream | None"  # where it runs (None: the current stream, in order)
+
+
+def shrink_ahead_triton(x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, stream=None,
+                        config=None) -> ShrinkAhead | None:
+    """Launch the shrink of ``add_lora_slices_triton(y, x, lora_a, lora_b, lp, ranks, scales,
+    widths)`` now, on ``stream`` after all work issued so far on the current stream (so it can
+    run beside the base GEMM the caller launches next); pass the result as that call's
+    ``ahead``, which waits for ``stream`` and launches only the expand. The output is the same
+    bits as without ``ahead`` (same configuration, same partial-sum order). Returns None (and
+    launches nothing) where the call would run as one fused launch or has more than
+    ``MAX_SLICES`` slices. Buffers are allocated on the current stream before the fork, so the
+    caching allocator never hands them to another stream while in use; the split-K counters
+    are a set of their own. Capturable in a CUDA graph (the fork and join are event waits)."""
+    if lora_a.shape[1] > MAX_SLICES or lp.row_capacity < 1 or lp.tile_capacity < 1:
+        return None
+    x, lora_a, _, ranks, _, native_a, _ = _kernel_operands(x, lora_a, lora_b, ranks, scales)
+    cfg = _config(lp, x, lora_a, widths, native_a, config)
+    if cfg["fused"]:
+        return None
+    buffers = _shrink_buffers(x, lora_a, lp, cfg, counters="ahead" if stream is not None else "")
+    if stream is None:
+        _shrink(x, lora_a, lp, ranks, cfg, native_a, False, buffers=buffers)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            _shrink(x, lora_a, lp, ranks, cfg, native_a, False, buffers=buffers)
+    return ShrinkAhead(buffers[0], cfg, stream)
 
 
 def _kernel_operands(x, a, b, table, other):
@@ -541,22 +593,49 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
     strides of ``ranks``): the A and B rows to read per slice and slot instead of the slot.
     ``cores`` with ``core_kind`` 1 (JD-Diag, ``[S, n, R]``) or 2 (JD-Full, ``[S, n, R, R]``):
     the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update."""
-    _, n, R, d_in = lora_a.shape
     pdl = cfg["pdl"] and _pdl_supported(x.device)
-    bm = lp.block_m
+    zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, bank_rows)
+    return _expand(y, zp, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_b, pdl, bank_rows, cores,
+                   core_kind)
+
+
+def _shrink_buffers(x, lora_a, lp: LaunchPlan, cfg: dict, counters: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(z partials ``[split, rows, n * R]`` float32, split-K counters) of one shrink launch.
+    ``counters`` names the counter buffer: launches that may run at the same time (on two
+    streams) need different ones."""
+    _, n, R, _ = lora_a.shape
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
-    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
+    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"], counters) if cfg["split"] > 1 else zp
+    return zp, cnt
+
+
+def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None,
+            buffers=None) -> torch.Tensor:
+    """Launch the split-K shrink on the current stream into ``buffers`` (default: new ones,
+    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done)."""
+    _, n, R, d_in = lora_a.shape
+    zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         rows_map,
         d_in, R, ranks.stride(0), ranks.stride(1), cfg["k_per_split"], cfg["split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
-        RANK_TILES=cfg["rank_tiles"], BLOCK_M=bm, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        RANK_TILES=cfg["rank_tiles"], BLOCK_M=lp.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
         SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
         num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
+    return zp
+
+
+def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict, native_b: bool, pdl: bool,
+            bank_rows=None, cores=None, core_kind: int = 0):
+    """Launch the expand of the shrink's ``zp`` on the current stream (with ``pdl``, as a
+    programmatic dependent of the shrink launched just before it on the same stream)."""
+    n = len(widths)
+    R = zp.shape[2] // n
+    rows_map = ranks if bank_rows is None else bank_rows
     bn, gt = cfg["block_n"], cfg["group_tiles"]
     g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, bn * gt)
     extra = dict(launch_pdl=True) if pdl else {}
@@ -566,7 +645,7 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
         ranks, scales, rows_map, scales if cores is None else cores,
         R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
-        N_SLICES=n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
+        N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
         BANK_ROWS=bank_rows is not None, CORE=core_kind,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
@@ -662,15 +741,16 @@ def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize,
 _COUNTERS: dict[str, list[torch.Tensor]] = {}
 
 
-def _split_counters(device: torch.device, numel: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the split-K reduction, at least ``numel``.
+def _split_counters(device: torch.device, numel: int, name: str = "") -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K reduction, at least ``numel``; one set
+    per ``name`` (a stream whose shrinks may overlap another stream's uses its own).
 
     The shrink leaves every counter it used at zero again, so one buffer per
     device serves every later call and graph replay; a larger need allocates a
     larger buffer and keeps the old ones alive (graphs captured earlier still
     point at them). Inside a CUDA graph capture a missing buffer is allocated
     in the capture (its zeroing becomes part of the graph: correct, one node more)."""
-    key = str(device)
+    key = f"{device}/{name}"
     bufs = _COUNTERS.setdefault(key, [])
     if bufs and bufs[-1].numel() >= numel:
         return bufs[-1]
