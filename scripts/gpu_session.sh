@@ -16,8 +16,9 @@
 #   bash scripts/gpu_session.sh step7      bf16-vs-fp32 logits of the 8B shape, then start-up (checkpoint to GPU, first token)
 #   bash scripts/gpu_session.sh peft       the transformers + PEFT baseline (step 7), 8 and 64 adapters
 #   bash scripts/gpu_session.sh compress   the step-5 compression benchmark: 1,000 Mistral-7B q/k/v adapters, R 64, 8 clusters
-#   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back)
-#   bash scripts/gpu_session.sh bundle-triton  then: the bundle through the Triton operator against the torch one
+#   bash scripts/gpu_session.sh bundle-data  then  bundle   the step-5 serving benchmark (two calls back to back;
+#                                            bundle-data runs the bundle GPU tests, bundle all four runs incl. the Triton operator)
+#   bash scripts/gpu_session.sh bundle-triton  the bundle through the Triton operator against the torch one alone
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
 #   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
@@ -188,12 +189,16 @@ case "${1:-quick}" in
     timeout 560 python scripts/sample_engine.py --out "$OUT/prof-resident.txt" -- bench residency /tmp/rb --adapters 1000 \
       --rows 8000 --runs all-resident $cmp --out "$OUT/residency-all-resident.json" 2>&1 | tail -12
     ;;
-  bundle-data)  # step 5 serving benchmark, part 1: Mistral-7B base, 1,024 adapters, the bundle (compression timed)
+  bundle-data)  # step 5 serving benchmark, part 1: the bundle operators' GPU tests, then the Mistral-7B base,
+    # 1,024 adapters and the bundle (compression timed; ~7 min on the H200, thirteenth session)
+    timeout 90 python -m pytest -q tests/test_bundle_triton.py tests/test_bundle_serving.py 2>&1 | tail -2
     rm -rf /tmp/rb /tmp/cb7  # 35 GB of workspace: the residency one (30 GB) would not fit beside it on a 64 GB disk
-    timeout 570 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -8
+    timeout 480 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -8
     ;;
-  bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the three runs
-    timeout 570 python -m mlora bench bundle /tmp/bb --out "$OUT/bundle-h200.json" 2>&1 | tail -16
+  bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the four runs, in the
+    # order bundle, base, bundle through the Triton operator, adapters uncompressed (each printed as it ends)
+    timeout 570 python -m mlora bench bundle /tmp/bb --runs bundle,base,bundle-triton,adapters \
+      --out "$OUT/bundle-h200.json" 2>&1 | grep -v "modules fitted" | tail -20
     ;;
   bundle-triton)  # part 3, same workspace: the bundle through the Triton operator (tests first), against the torch one
     timeout 120 python -m pytest -q tests/test_bundle_triton.py tests/test_bundle_serving.py 2>&1 | tail -2
