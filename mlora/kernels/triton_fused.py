@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import triton_sgmv as sgmv
 from .launch import LaunchPlan
-from .triton_sgmv import _expand_group, _slice_of, _tile, slice_args
+from .triton_sgmv import _expand_group, _slice_of, _tile_rank, slice_args
 
 # Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
 # calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
@@ -81,12 +81,9 @@ def _fused_kernel(
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
-    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-                                       BLOCK_M)
-    if not valid:
-        return
-    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
-    if rank == 0:
+    slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+                                           num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
+    if rank == 0:  # a tile past the count, or a slot that does not adapt slice j
         return
     scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + j * stride_aj

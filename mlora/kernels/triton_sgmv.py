@@ -111,6 +111,18 @@ def _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tile
     return valid, slot, u.to(tl.int64), m_ok, rows
 
 
+@triton.jit
+def _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
+               stride_rj, stride_rs, BLOCK_M: tl.constexpr):
+    """:func:`_tile`'s (slot, grouped rows u, row mask, scheduler rows) of tile ``pid_t`` and
+    the slot's true rank for slice ``j``: 0 for a tile past the count (not loaded), so a
+    program whose rank is 0 (or at most its first rank column) has nothing to do."""
+    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                                       BLOCK_M)
+    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs, mask=valid, other=0)
+    return slot, u, m_ok, rows, rank
+
+
 @triton.jit(do_not_specialize=["split"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
@@ -129,12 +141,9 @@ def _shrink_kernel(
     pid_r = tl.program_id(1)
     j = pid_r // RANK_TILES
     r0 = (pid_r % RANK_TILES) * BLOCK_R
-    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-                                       BLOCK_M)
-    if not valid:
-        return
-    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
-    if r0 >= rank:
+    slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+                                           num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
+    if r0 >= rank:  # a tile past the count has rank 0
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
     a_row = slot
@@ -262,12 +271,9 @@ def _expand_kernel(
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
     y_ptr += dy  # this slice's columns of y (row stride unchanged)
-    valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-                                       BLOCK_M)
-    if not valid:
-        return
-    rank = tl.load(ranks_ptr + j * stride_rj + slot * stride_rs)
-    if rank == 0:
+    slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+                                           num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
+    if rank == 0:  # a tile past the count, or a slot that does not adapt slice j
         return
     if CORE == 0:
         scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
