@@ -458,6 +458,12 @@ def test_default_adapter_slots_come_from_free_gpu_memory(monkeypatch):
     # usable = 100 - 0.1 * 140 = 86 GiB; a quarter is 21.5 GiB: 21 slots of 1 GiB
     assert num_slots(JobOptions(input="", output="", base=""), 1000, GiB, cuda) == 21
     assert num_slots(JobOptions(input="", output="", base=""), 5, GiB, cuda) == 5
+    # --kv-cache-gb fixes the KV cache: the adapters have the rest of the usable 86 GiB (56 slots
+    # beside 30 GiB, 6 beside 80 GiB: not the quarter, which would not fit), at least one slot
+    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=30), 1000, GiB, cuda) == 56
+    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=80), 1000, GiB, cuda) == 6
+    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=90), 1000, GiB, cuda) == 1
+    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=30), 40, GiB, cuda) == 40
 
 
 def test_batch_run_option_defaults_are_the_job_defaults():

@@ -407,14 +407,25 @@ ADAPTER_MEMORY_SHARE = 0.25  # of the usable free GPU memory, for adapter slots 
 
 def num_slots(opts: JobOptions, adapters: int, slot_bytes: int, device) -> int:
     """GPU adapter slots: ``--max-gpu-adapters`` (at most one per adapter), else on CUDA as
-    many as fit in a quarter of the usable free memory (the rest is the KV cache's; the
-    residency engine swaps adapters through the slots), else (CPU) one per adapter."""
+    many as fit in the adapters' share of the usable free memory (the residency engine swaps
+    adapters through the slots), else (CPU) one per adapter. The share is a quarter, the rest
+    being the KV cache's; with ``--kv-cache-gb`` the KV cache takes exactly that, and the
+    adapters have everything else (at least one slot)."""
     if opts.max_gpu_adapters is not None:
         return max(1, min(adapters, opts.max_gpu_adapters))
     if device.type == "cuda":
-        usable = _usable_gpu_bytes(opts, device)
-        return max(1, min(adapters, int(ADAPTER_MEMORY_SHARE * usable // max(slot_bytes, 1))))
+        return max(1, min(adapters, int(adapter_share_bytes(opts, device) // max(slot_bytes, 1))))
     return max(1, adapters)
+
+
+def adapter_share_bytes(opts: JobOptions, device) -> float:
+    """Device bytes adapter slots (or a bundle's bases and core slots) may take on CUDA: a
+    quarter of the usable free memory, or, when ``--kv-cache-gb`` fixes the KV cache, what
+    the usable memory holds beside it (one budget: the two never add up to more than it)."""
+    usable = _usable_gpu_bytes(opts, device)
+    if opts.kv_cache_gb:
+        return max(0.0, usable - opts.kv_cache_gb * 2**30)
+    return ADAPTER_MEMORY_SHARE * usable
 
 
 def _usable_gpu_bytes(opts: JobOptions, device) -> float:

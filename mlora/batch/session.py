@@ -52,7 +52,7 @@ class EngineSession:
         bundle = served_bundle(opts, good)
         if bundle is not None:
             from .bundle_bank import BundleBank
-            from .job import ADAPTER_MEMORY_SHARE, JobError, _usable_gpu_bytes
+            from .job import JobError, adapter_share_bytes
 
             operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
             if operator == "triton" and device.type != "cuda":
@@ -61,14 +61,15 @@ class EngineSession:
             members = len(bundle.member_ids())
             core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
             if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
-                share = ADAPTER_MEMORY_SHARE * _usable_gpu_bytes(opts, device)
+                share = adapter_share_bytes(opts, device)
                 bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
                 fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
                 if fit < 1:
                     raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
                                    f"{(bases + 2 * per_slot) / 2**30:.2f} GiB "
                                    "resident, more than the adapters' share of GPU memory; serve its members through "
-                                   "slots with --bundle-operator materialized, or raise --gpu-memory-utilization")
+                                   "slots with --bundle-operator materialized, raise --gpu-memory-utilization, or "
+                                   "give the KV cache less with --kv-cache-gb")
                 core_slots = min(core_slots, fit)
             self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
                                    core_slots=core_slots, operator=operator)

@@ -56,7 +56,7 @@ def batch_run(
     host_cache_gb: Optional[float] = typer.Option(None, "--host-cache-gb",
                                                   help="Host cache of adapter images, pinned at start on a GPU (default: 128 images on a GPU, "
                                                        "unbounded on the CPU)."),
-    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU). On a GPU the adapter slots then get the rest of the usable memory instead of a quarter."),
     shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
     schedule_window: int = typer.Option(8192, "--schedule-window", min=1,
                                         help="Input rows the scheduler may reorder to group rows by adapter: an adapter is loaded about once per window; up to a window of finished rows waits in memory for the output order."),
