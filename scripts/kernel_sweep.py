@@ -81,8 +81,30 @@ def graph_median(graph, flush, reps=30):
     return statistics.median(times)
 
 
+def fused_summary(rows: list[dict], target_us: float = 12.0) -> str:
+    """What the fused calibration decides (``--fused``): per launch-bound case the two-launch and
+    fused times and the rule's choice; how many cases meet issue step 2's 12 us with each, and
+    how often the rule picks the faster path. Cases with a WRONG variant are counted apart."""
+    ok = [r for r in rows if isinstance(r.get("fused"), float) and isinstance(r.get("two_launch"), float)]
+    bad = len(rows) - len(ok)
+    if not ok:
+        return f"fused calibration: no comparable case ({bad} with a wrong or missing variant)"
+    ruled = [r["fused"] if r["rule"] == "fused" else r["two_launch"] for r in ok]
+    best = [min(r["fused"], r["two_launch"]) for r in ok]
+    right = sum((r["fused"] <= r["two_launch"]) == (r["rule"] == "fused") for r in ok)
+    gain = [r["two_launch"] / r["fused"] for r in ok if r["rule"] == "fused"]
+    geo = statistics.geometric_mean(gain) if gain else float("nan")
+    return (f"fused calibration over {len(ok)} launch-bound cases ({bad} not comparable): <= {target_us:g} us with two "
+            f"launches {sum(r['two_launch'] <= target_us for r in ok)}, fused {sum(r['fused'] <= target_us for r in ok)}, "
+            f"the rule's choice {sum(t <= target_us for t in ruled)}, the better of the two {sum(t <= target_us for t in best)}; "
+            f"the rule picks the faster path in {right} of {len(ok)}; where it picks fused ({len(gain)} cases) fused is "
+            f"{geo:.2f}x faster in geometric mean. FUSED_BY_DEFAULT = True is supported when the rule's count beats the "
+            f"two-launch count and the rule is right in most cases.")
+
+
 def main():
     ceil = measure_ceilings()
+    rows = []
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for o, r, T, A in CASES:
         widths = OUTPUTS[o]
@@ -116,6 +138,9 @@ def main():
                 for k, v in saved.items():
                     setattr(sgmv, k, v)
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    if FUSED:
+        print(fused_summary(rows), flush=True)
 
 
 def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, check=True):
