@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import triton_sgmv as sgmv
 from .launch import LaunchPlan
-from .triton_sgmv import _expand_group, _slice_of, _tile_rank, slice_args
+from .triton_sgmv import _expand_group, _shrink_acc, _slice_of, _tile_rank, slice_args
 
 # Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
 # calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
@@ -87,8 +87,9 @@ def _fused_kernel(
         return
     scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + j * stride_aj
-    z = _shrink_tile(x_ptr, a_base, m_ok, rows, rank, d_in, stride_xt, stride_ar,
-                     BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_A) * scale
+    offs_r = tl.arange(0, BLOCK_R)
+    z = _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, offs_r < rank, 0, d_in, d_in, stride_xt, stride_ar,
+                    BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_A) * scale  # the whole d_in: no split-K
     if NATIVE_B:  # a 16-bit expand dot: z rounded to B's dtype, as the two-launch expand does
         zd = z.to(b_ptr.dtype.element_ty)
     else:
@@ -96,28 +97,6 @@ def _fused_kernel(
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     _expand_group(zd, b_ptr + slot.to(tl.int64) * stride_bs, y_ptr + dy, m_ok, rows, rank, n_first, n_hi,
                   group_tiles, stride_bn, stride_yt, BLOCK_N, BLOCK_R, NATIVE_B)
-
-
-@triton.jit
-def _shrink_tile(x_ptr, a_base, m_ok, rows, rank, d_in, stride_xt, stride_ar,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_A: tl.constexpr):
-    """fp32 ``x[rows] @ A[:rank].T`` over the whole d_in, ``[BLOCK_M, BLOCK_R]``, zero past the rank."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, d_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < d_in
-        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                     other=0.0)
-        # A stays in L2 for the tile's other column groups
-        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                     other=0.0, eviction_policy="evict_last")
-        if NATIVE_A:
-            acc += tl.dot(xt, tl.trans(at))
-        else:
-            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
-    return acc
 
 
 def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int, device: torch.device,

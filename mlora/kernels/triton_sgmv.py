@@ -186,17 +186,8 @@ def _shrink_rows(
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
     a_base = a_ptr + a_row.to(tl.int64) * stride_as + j * stride_aj
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < d_in
-        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0,
-                     eviction_policy="evict_last")
-        if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
-            acc += tl.dot(xt, tl.trans(at))
-        else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
-            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
+    acc = _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_lo + k_per_split, d_in, stride_xt, stride_ar,
+                      BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
     zmask = m_ok[:, None] & r_ok[None, :]
     z0 = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
     tl.store(z0 + tl.program_id(2) * stride_zk, acc, mask=zmask)
@@ -216,6 +207,27 @@ def _shrink_rows(
                 z += tl.sum(part, axis=0)
             tl.store(z0, z, mask=zmask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
+
+
+@triton.jit
+def _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_hi, d_in, stride_xt, stride_ar,
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """fp32 ``x[rows, k] @ A[offs_r, k].T`` over ``k`` in ``[k_lo, k_hi)`` (clipped to ``d_in``),
+    ``[BLOCK_M, BLOCK_R]``, with ``a_base`` the slot's (or bank row's) slice of the A bank; rows
+    outside ``m_ok`` and rank rows outside ``r_ok`` read as zero (never loaded). A is loaded
+    ``evict_last``: it stays in L2 for the slot's other tiles and column groups."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < d_in
+        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0,
+                     eviction_policy="evict_last")
+        if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
+            acc += tl.dot(xt, tl.trans(at))
+        else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
+            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -352,11 +364,7 @@ def _expand_columns(
             old2 = tl.load(yp2, mask=mask2, other=0.0, eviction_policy="evict_first")
             bt2 = tl.load(b_base + offs_n2[:, None] * stride_bn + offs_r[None, :], mask=n_ok2[:, None] & r_ok[None, :],
                           other=0.0, eviction_policy="evict_last")
-            if NATIVE_DOT:
-                acc = tl.dot(zd, tl.trans(bt))
-            else:
-                acc = tl.dot(zd, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-            tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
+            _add_tile(yp, old, zd, bt, mask, NATIVE_DOT)
             offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
     else:
         _expand_group(zd, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
@@ -379,11 +387,18 @@ def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
         bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                      other=0.0, eviction_policy="evict_last")
-        if NATIVE_B:
-            acc = tl.dot(z, tl.trans(bt))
-        else:
-            acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
-        tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
+        _add_tile(yp, old, z, bt, mask, NATIVE_B)
+
+
+@triton.jit
+def _add_tile(yp, old, z, bt, mask, NATIVE_B: tl.constexpr):
+    """``y = old + z @ bt.T`` stored at ``yp`` under ``mask`` (fp32 sum, rounded to y's dtype;
+    a 16-bit B on tensor cores, else an IEEE fp32 dot); y streams through once (evict_first)."""
+    if NATIVE_B:
+        acc = tl.dot(z, tl.trans(bt))
+    else:
+        acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    tl.store(yp, (old.to(tl.float32) + acc).to(old.dtype), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
