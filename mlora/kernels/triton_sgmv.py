@@ -541,14 +541,16 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
 
 
-def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None) -> dict:
-    """The launch configuration of one call (cached per static shape unless ``config`` overrides)."""
+def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None, fusable: bool = True) -> dict:
+    """The launch configuration of one call (cached per static shape unless ``config`` overrides):
+    :func:`_choose_config`'s (``fusable=False``: the bundle operator, which has no fused launch)."""
     _, n, R, d_in = lora_a.shape
-    key = (lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m,
-           lora_a.dtype)
+    key = (fusable, lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a,
+           lp.block_m, lora_a.dtype)
     cfg = _CONFIGS.get(key) if config is None else None
     if cfg is None:
-        cfg = _choose_config(lp, n, R, d_in, widths, x.device, native_a, lora_a.element_size(), config or {})
+        cfg = _choose_config(lp, n, R, d_in, widths, x.device, native_a, lora_a.element_size(), config or {},
+                             fusable=fusable)
         if config is None:
             _CONFIGS[key] = cfg
     return cfg
@@ -704,13 +706,7 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
     assert y.stride(1) == 1, "y must be row-major"
     x, bases_a, bases_b, ranks, bank_rows, native_a, native_b = _kernel_operands(x, bases_a, bases_b, ranks,
                                                                                  bank_rows)
-    key = ("bundle", lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a,
-           lp.block_m)
-    cfg = _CONFIGS.get(key) if config is None else None
-    if cfg is None:
-        cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
-        if config is None:
-            _CONFIGS[key] = cfg
+    cfg = _config(lp, x, bases_a, widths, native_a, config, fusable=False)
     return _shrink_expand(y, x, bases_a, bases_b, lp, ranks, ranks, widths, out_offsets, cfg, native_a, native_b,
                           bank_rows=bank_rows, cores=cores, core_kind=1 if diag else 2)
 
@@ -748,14 +744,16 @@ def slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, li
     return g_args, o_args, d_args, groups[-1]
 
 
-def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize, override: dict) -> dict:
-    """The fused launch's config where ``triton_fused.fused_config``'s rule (or
+def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize, override: dict,
+                   fusable: bool = True) -> dict:
+    """The fused launch's config where ``fusable`` and ``triton_fused.fused_config``'s rule (or
     ``override["fused"]``) takes it, else :func:`launch_config`'s; ``"fused"`` says which."""
-    from .triton_fused import fused_config  # deferred: triton_fused imports this module
+    if fusable:
+        from .triton_fused import fused_config  # deferred: triton_fused imports this module
 
-    cfg = fused_config(lp.tile_capacity, lp.row_capacity, R, d_in, widths, itemsize, device, **override)
-    if cfg["fused"]:
-        return cfg
+        cfg = fused_config(lp.tile_capacity, lp.row_capacity, R, d_in, widths, itemsize, device, **override)
+        if cfg["fused"]:
+            return cfg
     return dict(launch_config(lp.tile_capacity, n, R, d_in, widths, device, native, lp.block_m, **override), fused=False)
 
 
