@@ -126,13 +126,13 @@ def test_triton_static_plan_is_refilled_per_replay(served):
 def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkeypatch):
     """Consecutive decode steps with the same row slots reuse the static plan as filled (no
     host plan built, nothing copied); other rows refill it, and the graph context serves them."""
-    import mlora.batch.bundle_bank as bundle_bank
+    import mlora.kernels.launch as launch
 
     bundle, pinned, shapes, layers = served
     bb = BundleBank(bundle, layers, shapes, torch.float32, DEVICE, operator="triton")
     built = []
-    real = bundle_bank.make_launch_plan
-    monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    real = launch.make_launch_plan
+    monkeypatch.setattr(launch, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
     buf = torch.zeros(5, dtype=torch.int64, device=DEVICE)
     graph_ctx = bb.graph_context(buf)
     g = torch.Generator().manual_seed(5)
@@ -144,9 +144,9 @@ def test_triton_static_plan_is_refilled_only_when_the_rows_change(served, monkey
         assert len(built) == fills
         a, b = y0.clone(), y0.clone()
         graph_ctx.apply(0, "qkv", x, a)
-        monkeypatch.setattr(bundle_bank, "make_launch_plan", real)
+        monkeypatch.setattr(launch, "make_launch_plan", real)
         bb.context(rows).apply(0, "qkv", x, b)
-        monkeypatch.setattr(bundle_bank, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+        monkeypatch.setattr(launch, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
         base = (rows < 0).to(DEVICE)
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a[base], y0[base])
 

@@ -448,3 +448,25 @@ def test_shrink_ahead_declines_the_fused_launch_and_wide_calls():
     assert shrink_ahead(x2, a2, b2, lp2, widths=widths2, ranks=ranks2, scales=scales2) is None
     with pytest.raises(ValueError, match="LaunchPlan"):
         shrink_ahead(x, a, b, build_plan(rs.cpu()), widths=widths, ranks=ranks, scales=scales)
+
+
+def test_fill_from_rows_refills_only_when_the_row_slots_change(monkeypatch):
+    """A static LaunchPlan remembers the row slots of its last fill: the same rows build and
+    copy nothing, other rows refill it, and a direct ``copy_from`` makes it forget."""
+    import mlora.kernels.launch as launch
+
+    built = []
+    real = launch.make_launch_plan
+    monkeypatch.setattr(launch, "make_launch_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    static = empty_launch_plan(6, tile_capacity(6, 3, 16), 16, "cpu")
+    rows = torch.tensor([2, -1, 0, 2, 1, -1], dtype=torch.int32)
+    plan = static.fill_from_rows(rows)
+    assert len(built) == 1 and torch.equal(static.num_tiles, real(build_plan(rows), 16).num_tiles)
+    static.tile_slot.fill_(-7)  # a skipped refill leaves this visible
+    assert static.fill_from_rows(rows.clone()) is plan and len(built) == 1 and bool((static.tile_slot == -7).all())
+    other = torch.tensor([0, 0, -1, 1, 1, 1], dtype=torch.int32)
+    static.fill_from_rows(other)
+    assert len(built) == 2 and int(static.num_tiles) == 2 and static.tile_slot[:2].tolist() == [0, 1]
+    static.copy_from(real(build_plan(rows), 16))
+    static.fill_from_rows(other)  # the copy replaced the contents: refilled, not trusted
+    assert len(built) == 3 and static.tile_slot[:2].tolist() == [0, 1]

@@ -131,9 +131,6 @@ class SlotTensors:
         self.B = {g: torch.zeros(S, L, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
         self.ranks = {g: torch.zeros(S, L, len(w), dtype=torch.int32, device=device) for g, w in self.widths.items()}
         self.scales = {g: torch.zeros(S, L, len(w), dtype=torch.float32, device=device) for g, w in self.widths.items()}
-        # static LaunchPlan buffers (captured graphs) -> (buffers, row slots, SegmentPlan) they were last filled
-        # from in _plans, the only writer: a replay with the same row slots needs no rebuild or copy
-        self._static_fills: dict[int, tuple] = {}
         # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
         # (``BankContext.prepare``): opt-in until measured on the H200 (MLORA_LORA_OVERLAP=1)
         self.overlap = backend == "triton" and os.environ.get("MLORA_LORA_OVERLAP") == "1"
@@ -178,16 +175,8 @@ class SlotTensors:
         if host.numel() and int(host.min()) < -1:
             raise self.error("E_BANK_SLOT_EMPTY", "row_slots hold values below -1 (-1 = base only)")
         if static is not None and self.backend == "triton":
-            key = tuple(host.tolist())
-            last = self._static_fills.get(id(static))
-            if last is not None and last[0] is static and last[1] == key:  # e.g. consecutive decode steps
-                return host.to(self.device), last[2], static
-            plan = build_plan(host)
-            filled = static.copy_from(make_launch_plan(plan, block_m=static.block_m))
-            if len(self._static_fills) > 256:  # buffers of engines long gone (one entry per graph bucket)
-                self._static_fills.clear()
-            self._static_fills[id(static)] = (static, key, plan)  # holds static: its id is never reused
-            return host.to(self.device), plan, filled
+            # refilled only when the row slots differ from its last fill (LaunchPlan.fill_from_rows)
+            return host.to(self.device), static.fill_from_rows(host), static
         plan = build_plan(host)
         if self.backend != "triton":
             return host.to(self.device), plan, plan.to(self.device)

@@ -230,8 +230,8 @@ class BundleBank:
             hosts = (host_cores.to(dtype), host_cluster, host_ranks, host_adapts)
             self._host = tuple(t.pin_memory() for t in hosts) if self.device.type == "cuda" else hosts
         self._tables = tables
-        # (buffer address, rows) -> [buffer, its static LaunchPlan, the row slots it was last filled from]
-        self._static_plans: dict[tuple[int, int], list] = {}
+        # (buffer address, rows) -> (buffer, its static LaunchPlan)
+        self._static_plans: dict[tuple[int, int], tuple[torch.Tensor, LaunchPlan]] = {}
         # residency is keyed by semantic_sha256 (the engine's view); members pinned from this bundle
         self._sha_of = {self.index[p.bundle_member]: p.semantic_sha256 for p in (pinned or {}).values()
                         if p.ok and p.artifact_sha256 == self.bundle_sha256 and p.bundle_member in self.index}
@@ -420,37 +420,30 @@ class BundleBank:
 
     def _launch_plan(self, host: torch.Tensor, static) -> LaunchPlan | None:
         """The Triton operator's tile list of one invocation from the host row slots (-1:
-        base model, not in the plan), built on the host (nothing waits for the device): copied
-        into the static plan of ``static`` (a graph's row buffer, :meth:`_static_plan`), else
-        moved to the device; None when no row has a member. A static plan is refilled only
-        when the row slots differ from its last fill's (a slot's member may change between
-        calls, but the plan maps rows to slots, not to members)."""
+        base model, not in the plan), built on the host (nothing waits for the device): in
+        the static plan of ``static`` (a graph's row buffer, :meth:`_static_plan`), refilled
+        only when the row slots differ from its last fill (``LaunchPlan.fill_from_rows``: a
+        slot's member may change between calls, but the plan maps rows to slots, not to
+        members), else moved to the device; None when no row has a member."""
         if static is not None:
-            entry = self._static_entry(static, host.numel())
-            lp, rows = entry[1], tuple(host.tolist())
-            if entry[2] == rows:  # e.g. consecutive decode steps: the plan holds already
-                return lp
-            entry[2] = rows
-            return lp.copy_from(make_launch_plan(build_plan(host), block_m=lp.block_m))
+            lp = self._static_plan(static, host.numel())
+            lp.fill_from_rows(host)
+            return lp
         plan = build_plan(host)
         return make_launch_plan(plan).to(self.device) if plan.num_segments else None
 
     def _static_plan(self, static: torch.Tensor, rows: int) -> LaunchPlan:
         """The static LaunchPlan buffers a captured graph of ``rows`` rows reads, keyed by its
         row buffer (``graph_context(buf[:rows])`` and ``context(..., static=buf)`` of ``rows``
-        row slots name the same plan). Empty (no tiles) until ``context`` fills it."""
-        return self._static_entry(static, rows)[1]
-
-    def _static_entry(self, static: torch.Tensor, rows: int) -> list:
-        """``[buffer, static LaunchPlan, row slots of its last fill or None]`` of (``static``,
-        ``rows``); held with the buffer, so the key's address is never reused."""
+        row slots name the same plan), held with the buffer, so the key's address is never
+        reused. Empty (no tiles) until ``context`` fills it."""
         from .graphs import BLOCK_M  # the decode graphs' row tile
 
         key = (static.data_ptr(), rows)
         if key not in self._static_plans:
             lp = empty_launch_plan(rows, tile_capacity(rows, self.num_slots, BLOCK_M), BLOCK_M, self.device)
-            self._static_plans[key] = [static, lp, None]
-        return self._static_plans[key]
+            self._static_plans[key] = (static, lp)
+        return self._static_plans[key][1]
 
 
 class BundleContext:

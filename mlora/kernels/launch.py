@@ -28,11 +28,11 @@ rows) and does not synchronise with the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .plan import SegmentPlan
+from .plan import SegmentPlan, build_plan
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class LaunchPlan:
     tile_end: torch.Tensor
     num_tiles: torch.Tensor
     block_m: int
+    # what fill_from_rows last copied into these buffers: {"rows": row slots, "plan": their SegmentPlan}
+    _filled: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def row_capacity(self) -> int:
@@ -74,12 +76,26 @@ class LaunchPlan:
                 f"buffers hold {self.row_capacity} / {self.tile_capacity}"
             )
         n, k = other.row_capacity, other.tile_capacity
+        self._filled.clear()
         self.sorted_rows[:n].copy_(other.sorted_rows, non_blocking=True)
         self.tile_slot[:k].copy_(other.tile_slot, non_blocking=True)
         self.tile_start[:k].copy_(other.tile_start, non_blocking=True)
         self.tile_end[:k].copy_(other.tile_end, non_blocking=True)
         self.num_tiles.copy_(other.num_tiles, non_blocking=True)
         return self
+
+    def fill_from_rows(self, row_slots: torch.Tensor) -> SegmentPlan:
+        """Make these (static) buffers hold the tile list of ``row_slots`` (host int32, -1 = no
+        adapter) and return its SegmentPlan, built on the host (no sync). When the row slots
+        are those of this plan's last fill (consecutive decode steps of a captured graph),
+        nothing is built or copied; ``copy_from`` from elsewhere forgets the last fill."""
+        rows = tuple(row_slots.tolist())
+        if self._filled.get("rows") == rows:
+            return self._filled["plan"]
+        plan = build_plan(row_slots)
+        self.copy_from(make_launch_plan(plan, block_m=self.block_m))
+        self._filled.update(rows=rows, plan=plan)
+        return plan
 
 
 def tile_capacity(num_rows: int, num_slots: int, block_m: int) -> int:
