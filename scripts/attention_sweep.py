@@ -33,16 +33,9 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mlora.batch import paged_attention as pa  # noqa: E402
+from mlora.kernels.bench import measure_ceilings  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def shuffled_tables(lens: list[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
@@ -54,13 +47,6 @@ def shuffled_tables(lens: list[int], gen: torch.Generator) -> tuple[list[list[in
         tables.append(perm[at : at + p])
         at += p
     return tables, sum(pages)
-
-
-def matmul_rate() -> float:
-    """bf16 flop/s of a large square matmul."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=100)
-    return 2 * 8192**3 / (ms * 1e-3)
 
 
 def prefill_case(tokens: int, gen: torch.Generator):
@@ -79,8 +65,7 @@ def prefill_case(tokens: int, gen: torch.Generator):
     return layout, lens, num_pages
 
 
-def sweep_prefill(tokens: int, quick: bool, bw: float, gen: torch.Generator) -> None:
-    rate = matmul_rate()
+def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.Generator) -> None:
     layout, lens, num_pages = prefill_case(tokens, gen)
     T = sum(lens)
     k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
@@ -128,11 +113,12 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="sweep a prefill launch instead of decode")
     ap.add_argument("--tokens", type=int, default=8192, help="packed prefill rows (--prefill)")
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    ceil = measure_ceilings()  # the copy bandwidth and bf16 matmul rate of mlora bench kernels
+    bw = ceil.copy_bytes_per_s
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     gen = torch.Generator().manual_seed(0)
     if args.prefill:
-        sweep_prefill(args.tokens, args.quick, bw, gen)
+        sweep_prefill(args.tokens, args.quick, bw, ceil.bf16_flops_per_s, gen)
         return
     block_ns = [32, 64, 128]
     warps = [4, 8] if args.quick else [2, 4, 8]
@@ -148,6 +134,7 @@ def main() -> None:
         print(f"{rows} rows, mean context {sum(ctx) / rows:.0f}: K+V {2 * sum(ctx) * HKV * D * 2 / 1e6:.1f} MB, "
               f"floor {floor_us:.1f} us")
         results = []
+        saved = pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES
         for bn, w, st, sp in itertools.product(block_ns, warps, stages, splits):
             pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES = bn, w, st
             out = torch.full_like(q, float("nan"))
@@ -160,9 +147,9 @@ def main() -> None:
                 print(f"  block_n {bn:3d} warps {w} stages {st} splits {sp}: failed ({type(e).__name__})")
                 continue
             results.append((us, bn, w, st, sp, err))
-        pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES = pa.BLOCK_N, pa.ATTENTION_WARPS, None
+        pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_STAGES = saved
         results.sort()
-        default = [r for r in results if (r[1], r[2], r[3]) == (pa.BLOCK_N, pa.ATTENTION_WARPS, None)]
+        default = [r for r in results if (r[1], r[2], r[3]) == saved]  # the module's decode defaults, every split
         for label, rs in (("fastest", results[:12]), ("default launch parameters", default)):
             print(f"  {label}:")
             for us, bn, w, st, sp, err in rs:

@@ -344,8 +344,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = max(16, triton.next_power_of_2(D))
     for tl_ in layout.launches:
         tiles = tl_.tile_seq.numel()
-        splits = decode_splits(tiles * Hkv, q.device) if tl_.decode and splits_override is None else (
-            splits_override if tl_.decode else 1)
+        if not tl_.decode:
+            splits = 1
+        else:
+            splits = decode_splits(tiles * Hkv, q.device) if splits_override is None else splits_override
         rows = tl_.block_q * _pow2(group)
         block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if tl_.decode else (BLOCK_N, ATTENTION_WARPS)
         stage_count = DECODE_STAGES if tl_.decode else PREFILL_STAGES
