@@ -195,7 +195,8 @@ case "${1:-quick}" in
     rm -rf /tmp/rb /tmp/cb7  # 35 GB of workspace: the residency one (30 GB) would not fit beside it on a 64 GB disk
     timeout 480 python -m mlora bench bundle /tmp/bb --runs none --out "$OUT/bundle-data.json" 2>&1 | tail -8
     ;;
-  bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the four runs, in the
+  bundle)  # part 2 (the workspace of part 1 is reused when the machine is still warm): the four runs (each after
+    # an untimed 256-row warm-up job; ~6.5 min with them, fourteenth session: 5.5 min without), in the
     # order bundle, base, bundle through the Triton operator, adapters uncompressed (each printed as it ends)
     timeout 570 python -m mlora bench bundle /tmp/bb --runs bundle,base,bundle-triton,adapters \
       --out "$OUT/bundle-h200.json" 2>&1 | grep -v "modules fitted" | tail -20

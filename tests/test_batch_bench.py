@@ -274,9 +274,19 @@ def test_bundle_bench_serves_the_same_collection_three_ways(tmp_path):
 
     o = BundleBenchOptions(preset="tiny", adapters=8, rank=4, shared_rank=4, noise=0.0, bundle_rank=8, clusters=1,
                            rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, max_num_seqs=6, max_batch_tokens=48,
-                           device="cpu", dtype="float32")
-    r = run_bundle_bench(str(tmp_path), o)
+                           device="cpu", dtype="float32", warmup_rows=5, warmup_new_tokens=2)
+    said = []
+    r = run_bundle_bench(str(tmp_path), o, progress=said.append)
     assert [x["name"] for x in r["runs"]] == ["bundle", "base", "adapters"]  # the slowest last
+    # an untimed warm-up job of the same kind before each timed run, over the first rows of its input
+    assert [line.split(":")[0].split(" (")[0] for line in said if line.startswith(("warm-up", "running"))] == [
+        "warm-up for bundle", "running bundle", "warm-up for base", "running base", "warm-up for adapters",
+        "running adapters"]
+    for name in ("bundle", "base", "adapters"):
+        warm = pq.read_table(str(tmp_path / f"out-warmup-{name}")).to_pydict()
+        assert sorted(warm["id"]) == sorted(pq.read_table(str(tmp_path / "input.parquet")).column("id")
+                                            .to_pylist()[:5])
+        assert all(len(v) == 2 for v in warm["completion_token_ids"])
     assert all(x["error_rows"] == 0 for x in r["runs"])
     assert r["workspace"]["compress"]["worst_error"] < 1e-6
     slots, need, slot = matched_slots(str(tmp_path), o)

@@ -220,6 +220,17 @@ def h2d_bandwidth(nbytes: int) -> float | None:
     return nbytes / sorted(times)[2]
 
 
+def warmup_input(root: str, source: str, rows: int) -> str:
+    """``root/warmup-SOURCE``: the first ``rows`` rows of ``root/SOURCE``, the input of an
+    untimed warm-up job (it compiles the kernels and captures the graphs the timed run would
+    otherwise pay for inside its timing)."""
+    import pyarrow.parquet as pq
+
+    path = os.path.join(root, f"warmup-{source}")
+    pq.write_table(pq.read_table(os.path.join(root, source)).slice(0, rows), path)
+    return path
+
+
 def fresh_output(root: str, name: str) -> str:
     """``root/out-NAME``, an earlier run's output there removed (a benchmark's job always
     writes a new output)."""
@@ -250,11 +261,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
             gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters,
             image_build_processes=o.image_build_processes))
 
-    warm_input = os.path.join(root, "warmup.parquet")
-    if o.warmup_rows:
-        import pyarrow.parquet as pq
-
-        pq.write_table(pq.read_table(os.path.join(root, "input.parquet")).slice(0, o.warmup_rows), warm_input)
+    warm_input = warmup_input(root, "input.parquet", o.warmup_rows) if o.warmup_rows else None
     for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):
         if name not in o.runs:
             continue

@@ -121,8 +121,9 @@ def _print_kernel_tables(r: dict) -> None:
                       _us(x.get("loop_s")), _us(x.get("gather_bmm_s")), "yes" if x["correct"] else "NO")
     con.print(table)
     for m in r["mixed_rank"]:
-        con.print(f"mixed ranks 8/16/64, T={m['T']}, 64 adapters: {_us(m['mixed_s'])} us vs padded-to-64 "
-                  f"{_us(m['padded_s'])} us = {m['ratio']:.2f}x (floor ratio {m['floor_ratio']:.2f})")
+        con.print(f"mixed ranks 8/16/64, d_out {m.get('d_out', '4096')}, T={m['T']}, {m['adapters']} adapters: "
+                  f"{_us(m['mixed_s'])} us vs padded-to-64 {_us(m['padded_s'])} us = {m['ratio']:.2f}x (floor ratio "
+                  f"{m['floor_ratio']:.2f}, mixed floor {_us(m.get('mixed_floor_s'))} us)")
     con.print_json(data=r["summary"])
 
 
@@ -323,6 +324,8 @@ def bench_bundle(
     seed: int = typer.Option(0, "--seed"),
     runs: str = typer.Option("bundle,adapters,base", "--runs",
                              help="Which runs (they run in the order bundle, base, bundle-triton, adapters): bundle, adapters, base, bundle-triton (the bundle through --bundle-operator three-stage-triton, experimental); none = only write the workspace and bundle."),
+    warmup_rows: int = typer.Option(256, "--warmup-rows", min=0,
+                                    help="Rows of an untimed warm-up job before each run (compiles its kernels; 0: none)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -344,7 +347,7 @@ def bench_bundle(
                               compress_device=compress_device, rows=rows, zipf=zipf, prompt_min=prompt_min,
                               prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
                               max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
-                              seed=seed, runs=names)
+                              seed=seed, runs=names, warmup_rows=warmup_rows)
     results = run_bundle_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if _save(results, out, json_out):
         return

@@ -194,16 +194,26 @@ def grid(quick: bool):
                         yield out_name, rank, T, n
 
 
-def mixed_rank_cases(ceil, flush, tokens=(64, 256, 4096)):
+# (rows T, adapters, d_out) of the mixed-rank comparison. The first three (64 adapters, d_out
+# 4096) are the fourth session's: at T 64 and 256 the mixed batch's own floor is launch-bound
+# (~5 and ~8 us against ~11 and ~17 padded) and at T 4096 x and y outweigh the factors (floor
+# ratio 0.78), so none of them can reach the issue's 0.6x whatever the kernel. The last two
+# (fourteenth session) are factor-bound: 256 adapters of d_out 14336, one to four rows each,
+# mixed floors ~45 and ~80 us at floor ratios ~0.46 and ~0.51.
+MIXED_CASES = ((64, 64, "4096"), (256, 64, "4096"), (4096, 64, "4096"), (256, 256, "14336"), (1024, 256, "14336"))
+
+
+def mixed_rank_cases(ceil, flush, cases=MIXED_CASES):
     """Ranks 8/16/64 in one batch against the same rows with every slot at rank 64
-    (``floor_ratio``: the same ratio of the two memory floors, the best possible)."""
+    (``floor_ratio``: the same ratio of the two memory floors, the best possible;
+    ``mixed_floor_s`` below 10 us: the mixed batch is launch-bound)."""
     out = []
-    for T in tokens:
-        mixed = [(8, 16, 64)[s % 3] for s in range(64)]
-        m = run_case(T, 64, "4096", mixed, 64, ceil, flush, baselines=False, seed=1)
-        p = run_case(T, 64, "4096", [64] * 64, 64, ceil, flush, baselines=False, seed=1)
-        out.append(dict(T=T, adapters=64, mixed_s=m["triton_graph_s"], padded_s=p["triton_graph_s"],
-                        floor_ratio=m["floor_s"] / p["floor_s"],
+    for T, n, d_out in cases:
+        mixed = [(8, 16, 64)[s % 3] for s in range(n)]
+        m = run_case(T, n, d_out, mixed, 64, ceil, flush, baselines=False, seed=1)
+        p = run_case(T, n, d_out, [64] * n, 64, ceil, flush, baselines=False, seed=1)
+        out.append(dict(T=T, adapters=n, d_out=d_out, mixed_s=m["triton_graph_s"], padded_s=p["triton_graph_s"],
+                        floor_ratio=m["floor_s"] / p["floor_s"], mixed_floor_s=m["floor_s"], padded_floor_s=p["floor_s"],
                         ratio=m["triton_graph_s"] / p["triton_graph_s"], correct=m["correct"] and p["correct"]))
     return out
 
@@ -224,6 +234,10 @@ def summarize(cases, mixed) -> dict:
         launch_bound_max_s=max((c["triton_graph_s"] for c in small), default=None),
         loop_speedup_min=min(speedups, default=None),
         mixed_ratio_max=max((m["ratio"] for m in mixed), default=None),
+        # the same over the mixed cases where 0.6x is attainable at all: the mixed batch's own
+        # floor >= 10 us (not launch-bound, the split the other targets use) and floor ratio <= 0.6
+        mixed_ratio_max_attainable=max((m["ratio"] for m in mixed if m["mixed_floor_s"] >= 10e-6
+                                        and m["floor_ratio"] <= 0.6), default=None),
     )
     s["targets"] = dict(
         fraction_geomean_ge_0_4=geo is not None and geo >= 0.4,
@@ -231,6 +245,8 @@ def summarize(cases, mixed) -> dict:
         launch_bound_le_12us=s["launch_bound_max_s"] is not None and s["launch_bound_max_s"] <= 12e-6,
         loop_speedup_ge_10x=s["loop_speedup_min"] is not None and s["loop_speedup_min"] >= 10,
         mixed_le_0_6_padded=s["mixed_ratio_max"] is not None and s["mixed_ratio_max"] <= 0.6,
+        mixed_le_0_6_padded_where_attainable=(s["mixed_ratio_max_attainable"] is not None
+                                              and s["mixed_ratio_max_attainable"] <= 0.6),
     )
     return s
 

@@ -41,10 +41,10 @@ from . import triton_sgmv as sgmv
 from .launch import LaunchPlan
 from .triton_sgmv import _expand_group, _shrink_acc, _slice_of, _tile_rank, slice_args
 
-# Selection rule (fused_config). Estimates, not yet measured on a GPU: to be
-# calibrated on the H200 by `scripts/kernel_sweep.py --fused`, which times every
-# launch-bound case with the fused launch forced on and off next to this rule's
-# choice and its A-traffic estimate.
+# Selection rule (fused_config). Estimates; `scripts/kernel_sweep.py --fused` times every
+# launch-bound case with the fused launch forced on and off next to this rule's choice. On the
+# H200 (fourteenth session) the fused launch was slower in every case (1.19-2.50x the two
+# launches), so the rule only reports (FUSED_BY_DEFAULT below).
 # Most rows (LaunchPlan row capacity) a fused launch takes: the launch-bound
 # bench cases the fused launch is for have T <= 64; x is re-read per column
 # group too, and at more rows split-K's bandwidth wins.
@@ -57,10 +57,9 @@ FUSED_MAX_A_BYTES = 32 << 20
 # Widest bank a fused program takes: z and the A and B tiles are R wide in one
 # program (no rank tiles), and 64 is the widest that compile_kernels.py checks.
 FUSED_MAX_R = 64
-# Whether the rule picks the fused launch without an override. Off until the H200
-# calibration above has run: the fused kernel's 16-bit tensor-core path has been compiled
-# (scripts/compile_kernels.py) but never executed or timed, and the engine's decode graphs
-# would take it at small batches. `config={"fused": True}` (tests, the sweep) forces it.
+# Whether the rule picks the fused launch without an override. Off: the H200 calibration
+# (BENCHMARKS.md, fourteenth session) found it slower than shrink + expand in all 74
+# launch-bound cases. `config={"fused": True}` (tests, the sweep) forces it.
 FUSED_BY_DEFAULT = False
 # Column tiles one program streams at most: the groups keep the launch at about
 # one program per SM (each program's shrink is its fixed cost, so fewer,
@@ -108,7 +107,7 @@ def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int
     Rule (``"rule"``): fused when ``rows <= FUSED_MAX_ROWS``, ``R <= FUSED_MAX_R`` and the
     redundant A traffic ``a_bytes = tiles x column groups x R x d_in x itemsize`` (every
     program re-reads its slot's A, mostly from L2) is at most ``FUSED_MAX_A_BYTES``; it
-    decides ``"fused"`` only where ``FUSED_BY_DEFAULT`` (off until measured). ``override``: ``fused``
+    decides ``"fused"`` only where ``FUSED_BY_DEFAULT`` (off: measured slower). ``override``: ``fused``
     (True / False forces the choice), ``fused_block_n``, ``fused_group``, ``fused_warps``,
     ``fused_stages`` (the sweep's variants)."""
     block_n = override.get("fused_block_n") or sgmv._pow2(min(widths), 16, 128)

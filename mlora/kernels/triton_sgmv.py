@@ -56,7 +56,7 @@ numerics, grid ``(tile_capacity, column groups)``, each program recomputing its
 tile's z over the whole d_in before its columns; no partials, no counters, no
 PDL). ``triton_fused.fused_config`` chooses it from static shapes (row
 capacity, bank width, the redundant A traffic against the second launch's
-fixed cost) once ``FUSED_BY_DEFAULT`` is on (off until measured on a GPU);
+fixed cost) once ``FUSED_BY_DEFAULT`` is on (off: measured slower on the H200);
 ``config={"fused": True/False}`` forces either path.
 
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
