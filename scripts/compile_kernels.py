@@ -9,8 +9,10 @@ rank tiles; one and three slices; the bundle operator's variants with the bank-r
 the JD-Full / JD-Diag core), the fused small-batch LoRA kernel (one and three slices,
 ranks 16 and 64), the residency word-stats kernel and the paged
 attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
-kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel
-and exits 1 on the first failure.
+kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel (cubin size, registers,
+spilled stack, and its global loads and stores by width: a mask at a runtime bound on a tensor's
+contiguous axis turns 16-byte accesses into one 2-byte access per element) and exits 1 on the
+first failure.
 """
 
 import argparse
@@ -39,8 +41,31 @@ def _resources(cubin: bytes) -> str:
     return f", registers {m.group(1)}, stack {m.group(2)} bytes" if m else ""
 
 
-# integer arguments that are multiples of 16 at the 8B shapes (besides the strides)
-DIVISIBLE = ("d_in", "block_size", "k_per_split")
+def _global_accesses(ptx: str) -> str:
+    """", global loads: N vector / M scalar (widths); stores: ..." from the PTX: scalar 16-bit
+    accesses of a 16-bit tensor are what a mask on the contiguous axis at a runtime bound produces
+    (the LoRA expand's B tile did, fourteenth session); cp.async copies count as vector loads.
+    Scalar 32-bit ones are plan metadata and the shrink's fp32 z tile (a few per thread)."""
+    import collections
+    import re
+
+    ops = re.findall(r"\bld\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b", ptx)
+    vec = sum(1 for v, _ in ops if v) + len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx))
+    scalar = collections.Counter(t for v, t in ops if not v)
+    st = re.findall(r"\bst\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b", ptx)
+    st_scalar = collections.Counter(t for v, t in st if not v)
+    return (f", global loads: {vec} vector / {sum(scalar.values())} scalar"
+            + (f" ({', '.join(f'{n} {t}' for t, n in sorted(scalar.items()))})" if scalar else "")
+            + f"; stores: {sum(1 for v, _ in st if v)} vector / {sum(st_scalar.values())} scalar"
+            + (f" ({', '.join(f'{n} {t}' for t, n in sorted(st_scalar.items()))})" if st_scalar else ""))
+
+
+# integer arguments that are multiples of 16 at the 8B shapes (besides the strides), which a GPU
+# launch marks as such: sizes (the norms' width, the SiLU's intermediate size, RoPE's half head,
+# the word counts of a slot group's views), the LoRA bank's physical rank, and the expand's slice
+# column offsets and shifts (sums of widths)
+DIVISIBLE = ("d_in", "block_size", "k_per_split", "R", "O1", "O2", "O3", "O4", "D0", "D1", "D2", "D3", "n", "inter",
+             "half", "n0", "n1")
 
 
 def main() -> int:
@@ -89,7 +114,8 @@ def main() -> int:
                                     or (n.startswith("stride_") and n not in ("stride_rj", "stride_rs")))}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                                   target=target, options=options or None)
-        print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin{_resources(compiled.asm['cubin'])}")
+        print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin{_resources(compiled.asm['cubin'])}"
+              f"{_global_accesses(compiled.asm['ptx'])}")
 
     import torch
 
@@ -124,8 +150,10 @@ def main() -> int:
     for bm, rank, core in ((16, 16, 2), (16, 64, 2), (16, 64, 1), (32, 64, 2)):
         cfg = sgmv.launch_config(64, 3, rank, 4096, [4096] * 3, torch.device("cpu"), True, bm)
         build(sgmv._expand_kernel,
+              # the core's contiguous stride is 1, which a launch specialises on like a constant
               dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=3,
-                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=True, CORE=core),
+                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=True, CORE=core,
+                   **({"stride_cr": 1} if core == 1 else {"stride_ck": 1})),
               f"bundle expand block_m={bm} slices=3 block_r={cfg['block_r_expand']} "
               f"core={('jd-diag', 'jd-full')[core - 1]}",
               num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])

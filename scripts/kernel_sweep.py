@@ -4,7 +4,7 @@ CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
 checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused]
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -17,6 +17,12 @@ T <= 256) with the fused launch forced on and off and its variants, next to
 the selection rule's choice (``rule``) and its redundant-A estimate
 (``a_MiB``): the data to calibrate FUSED_MAX_ROWS and FUSED_MAX_A_BYTES in
 mlora.kernels.triton_fused.
+``--decode``: the four LoRA launches of one Llama-3-8B decoder layer in the
+engine's decode step (q/k/v, o, gate/up from d_in 4096; down from d_in 14336;
+rank 16; 256 running rows over 64 and over 8 adapters, step 7's shapes) with
+the expand and shrink knobs that decide how many bytes are in flight, then per
+variant the layer's sum and 32 layers of it, to set against the decode
+profile's LoRA time (eleventh session: 5.8 ms of a 64-adapter iteration).
 """
 import json
 import statistics
@@ -42,7 +48,7 @@ VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "
             # 16-wide shrink rank tiles in a 64-wide bank: a rank-64 slot's shrink in 4 programs, a
             # rank-8/16 slot's in 1 (the mixed-rank case against its padded twin, issue step 2)
             "block_r16": dict(block_r=16),  # 60 expand registers at rank 16 against 158 at 128 (8 programs/SM, not 3)
-            "expand_warps8": dict(expand_warps=8), "sum_chunk4": dict(sum_chunk=4), "split1": dict(split=1),
+            "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2), "sum_chunk4": dict(sum_chunk=4), "split1": dict(split=1),
             "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
             "fused": dict(fused=True), "two_launch": dict(fused=False)}
 if "--defaults" in sys.argv:
@@ -51,6 +57,17 @@ SPLIT = "--split" in sys.argv
 if SPLIT:
     VARIANTS = {"default": dict(fused=False)}
 FUSED = "--fused" in sys.argv
+DECODE = "--decode" in sys.argv
+# the engine's fused slices beyond the bench grid's outputs, and their d_in where it is not 4096
+SWEEP_OUTPUTS = {**OUTPUTS, "gateup": (14336, 14336), "down": (4096,)}
+SWEEP_D_IN = {"down": 14336}
+if DECODE:
+    CASES = [(o, 16, 256, A) for A in (64, 8) for o in ("qkv", "4096", "gateup", "down")]
+    VARIANTS = {"default": {}, "expand_warps2": dict(expand_warps=2), "expand_warps8": dict(expand_warps=8),
+                "expand_stages1": dict(expand_stages=1), "expand_stages3": dict(expand_stages=3),
+                "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
+                "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
+                "split1": dict(split=1), "shrink_warps8": dict(shrink_warps=8), "no_pdl": dict(pdl=False)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
@@ -109,19 +126,19 @@ def main():
     rows = []
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for o, r, T, A in CASES:
-        widths = OUTPUTS[o]
+        widths, d_in = SWEEP_OUTPUTS[o], SWEEP_D_IN.get(o, D_IN)
         ranks_per_slot = [(8, 16, 64)[i % 3] for i in range(A)] if r == "mixed" else [r] * A
-        y0, x, a, b, rs, ranks, scales = make_case(T, A, widths, ranks_per_slot, max(ranks_per_slot))
+        y0, x, a, b, rs, ranks, scales = make_case(T, A, widths, ranks_per_slot, max(ranks_per_slot), d_in=d_in)
         lp = make_launch_plan(build_plan(rs))
         static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
         static.copy_from(lp)
-        floor = case_floor(T, widths, ranks_per_slot, torch.unique(rs).tolist(), ceil)["floor_s"] * 1e6
+        floor = case_floor(T, widths, ranks_per_slot, torch.unique(rs).tolist(), ceil, d_in=d_in)["floor_s"] * 1e6
         if FUSED and floor >= LAUNCH_BOUND_S * 1e6:
             continue
         ref = reference_f64(y0, x, a, b, rs, ranks, scales, widths)
         row = {"case": f"{o}/r{r}/T{T}/A{A}", "floor_us": round(floor, 1)}
         if FUSED:
-            rule = fused.fused_config(static.tile_capacity, static.row_capacity, max(ranks_per_slot), D_IN, widths,
+            rule = fused.fused_config(static.tile_capacity, static.row_capacity, max(ranks_per_slot), d_in, widths,
                                       a.element_size(), a.device)
             row.update(rule="fused" if rule["rule"] else "two_launch", a_MiB=round(rule["a_bytes"] / 2**20, 1))
         variants = dict(VARIANTS)
@@ -143,6 +160,29 @@ def main():
         rows.append(row)
     if FUSED:
         print(fused_summary(rows), flush=True)
+    if DECODE:
+        for line in decode_summary(rows):
+            print(line, flush=True)
+
+
+def decode_summary(rows: list[dict], layers: int = 32) -> list[str]:
+    """Per adapter count of ``--decode``: the floor and each variant's time summed over one
+    layer's four launches, and times ``layers`` (the decode iteration's LoRA share); a variant
+    WRONG in any launch is reported as such."""
+    out = []
+    for A in sorted({int(r["case"].rsplit("/A", 1)[1]) for r in rows}, reverse=True):
+        group = [r for r in rows if r["case"].endswith(f"/A{A}")]
+        floor = sum(r["floor_us"] for r in group)
+        parts = []
+        for name in VARIANTS:
+            times = [r.get(name) for r in group]
+            if all(isinstance(t, float) for t in times):
+                parts.append(f"{name} {sum(times):.1f} us ({sum(times) * layers / 1e3:.2f} ms, {sum(times) / floor:.1f}x)")
+            else:
+                parts.append(f"{name} WRONG or missing")
+        out.append(f"decode layer, {A} adapters, {len(group)} launches: floor {floor:.1f} us "
+                   f"({floor * layers / 1e3:.2f} ms per {layers} layers); " + "; ".join(parts))
+    return out
 
 
 def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, check=True):

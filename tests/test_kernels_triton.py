@@ -34,6 +34,10 @@ def test_triton_spec_trace_exact(dtype, lora_path):
         (2, torch.float16, dict()),
         (3, torch.float32, dict(T=3, S=3, R=8, d_in=16, d_out=40)),  # decode-like: few rows per slot
         (4, torch.bfloat16, dict(T=70, S=2, R=64, d_in=48, d_out=24, base_frac=0.0)),  # long segments, R > block
+        # physical ranks that are not multiples of 16 / 8: the expand loads rank columns up to the rank
+        # rounded up to 8, clipped to R, and zeroes the NaN-poisoned ones it loads past the rank
+        (5, torch.bfloat16, dict(T=11, S=4, R=12, d_in=16, d_out=24)),
+        (6, torch.float32, dict(T=11, S=4, R=40, d_in=16, d_out=24)),
     ],
 )
 def test_triton_matches_the_oracle(seed, dtype, shape, lora_path):

@@ -8,7 +8,9 @@ Public entry points::
       lora_a:    [S, R, d_in]        slot bank, logical orientation (R = physical max rank)
       lora_b:    [S, d_out, R]
       row_slots: int32 [T]           slot of each row, -1 = base only
-      ranks:     int32 [S] or None   true rank per slot; columns/rows >= ranks[s] are never read
+      ranks:     int32 [S] or None   true rank per slot; columns/rows >= ranks[s] never reach y (they may
+                                     hold NaN; the Triton expand may load up to 7 of them past a rank that
+                                     is not a multiple of 8 and discards them: docs/kernels.md)
       scales:    float32 [S] or None
       semantics: for every t with s = row_slots[t] >= 0:
          y[t] += scales[s] * (x[t] @ lora_a[s, :ranks[s]].T) @ lora_b[s, :, :ranks[s]].T

@@ -86,13 +86,15 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(copy_bytes_per_s=2 * 2 * n / t_copy, bf16_flops_per_s=2 * m**3 / t_mm)
 
 
-def make_case(T: int, n_adapters: int, widths, ranks_per_slot, R: int, seed: int = 0, device="cuda"):
-    """Bank of ``n_adapters`` slots (true ranks ``ranks_per_slot``, physical R) and T rows."""
+def make_case(T: int, n_adapters: int, widths, ranks_per_slot, R: int, seed: int = 0, device="cuda",
+              d_in: int = D_IN):
+    """Bank of ``n_adapters`` slots (true ranks ``ranks_per_slot``, physical R) and T rows of
+    ``d_in`` inputs (the grid's 4096 unless a sweep asks for another, e.g. down_proj's 14336)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = len(widths)
     S = n_adapters
-    x = torch.randn(T, D_IN, generator=g).to(device, torch.bfloat16)
-    a = (torch.randn(S, n, R, D_IN, generator=g) / math.sqrt(D_IN)).to(device, torch.bfloat16)
+    x = torch.randn(T, d_in, generator=g).to(device, torch.bfloat16)
+    a = (torch.randn(S, n, R, d_in, generator=g) / math.sqrt(d_in)).to(device, torch.bfloat16)
     b = (torch.randn(S, sum(widths), R, generator=g) / math.sqrt(R)).to(device, torch.bfloat16)
     ranks = torch.tensor(ranks_per_slot, dtype=torch.int32).repeat(n, 1).to(device)
     scales = (torch.rand(n, S, generator=g) + 0.5).to(device)
@@ -115,12 +117,12 @@ def reference_f64(y, x, a, b, rs, ranks, scales, widths) -> torch.Tensor:
     return out
 
 
-def case_floor(T, widths, ranks_per_slot, used_slots, ceil: Ceilings) -> dict:
+def case_floor(T, widths, ranks_per_slot, used_slots, ceil: Ceilings, d_in: int = D_IN) -> dict:
     n = len(widths)
-    adapter_bytes = sum(ranks_per_slot[s] * (n * D_IN + sum(widths)) * 2 for s in used_slots)
-    io_bytes = T * D_IN * 2 + 2 * T * sum(widths) * 2
+    adapter_bytes = sum(ranks_per_slot[s] * (n * d_in + sum(widths)) * 2 for s in used_slots)
+    io_bytes = T * d_in * 2 + 2 * T * sum(widths) * 2
     mean_rank = sum(ranks_per_slot[s] for s in used_slots) / max(len(used_slots), 1)
-    flops = 2 * T * mean_rank * (n * D_IN + sum(widths))  # approximate when ranks differ per slot
+    flops = 2 * T * mean_rank * (n * d_in + sum(widths))  # approximate when ranks differ per slot
     t_bytes = (adapter_bytes + io_bytes) / ceil.copy_bytes_per_s
     t_flops = flops / ceil.bf16_flops_per_s
     return dict(bytes=adapter_bytes + io_bytes, flops=flops, floor_s=max(t_bytes, t_flops),

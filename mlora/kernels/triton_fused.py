@@ -71,7 +71,7 @@ FUSED_MAX_GROUP = 8
 def _fused_kernel(
     x_ptr, a_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr,
-    d_in, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
+    d_in, R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
     stride_xt, stride_as, stride_aj, stride_ar, stride_bs, stride_bn, stride_yt,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, NATIVE_A: tl.constexpr, NATIVE_B: tl.constexpr,
@@ -94,7 +94,7 @@ def _fused_kernel(
     else:
         zd = z
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
-    _expand_group(zd, b_ptr + slot.to(tl.int64) * stride_bs, y_ptr + dy, m_ok, rows, rank, n_first, n_hi,
+    _expand_group(zd, b_ptr + slot.to(tl.int64) * stride_bs, y_ptr + dy, m_ok, rows, rank, R, n_first, n_hi,
                   group_tiles, stride_bn, stride_yt, BLOCK_N, BLOCK_R, NATIVE_B)
 
 
@@ -138,7 +138,7 @@ def add_lora_slices_fused(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, w
     g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, cfg["block_n"] * cfg["group"])
     _fused_kernel[(lp.tile_capacity, n_groups)](
         x, lora_a, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks, scales,
-        d_in, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, cfg["group"],
+        d_in, lora_b.shape[2], ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, cfg["group"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0), lora_b.stride(1),
         y.stride(0),
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],

@@ -330,7 +330,6 @@ def _expand_columns(
     is available. Wide z: one tile at a time (two 64-wide B tiles in registers
     spill), with only the plan metadata read before the wait."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank  # the true rank: z and B past it are never read
     b_base = b_ptr + b_row.to(tl.int64) * stride_bs
     offs_n = n_first + tl.arange(0, BLOCK_N)
     mask = m_ok[:, None] & (offs_n < n_hi)[None, :]
@@ -339,14 +338,17 @@ def _expand_columns(
     if BLOCK_R <= 32:
         # y streams through once (evict_first); B stays cached for the slot's other tiles
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
-                     mask=(offs_n < n_hi)[:, None] & r_ok[None, :], other=0.0, eviction_policy="evict_last")
+        bt = _b_tile(b_base, offs_n, offs_n < n_hi, offs_r, rank, R, stride_bn)
     if CORE != 0:
-        core = _load_core(core_base, offs_r, r_ok, stride_cr, stride_ck, CORE)
+        core = _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE)
     if USE_PDL:  # z is the shrink's output: wait for the shrink grid to finish and flush
         tl.extra.cuda.gdc_wait()
-    zmask = m_ok[:, None] & r_ok[None, :]
-    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=zmask, other=0.0)
+    # z's columns past the rank were never written by the shrink: loaded only within the
+    # rank's 16-byte vectors and zeroed (_rank_cols)
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
+    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
+                other=0.0)
+    z = tl.where(r_ok[None, :], z, 0.0)
     if CORE == 0:
         z = z * scale
     else:
@@ -362,22 +364,20 @@ def _expand_columns(
             mask2 = m_ok[:, None] & n_ok2[None, :]
             yp2 = yp + BLOCK_N
             old2 = tl.load(yp2, mask=mask2, other=0.0, eviction_policy="evict_first")
-            bt2 = tl.load(b_base + offs_n2[:, None] * stride_bn + offs_r[None, :], mask=n_ok2[:, None] & r_ok[None, :],
-                          other=0.0, eviction_policy="evict_last")
+            bt2 = _b_tile(b_base, offs_n2, n_ok2, offs_r, rank, R, stride_bn)
             _add_tile(yp, old, zd, bt, mask, NATIVE_DOT)
             offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
     else:
-        _expand_group(zd, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
+        _expand_group(zd, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_tiles, stride_bn, stride_yt,
                       BLOCK_N, BLOCK_R, NATIVE_DOT)
 
 
 @triton.jit
-def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles, stride_bn, stride_yt,
+def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_tiles, stride_bn, stride_yt,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr):
     """``y[rows, c] += z @ B[c, :rank].T`` for the B rows ``c`` of ``group_tiles`` column tiles from
     ``n_first`` (clipped to ``n_hi``, the slice's end); ``y_ptr`` already shifted to the slice's columns."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
     n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)
     for g in range(0, group_tiles):
         offs_n = n_first + g * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -385,9 +385,34 @@ def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, n_first, n_hi, group_tiles
         mask = m_ok[:, None] & n_ok[None, :]
         yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0, eviction_policy="evict_last")
+        bt = _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn)
         _add_tile(yp, old, z, bt, mask, NATIVE_B)
+
+
+@triton.jit
+def _rank_cols(offs_r, rank, R):
+    """(load mask, use mask) over a rank axis that is a tensor's contiguous one (B's and the
+    cores' columns, z's). A load masked at the exact rank, a runtime value, cannot be vectorised:
+    every element became its own 2- or 4-byte load (the rank-64 expand issued 96 two-byte loads
+    per thread where 12 16-byte ones do; sm_90 PTX, fourteenth session). The load mask stops at
+    the rank rounded up to 8 and clipped to the bank's physical rank ``R`` (never past a row of
+    the tensor; a multiple of 8 still when R is one, the case where the rows are 16-byte aligned
+    and vectors are possible at all), which Triton vectorises on; the use mask is the exact rank.
+    A value in [rank, that) may be loaded (it lies in the 32-byte sector of the last true column:
+    no extra DRAM traffic) and the caller replaces it by zero before use, so a NaN there never
+    reaches y; ranks that are multiples of 8 load nothing past the rank."""
+    return offs_r < tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R), offs_r < rank
+
+
+@triton.jit
+def _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn):
+    """The B tile ``[offs_n, offs_r]`` of one slot, zero for rows outside ``n_ok`` and for columns
+    at or past ``rank``, in whole 16-byte loads (``_rank_cols``); B stays cached for the slot's
+    other tiles (evict_last)."""
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
+    bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_load[None, :],
+                 other=0.0, eviction_policy="evict_last")
+    return tl.where(r_ok[None, :], bt, 0.0)
 
 
 @triton.jit
@@ -402,14 +427,18 @@ def _add_tile(yp, old, z, bt, mask, NATIVE_B: tl.constexpr):
 
 
 @triton.jit
-def _load_core(core_base, offs_r, r_ok, stride_cr, stride_ck, CORE: tl.constexpr):
+def _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE: tl.constexpr):
     """A member's core of one slice in fp32, zero past the rank: ``[BLOCK_R]`` (``CORE`` 1,
-    JD-Diag) or ``[BLOCK_R, BLOCK_R]`` with ``core[r, k]`` (``CORE`` 2, JD-Full)."""
+    JD-Diag) or ``[BLOCK_R, BLOCK_R]`` with ``core[r, k]`` (``CORE`` 2, JD-Full); loaded in
+    whole vectors along the contiguous axis (``_rank_cols``; ``R`` the cores' physical rank)."""
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
     if CORE == 1:
-        core = tl.load(core_base + offs_r * stride_cr, mask=r_ok, other=0.0)
+        core = tl.load(core_base + offs_r * stride_cr, mask=r_load, other=0.0)
+        core = tl.where(r_ok, core, 0.0)
     else:
         core = tl.load(core_base + offs_r[:, None] * stride_cr + offs_r[None, :] * stride_ck,
-                       mask=r_ok[:, None] & r_ok[None, :], other=0.0)
+                       mask=r_ok[:, None] & r_load[None, :], other=0.0)
+        core = tl.where(r_ok[None, :], core, 0.0)
     return core.to(tl.float32)
 
 
