@@ -24,7 +24,7 @@
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
 #   bash scripts/gpu_session.sh kv-layout    page-major against layer-major KV (the one-arena ledger's first step): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
-#   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode, bench batch 0,8,64 (~8 min)
+#   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode (default vs exact_rank_loads A/B), bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -139,7 +139,7 @@ case "${1:-quick}" in
     # launches at decode size with the expand knobs, then the engine at 0/8/64 adapters (~8 min)
     timeout 150 python -m pytest -q tests/test_kernels_triton.py tests/test_kernels_slices.py tests/test_kernels_spec.py \
       tests/test_bundle_triton.py 2>&1 | tail -2
-    timeout 150 python scripts/kernel_sweep.py --decode 2>&1 | tail -12 | tee "$OUT/kernel-sweep-decode.txt"
+    timeout 200 python scripts/kernel_sweep.py --decode 2>&1 | tail -12 | tee "$OUT/kernel-sweep-decode.txt"
     timeout 260 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
