@@ -18,6 +18,7 @@ first failure.
 import argparse
 import inspect
 import os
+import re
 import sys
 
 
@@ -73,7 +74,11 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     ap.add_argument("--no-marks", action="store_true",
                     help="compile without the alignment / divisibility marks a GPU launch gets")
+    ap.add_argument("--dump", metavar="DIR", help="also write each kernel's PTX and cubin there "
+                    "(LABEL.ptx, LABEL.cubin: for `cuobjdump -sass`)")
     args = ap.parse_args()
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has nothing to compile", file=sys.stderr)
         return 2
@@ -116,6 +121,12 @@ def main() -> int:
                                   target=target, options=options or None)
         print(f"ok  {label}: {len(compiled.asm['cubin'])} bytes of cubin{_resources(compiled.asm['cubin'])}"
               f"{_global_accesses(compiled.asm['ptx'])}")
+        if args.dump:
+            stem = os.path.join(args.dump, re.sub(r"[^\w.=-]+", "_", label))
+            with open(stem + ".ptx", "w") as f:
+                f.write(compiled.asm["ptx"])
+            with open(stem + ".cubin", "wb") as f:
+                f.write(compiled.asm["cubin"])
 
     import torch
 
