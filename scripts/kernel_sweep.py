@@ -34,7 +34,8 @@ import torch
 from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import ADAPTERS, D_IN, OUTPUTS, RANKS, case_floor, make_case, measure_ceilings, reference_f64
+from mlora.kernels.bench import (ADAPTERS, D_IN, OUTPUTS, RANKS, _events_median, case_floor, make_case,
+                                 measure_ceilings, reference_f64)
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 16, 256, 64), ("4096", 8, 256, 256),
@@ -91,16 +92,8 @@ class _NoLaunch:
 
 
 def graph_median(graph, flush, reps=30):
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    """Median µs of ``reps`` replays of ``graph``, each after an L2 flush (the bench's timer)."""
+    return _events_median(graph.replay, reps, flush) * 1e6
 
 
 def fused_summary(rows: list[dict], target_us: float = 12.0) -> str:
