@@ -16,6 +16,7 @@ first failure.
 """
 
 import argparse
+import collections
 import inspect
 import os
 import re
@@ -25,7 +26,6 @@ import sys
 def _resources(cubin: bytes) -> str:
     """", registers R, stack S bytes" from the Triton wheel's cuobjdump (S > 0: values spilled to
     local memory), or "" when the wheel has none."""
-    import re
     import subprocess
     import tempfile
 
@@ -42,23 +42,22 @@ def _resources(cubin: bytes) -> str:
     return f", registers {m.group(1)}, stack {m.group(2)} bytes" if m else ""
 
 
+def _by_width(ops: list[tuple[str, str]], more_vectors: int = 0) -> str:
+    """"N vector / M scalar (k b16, ...)" of PTX accesses matched as (vector suffix, type)."""
+    scalar = collections.Counter(t for v, t in ops if not v)
+    return (f"{sum(1 for v, _ in ops if v) + more_vectors} vector / {sum(scalar.values())} scalar"
+            + (f" ({', '.join(f'{n} {t}' for t, n in sorted(scalar.items()))})" if scalar else ""))
+
+
 def _global_accesses(ptx: str) -> str:
     """", global loads: N vector / M scalar (widths); stores: ..." from the PTX: scalar 16-bit
     accesses of a 16-bit tensor are what a mask on the contiguous axis at a runtime bound produces
     (the LoRA expand's B tile did, fourteenth session); cp.async copies count as vector loads.
     Scalar 32-bit ones are plan metadata and the shrink's fp32 z tile (a few per thread)."""
-    import collections
-    import re
-
-    ops = re.findall(r"\bld\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b", ptx)
-    vec = sum(1 for v, _ in ops if v) + len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx))
-    scalar = collections.Counter(t for v, t in ops if not v)
-    st = re.findall(r"\bst\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b", ptx)
-    st_scalar = collections.Counter(t for v, t in st if not v)
-    return (f", global loads: {vec} vector / {sum(scalar.values())} scalar"
-            + (f" ({', '.join(f'{n} {t}' for t, n in sorted(scalar.items()))})" if scalar else "")
-            + f"; stores: {sum(1 for v, _ in st if v)} vector / {sum(st_scalar.values())} scalar"
-            + (f" ({', '.join(f'{n} {t}' for t, n in sorted(st_scalar.items()))})" if st_scalar else ""))
+    access = r"\b{}\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b"
+    copies = len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx))
+    return (f", global loads: {_by_width(re.findall(access.format('ld'), ptx), copies)}"
+            f"; stores: {_by_width(re.findall(access.format('st'), ptx))}")
 
 
 # integer arguments that are multiples of 16 at the 8B shapes (besides the strides), which a GPU

@@ -46,11 +46,13 @@ CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 
          ("4096", "mixed", 256, 64)]
 VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "waves8": dict(waves=8),
             "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "block_n64": dict(block_n=64),
-            "block_n32": dict(block_n=32), "block_n128": dict(block_n=128),
+            "block_n32": dict(block_n=32),  # 60 expand registers at rank 16 against 158 at 128 (8 programs/SM, not 3)
+            "block_n128": dict(block_n=128),
             # 16-wide shrink rank tiles in a 64-wide bank: a rank-64 slot's shrink in 4 programs, a
             # rank-8/16 slot's in 1 (the mixed-rank case against its padded twin, issue step 2)
-            "block_r16": dict(block_r=16),  # 60 expand registers at rank 16 against 158 at 128 (8 programs/SM, not 3)
-            "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2), "sum_chunk4": dict(sum_chunk=4), "split1": dict(split=1),
+            "block_r16": dict(block_r=16),
+            "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2), "sum_chunk4": dict(sum_chunk=4),
+            "split1": dict(split=1),
             # the expand's B/z loads at the exact rank (one 2-byte load per B element, before the
             # fifteenth session): the A/B of the vectorised rank columns
             "exact_rank_loads": dict(rank_vectors=False),
