@@ -497,6 +497,34 @@ def test_page_major_kv_cache_holds_what_layer_major_holds():
         KVCache(1, 1, 1, 1, 1, layout="block-major")
 
 
+def test_page_major_writes_follow_a_slot_buffer_updated_in_place():
+    """The engine's CUDA graphs reuse one slot_mapping tensor and copy each step's slots into it:
+    every invocation (begin() then a write per layer, as the model does, or writes alone) must
+    land at the buffer's current contents, never at a split cached from an earlier call (the
+    fifteenth session's identity cache did: graph replays wrote at the warm-up's slots)."""
+    g = torch.Generator().manual_seed(5)
+    caches = [KVCache(2, 6, 4, 2, 8, torch.float32, "cpu", layout=lay) for lay in ("layer-major", "page-major")]
+    for c in caches:
+        for t in c.k + c.v:
+            t.fill_(float("nan"))
+    static = torch.empty(5, dtype=torch.long)
+    for step in range(6):
+        static.copy_(torch.randperm(24, generator=g)[:5])
+        for c in caches:
+            if step % 2 == 0:
+                c.begin(static)
+        for layer in range(2):
+            k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+            for c in caches:
+                c.write(layer, k, v, static)
+                got_k, got_v = c.read(layer, static)
+                assert torch.equal(got_k, k) and torch.equal(got_v, v), (c.layout, step, layer)
+    a, b = caches
+    for layer in range(2):
+        assert torch.equal(a.k[layer].nan_to_num(7.0), b.k[layer].nan_to_num(7.0))
+        assert torch.equal(a.v[layer].nan_to_num(7.0), b.v[layer].nan_to_num(7.0))
+
+
 def test_metadata_with_too_few_blocks_is_refused(checkpoints):
     model = load(checkpoints("llama")[0])
     kv = model.new_kv_cache(4, 4)

@@ -19,8 +19,8 @@ block_size, kv_heads, head_dim]) and the same addressing:
   (``bytes_per_block``); the per-layer views are strided (block stride = a page).
   The first step of the one-arena GPU ledger (docs/sizing.md): pages that KV
   blocks and adapter slots could both be carved from. Selected with
-  ``layout=`` or ``MLORA_KV_LAYOUT=page-major``; not yet measured on a GPU (the
-  paged attention kernel reads it through its strides).
+  ``layout=`` or ``MLORA_KV_LAYOUT=page-major``; the paged attention kernel reads
+  it through its strides.
 """
 
 from __future__ import annotations
@@ -70,14 +70,27 @@ class KVCache:
             self.pages = None
             self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._split: tuple | None = None  # (slot_mapping, its blocks, its offsets): one split per invocation
+        self._split: tuple | None = None  # begin(): (slot_mapping, its version, its blocks, its offsets)
+
+    def begin(self, slot_mapping: torch.Tensor) -> None:
+        """Split ``slot_mapping`` into (block id, offset in the block) once for the invocation
+        that is about to write every layer at it (page-major; nothing to do for layer-major).
+        The model calls it at the start of each forward, so inside a CUDA graph capture the
+        split is captured too and replays recompute it from the static slot buffer. A split is
+        used only by writes with this very tensor; any other write computes its own."""
+        if self.pages is not None:
+            self._split = (slot_mapping, slot_mapping._version,
+                           slot_mapping // self.block_size, slot_mapping % self.block_size)
 
     def _blocks_offsets(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, offset in the block) of every slot; computed once per slot_mapping tensor
-        (every layer of an invocation writes the same rows)."""
-        if self._split is None or self._split[0] is not slot_mapping:
-            self._split = (slot_mapping, slot_mapping // self.block_size, slot_mapping % self.block_size)
-        return self._split[1], self._split[2]
+        """(block id, offset in the block) of every slot: :meth:`begin`'s split when it was made
+        for this tensor and the tensor was not modified in place since (its version counter),
+        else computed now. The engine's graph buffers are the same tensor objects on every call
+        with new contents copied in place: an identity-only cache (fifteenth session) made graph
+        replays write at the warm-up's slots."""
+        if self._split is not None and self._split[0] is slot_mapping and self._split[1] == slot_mapping._version:
+            return self._split[2], self._split[3]
+        return slot_mapping // self.block_size, slot_mapping % self.block_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store rows ``k[t]``, ``v[t]`` ([T, kv_heads, head_dim]) at slot ``slot_mapping[t]``."""

@@ -357,6 +357,7 @@ class DecoderModel(torch.nn.Module):
                 lora: LoraContext | None, sample_rows: torch.Tensor) -> torch.Tensor:
         """Packed rows [T] -> float32 logits [B, vocab] of the rows in ``sample_rows``.
         Writes every layer's K/V of the T rows into ``kv`` at ``meta.slot_mapping``."""
+        kv.begin(meta.slot_mapping)  # inside a graph capture: captured, recomputed on every replay
         h = F.embedding(input_ids, self.embed_weight)
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), h.dtype)
         for layer in self.layers:
