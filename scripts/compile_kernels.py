@@ -145,8 +145,7 @@ def main() -> int:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
             build(sgmv._expand_kernel,
                   dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=slices,
-                       BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0,
-                       RANK_VECTORS=True),
+                       BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # the bundle operator (add_bundle_slices_triton): bank-row map in the shrink; map and core
@@ -163,7 +162,7 @@ def main() -> int:
         build(sgmv._expand_kernel,
               # the core's contiguous stride is 1, which a launch specialises on like a constant
               dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=3,
-                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=True, CORE=core, RANK_VECTORS=True,
+                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=True, CORE=core,
                    **({"stride_cr": 1} if core == 1 else {"stride_ck": 1})),
               f"bundle expand block_m={bm} slices=3 block_r={cfg['block_r_expand']} "
               f"core={('jd-diag', 'jd-full')[core - 1]}",

@@ -24,7 +24,7 @@
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
 #   bash scripts/gpu_session.sh kv-layout    page-major against layer-major KV (the one-arena ledger's first step): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
-#   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode (default vs exact_rank_loads A/B), bench batch 0,8,64 (~8 min)
+#   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode (the expand and shrink knobs), bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u

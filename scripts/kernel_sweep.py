@@ -20,8 +20,7 @@ mlora.kernels.triton_fused.
 ``--decode``: the four LoRA launches of one Llama-3-8B decoder layer in the
 engine's decode step (q/k/v, o, gate/up from d_in 4096; down from d_in 14336;
 rank 16; 256 running rows over 64 and over 8 adapters, step 7's shapes) with
-the expand and shrink knobs that decide how many bytes are in flight (and
-``exact_rank_loads``, the expand before its rank columns were vectorised), then per
+the expand and shrink knobs that decide how many bytes are in flight, then per
 variant the layer's sum and 32 layers of it, to set against the decode
 profile's LoRA time (eleventh session: 5.8 ms of a 64-adapter iteration).
 """
@@ -53,9 +52,6 @@ VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "
             "block_r16": dict(block_r=16),
             "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2), "sum_chunk4": dict(sum_chunk=4),
             "split1": dict(split=1),
-            # the expand's B/z loads at the exact rank (one 2-byte load per B element, before the
-            # fifteenth session): the A/B of the vectorised rank columns
-            "exact_rank_loads": dict(rank_vectors=False),
             "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
             "fused": dict(fused=True), "two_launch": dict(fused=False)}
 if "--defaults" in sys.argv:
@@ -70,7 +66,7 @@ SWEEP_OUTPUTS = {**OUTPUTS, "gateup": (14336, 14336), "down": (4096,)}
 SWEEP_D_IN = {"down": 14336}
 if DECODE:
     CASES = [(o, 16, 256, A) for A in (64, 8) for o in ("qkv", "4096", "gateup", "down")]
-    VARIANTS = {"default": {}, "exact_rank_loads": dict(rank_vectors=False),
+    VARIANTS = {"default": {},
                 "expand_warps2": dict(expand_warps=2), "expand_warps8": dict(expand_warps=8),
                 "expand_stages1": dict(expand_stages=1), "expand_stages3": dict(expand_stages=3),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),

@@ -95,7 +95,7 @@ def _fused_kernel(
         zd = z
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     _expand_group(zd, b_ptr + slot.to(tl.int64) * stride_bs, y_ptr + dy, m_ok, rows, rank, R, n_first, n_hi,
-                  group_tiles, stride_bn, stride_yt, BLOCK_N, BLOCK_R, NATIVE_B, True)
+                  group_tiles, stride_bn, stride_yt, BLOCK_N, BLOCK_R, NATIVE_B)
 
 
 def fused_config(tiles: int, rows: int, R: int, d_in: int, widths, itemsize: int, device: torch.device,

@@ -261,7 +261,6 @@ def _expand_kernel(
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    RANK_VECTORS: tl.constexpr = True,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -279,11 +278,7 @@ def _expand_kernel(
     Bundle options (compile-time; off: the plain LoRA expand): ``BANK_ROWS`` reads B
     row ``bank_rows[j, slot]`` instead of the slot's; ``CORE`` (1: JD-Diag, 2: JD-Full)
     multiplies the tile's z by the slot's core of slice j (``core_ptr`` with strides
-    ``stride_cs, stride_cj, stride_cr, stride_ck``) in place of the scale.
-
-    ``RANK_VECTORS`` (default on): rank columns loaded in whole vectors (``_rank_cols``); off, the
-    fourteenth session's exact-rank mask, kept only so ``scripts/kernel_sweep.py`` can time both
-    in one run (``exact_rank_loads``)."""
+    ``stride_cs, stride_cj, stride_cr, stride_ck``) in place of the scale."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -308,15 +303,15 @@ def _expand_kernel(
         if rank <= RANK_CLASS:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE, RANK_VECTORS)
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
         else:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, RANK_VECTORS)
+                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
     else:
         _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                         stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, RANK_VECTORS)
+                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
 
 
 @triton.jit
@@ -324,7 +319,7 @@ def _expand_columns(
     zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
     stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck, group_tiles,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr, RANK_VECTORS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr,
 ):
     """The expand of one tile over its column group from row ``b_row`` of the B bank, z and
     B BLOCK_R wide (>= rank). ``CORE`` 0: z times ``scale``; 1 / 2: z times the core at
@@ -343,14 +338,14 @@ def _expand_columns(
     if BLOCK_R <= 32:
         # y streams through once (evict_first); B stays cached for the slot's other tiles
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = _b_tile(b_base, offs_n, offs_n < n_hi, offs_r, rank, R, stride_bn, RANK_VECTORS)
+        bt = _b_tile(b_base, offs_n, offs_n < n_hi, offs_r, rank, R, stride_bn)
     if CORE != 0:
-        core = _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE, RANK_VECTORS)
+        core = _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE)
     if USE_PDL:  # z is the shrink's output: wait for the shrink grid to finish and flush
         tl.extra.cuda.gdc_wait()
     # z's columns past the rank were never written by the shrink: loaded only within the
     # rank's 16-byte vectors and zeroed (_rank_cols)
-    r_load, r_ok = _rank_cols(offs_r, rank, R, RANK_VECTORS)
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
     z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
                 other=0.0)
     z = tl.where(r_ok[None, :], z, 0.0)
@@ -369,17 +364,17 @@ def _expand_columns(
             mask2 = m_ok[:, None] & n_ok2[None, :]
             yp2 = yp + BLOCK_N
             old2 = tl.load(yp2, mask=mask2, other=0.0, eviction_policy="evict_first")
-            bt2 = _b_tile(b_base, offs_n2, n_ok2, offs_r, rank, R, stride_bn, RANK_VECTORS)
+            bt2 = _b_tile(b_base, offs_n2, n_ok2, offs_r, rank, R, stride_bn)
             _add_tile(yp, old, zd, bt, mask, NATIVE_DOT)
             offs_n, mask, yp, old, bt = offs_n2, mask2, yp2, old2, bt2
     else:
         _expand_group(zd, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_tiles, stride_bn, stride_yt,
-                      BLOCK_N, BLOCK_R, NATIVE_DOT, RANK_VECTORS)
+                      BLOCK_N, BLOCK_R, NATIVE_DOT)
 
 
 @triton.jit
 def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_tiles, stride_bn, stride_yt,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr, RANK_VECTORS: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_B: tl.constexpr):
     """``y[rows, c] += z @ B[c, :rank].T`` for the B rows ``c`` of ``group_tiles`` column tiles from
     ``n_first`` (clipped to ``n_hi``, the slice's end); ``y_ptr`` already shifted to the slice's columns."""
     offs_r = tl.arange(0, BLOCK_R)
@@ -390,12 +385,12 @@ def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_ti
         mask = m_ok[:, None] & n_ok[None, :]
         yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
-        bt = _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn, RANK_VECTORS)
+        bt = _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn)
         _add_tile(yp, old, z, bt, mask, NATIVE_B)
 
 
 @triton.jit
-def _rank_cols(offs_r, rank, R, RANK_VECTORS: tl.constexpr):
+def _rank_cols(offs_r, rank, R):
     """(load mask, use mask) over a rank axis that is a tensor's contiguous one (B's and the
     cores' columns, z's). A load masked at the exact rank, a runtime value, cannot be vectorised:
     every element became its own 2- or 4-byte load (the rank-64 expand issued 96 two-byte loads
@@ -405,18 +400,18 @@ def _rank_cols(offs_r, rank, R, RANK_VECTORS: tl.constexpr):
     and vectors are possible at all), which Triton vectorises on; the use mask is the exact rank.
     A value in [rank, that) may be loaded (it lies in the 32-byte sector of the last true column:
     no extra DRAM traffic) and the caller replaces it by zero before use, so a NaN there never
-    reaches y; ranks that are multiples of 8 load nothing past the rank."""
-    if RANK_VECTORS:
-        return offs_r < tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R), offs_r < rank
-    return offs_r < rank, offs_r < rank  # the exact-rank mask (A/B only: see _expand_kernel)
+    reaches y; ranks that are multiples of 8 load nothing past the rank. Measured on the H200
+    (sixteenth session, BENCHMARKS.md): one decoder layer's LoRA launches at decode size 11%
+    faster than with the exact-rank mask."""
+    return offs_r < tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R), offs_r < rank
 
 
 @triton.jit
-def _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn, RANK_VECTORS: tl.constexpr):
+def _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn):
     """The B tile ``[offs_n, offs_r]`` of one slot, zero for rows outside ``n_ok`` and for columns
     at or past ``rank``, in whole 16-byte loads (``_rank_cols``); B stays cached for the slot's
     other tiles (evict_last)."""
-    r_load, r_ok = _rank_cols(offs_r, rank, R, RANK_VECTORS)
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
     bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_load[None, :],
                  other=0.0, eviction_policy="evict_last")
     return tl.where(r_ok[None, :], bt, 0.0)
@@ -434,11 +429,11 @@ def _add_tile(yp, old, z, bt, mask, NATIVE_B: tl.constexpr):
 
 
 @triton.jit
-def _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE: tl.constexpr, RANK_VECTORS: tl.constexpr):
+def _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE: tl.constexpr):
     """A member's core of one slice in fp32, zero past the rank: ``[BLOCK_R]`` (``CORE`` 1,
     JD-Diag) or ``[BLOCK_R, BLOCK_R]`` with ``core[r, k]`` (``CORE`` 2, JD-Full); loaded in
     whole vectors along the contiguous axis (``_rank_cols``; ``R`` the cores' physical rank)."""
-    r_load, r_ok = _rank_cols(offs_r, rank, R, RANK_VECTORS)
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
     if CORE == 1:
         core = tl.load(core_base + offs_r * stride_cr, mask=r_load, other=0.0)
         core = tl.where(r_ok, core, 0.0)
@@ -513,9 +508,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
         pdl=override.get("pdl", True),
-        # the expand's rank columns in whole vectors (False: the exact-rank mask, one 2-byte load
-        # per B element; kept for kernel_sweep's A/B, fifteenth session)
-        rank_vectors=True,
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
@@ -536,7 +528,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "rank_vectors")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -709,7 +701,7 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind, RANK_VECTORS=cfg["rank_vectors"],
+        BANK_ROWS=bank_rows is not None, CORE=core_kind,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
