@@ -4,7 +4,7 @@ CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
 checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode]
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode | --mixed]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -23,6 +23,10 @@ rank 16; 256 running rows over 64 and over 8 adapters, step 7's shapes) with
 the expand and shrink knobs that decide how many bytes are in flight, then per
 variant the layer's sum and 32 layers of it, to set against the decode
 profile's LoRA time (eleventh session: 5.8 ms of a 64-adapter iteration).
+``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
+their padded twins (every slot rank 64) with the shrink's rank tile, the expand's column
+groups and the split, then per variant the mixed / padded time ratio of each case (issue
+step 2's target: at most 0.6), against the padded default and against the padded variant.
 """
 import json
 import statistics
@@ -33,8 +37,8 @@ import torch
 from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import (ADAPTERS, D_IN, OUTPUTS, RANKS, _events_median, case_floor, make_case,
-                                 measure_ceilings, reference_f64)
+from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, _events_median, case_floor,
+                                 make_case, measure_ceilings, reference_f64)
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 16, 256, 64), ("4096", 8, 256, 256),
@@ -61,6 +65,7 @@ if SPLIT:
     VARIANTS = {"default": dict(fused=False)}
 FUSED = "--fused" in sys.argv
 DECODE = "--decode" in sys.argv
+MIXED = "--mixed" in sys.argv
 # the engine's fused slices beyond the bench grid's outputs, and their d_in where it is not 4096
 SWEEP_OUTPUTS = {**OUTPUTS, "gateup": (14336, 14336), "down": (4096,)}
 SWEEP_D_IN = {"down": 14336}
@@ -72,6 +77,14 @@ if DECODE:
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
                 "split1": dict(split=1), "shrink_warps8": dict(shrink_warps=8), "no_pdl": dict(pdl=False)}
+if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
+    CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]
+if MIXED and not SPLIT:  # with --split: the split's variants on these cases
+    VARIANTS = {"default": {}, "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
+                "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
+                "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
+                "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
+                "expand_warps8": dict(expand_warps=8), "block_r16_group2": dict(block_r=16, group_tiles=2)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
@@ -159,6 +172,29 @@ def main():
     if DECODE:
         for line in decode_summary(rows):
             print(line, flush=True)
+    if MIXED and not SPLIT:
+        for line in mixed_summary(rows):
+            print(line, flush=True)
+
+
+def mixed_summary(rows: list[dict]) -> list[str]:
+    """Per variant of ``--mixed``: each case's mixed time over the padded twin's default time
+    and over the padded twin's time under the same variant (a WRONG time shows as such)."""
+    by_case = {r["case"]: r for r in rows}
+    out = []
+    for name in VARIANTS:
+        parts = []
+        for case, m in by_case.items():
+            if "/rmixed/" not in case:
+                continue
+            p = by_case.get(case.replace("/rmixed/", "/r64/"), {})
+            mv, pd, pv = m.get(name), p.get("default"), p.get(name)
+            if not all(isinstance(t, float) for t in (mv, pd, pv)):
+                parts.append(f"{case} WRONG or missing")
+                continue
+            parts.append(f"{case} {mv / pd:.2f} ({mv / pv:.2f})")
+        out.append(f"mixed / padded default (/ padded {name}), {name}: " + "; ".join(parts))
+    return out
 
 
 def decode_summary(rows: list[dict], layers: int = 32) -> list[str]:
