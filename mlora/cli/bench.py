@@ -123,7 +123,8 @@ def _print_kernel_tables(r: dict) -> None:
     for m in r["mixed_rank"]:
         con.print(f"mixed ranks 8/16/64, d_out {m.get('d_out', '4096')}, T={m['T']}, {m['adapters']} adapters: "
                   f"{_us(m['mixed_s'])} us vs padded-to-64 {_us(m['padded_s'])} us = {m['ratio']:.2f}x (floor ratio "
-                  f"{m['floor_ratio']:.2f}, mixed floor {_us(m.get('mixed_floor_s'))} us)")
+                  f"{m['floor_ratio']:.2f}, mixed floor {_us(m.get('mixed_floor_s'))} us; rank-pitched B; padded B "
+                  f"{_us(m.get('mixed_padded_layout_s'))} us)")
     con.print_json(data=r["summary"])
 
 

@@ -17,7 +17,7 @@ Public entry points::
       rows with s = -1 are left exactly as they were.
 
     add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True) -> y
+                    plan=None, check_values=True, out_offsets=None, ahead=None, b_layout="padded") -> y
       the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch (one launch for small batches):
       lora_a [S, n, R, d_in], lora_b [S, sum(widths), R], ranks and scales [n, S];
       slice j owns the output columns [off_j, off_j + widths[j]) with off_j = sum(widths[:j]):
@@ -27,6 +27,9 @@ Public entry points::
       ``out_offsets`` (optional, n ints): slice j owns y's columns [out_offsets[j], out_offsets[j] + w_j)
       instead (increasing, non-overlapping, within y): a bank holding only some slices of a fused
       projection (q and v of q/k/v) adds into the full projection output, the other columns untouched.
+      ``b_layout="rank-pitched"``: lora_b holds each slot's slices with row stride = the slice's rank
+      rounded up to 8 (``mlora.kernels.pitch``: contiguous rows for low-rank slots in a wide bank);
+      ``lora_b[s, off_j:off_j+w_j, :r]`` above then means ``pitch.pitched_view(lora_b, s, off_j, w_j, r)``.
 
     shrink_ahead(x, lora_a, lora_b, plan, *, widths, ranks, scales, stream=None) -> pending or None
       launches the shrink half of that add_lora_slices call (Triton, a LaunchPlan) on ``stream`` now,
@@ -50,11 +53,13 @@ from __future__ import annotations
 import torch
 
 from .launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
+from .pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_view, to_rank_pitched
 from .plan import PlanError, SegmentPlan, build_plan, validate_plan
 from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
-    "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "build_plan", "check_bank",
+    "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
+    "check_bank", "pitched_view", "to_rank_pitched",
     "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "make_launch_plan",
     "shrink_ahead", "tile_capacity", "validate_plan",
 ]
@@ -143,11 +148,20 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
 
 
 def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None, ahead=None):
+                    plan=None, check_values=True, out_offsets=None, ahead=None, b_layout="padded"):
     """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above).
-    ``ahead``: this call's shrink, already launched by :func:`shrink_ahead` (Triton only)."""
+    ``ahead``: this call's shrink, already launched by :func:`shrink_ahead` (Triton only).
+    ``b_layout``: ``"padded"`` or ``"rank-pitched"`` (``mlora.kernels.pitch``)."""
     widths = [int(w) for w in widths]
     _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"unknown b_layout {b_layout!r}; expected one of {B_LAYOUTS}")
+    pitched = b_layout == "rank-pitched"
+    if pitched:
+        try:
+            check_pitched(lora_b)
+        except ValueError as e:
+            raise PlanError("E_BANK_SHAPE", str(e)) from None
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(len(widths))]
     out_offsets = [int(o) for o in out_offsets]
@@ -166,7 +180,9 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         off = 0
         for j, w in enumerate(widths):
             col = out_offsets[j]
-            lora_loop(y[:, col : col + w], x, lora_a[:, j], lora_b[:, off : off + w], row_slots, ranks[j], scales[j], plan)
+            view = (lambda s, r, off=off, w=w: pitched_view(lora_b, s, off, w, r)) if pitched else None
+            lora_loop(y[:, col : col + w], x, lora_a[:, j], lora_b[:, off : off + w], row_slots, ranks[j], scales[j], plan,
+                      b_view=view)
             off += w
         return y
     from .triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
@@ -178,7 +194,7 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                                  out_offsets=out_offsets, ahead=ahead)
+                                  out_offsets=out_offsets, ahead=ahead, b_pitched=pitched)
 
 
 def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, stream=None):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from . import add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
 from .reference import lora_gather_bmm, lora_loop
 from .triton_fused import fused_config
 
@@ -129,9 +129,15 @@ def case_floor(T, widths, ranks_per_slot, used_slots, ceil: Ceilings, d_in: int 
                 bound="memory" if t_bytes >= t_flops else "compute")
 
 
-def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, baselines=True, seed=0) -> dict:
+def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, baselines=True, seed=0,
+             b_layout="padded") -> dict:
+    """One grid case timed as the engine runs it (captured, replayed after an L2 flush) and
+    checked against the float64 reference; ``b_layout="rank-pitched"``: the Triton call reads
+    the B bank in that layout (``mlora.kernels.pitch``; the reference and baselines read the
+    padded one)."""
     widths = OUTPUTS[out_name]
     y0, x, a, b, rs, ranks, scales = make_case(T, n_adapters, widths, ranks_per_slot, R, seed)
+    b_call = to_rank_pitched(b, ranks, widths) if b_layout == "rank-pitched" else b
     used = torch.unique(rs).tolist()
     res = dict(T=T, adapters=n_adapters, d_out=out_name, R=R, ranks=sorted(set(ranks_per_slot)),
                distinct_used=len(used), **case_floor(T, widths, ranks_per_slot, used, ceil))
@@ -142,8 +148,9 @@ def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, 
     res["fused"] = fused_config(static.tile_capacity, static.row_capacity, R, D_IN, widths, a.element_size(),
                                 a.device)["fused"]  # the path timed (off by default until calibrated)
     y = y0.clone()
-    kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False)
-    call = lambda: add_lora_slices(y, x, a, b, rs, **kw)  # noqa: E731
+    kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False,
+              b_layout=b_layout)
+    call = lambda: add_lora_slices(y, x, a, b_call, rs, **kw)  # noqa: E731
     call()  # compile + warm
     res["triton_eager_s"] = _wall_per_call(call, 20)
     graph = torch.cuda.CUDAGraph()
@@ -208,15 +215,21 @@ MIXED_CASES = ((64, 64, "4096"), (256, 64, "4096"), (4096, 64, "4096"), (256, 25
 def mixed_rank_cases(ceil, flush, cases=MIXED_CASES):
     """Ranks 8/16/64 in one batch against the same rows with every slot at rank 64
     (``floor_ratio``: the same ratio of the two memory floors, the best possible;
-    ``mixed_floor_s`` below 10 us: the mixed batch is launch-bound)."""
+    ``mixed_floor_s`` below 10 us: the mixed batch is launch-bound). The mixed batch reads a
+    rank-pitched B bank, the engine's layout (``mixed_s``), and for the record the padded one
+    (``mixed_padded_layout_s``: the sixteenth session's layout); the padded twin's bank is the
+    same bytes in both layouts (every rank is R)."""
     out = []
     for T, n, d_out in cases:
         mixed = [(8, 16, 64)[s % 3] for s in range(n)]
-        m = run_case(T, n, d_out, mixed, 64, ceil, flush, baselines=False, seed=1)
+        m = run_case(T, n, d_out, mixed, 64, ceil, flush, baselines=False, seed=1, b_layout="rank-pitched")
+        mp = run_case(T, n, d_out, mixed, 64, ceil, flush, baselines=False, seed=1)
         p = run_case(T, n, d_out, [64] * n, 64, ceil, flush, baselines=False, seed=1)
         out.append(dict(T=T, adapters=n, d_out=d_out, mixed_s=m["triton_graph_s"], padded_s=p["triton_graph_s"],
+                        mixed_padded_layout_s=mp["triton_graph_s"],
                         floor_ratio=m["floor_s"] / p["floor_s"], mixed_floor_s=m["floor_s"], padded_floor_s=p["floor_s"],
-                        ratio=m["triton_graph_s"] / p["triton_graph_s"], correct=m["correct"] and p["correct"]))
+                        ratio=m["triton_graph_s"] / p["triton_graph_s"],
+                        correct=m["correct"] and mp["correct"] and p["correct"]))
     return out
 
 

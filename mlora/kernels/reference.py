@@ -46,8 +46,11 @@ def lora_oracle_f64(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None) ->
     return out
 
 
-def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: SegmentPlan | None = None):
-    """One shrink and one expand GEMM per active slot (float32 accumulation); y updated in place."""
+def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: SegmentPlan | None = None,
+              b_view=None):
+    """One shrink and one expand GEMM per active slot (float32 accumulation); y updated in place.
+    ``b_view(s, r)``: slot ``s``'s ``[d_out, r]`` B (default ``lora_b[s, :, :r]``; a rank-pitched
+    bank passes :func:`mlora.kernels.pitch.pitched_view`)."""
     ranks, scales = default_ranks_scales(lora_a, ranks, scales)
     plan = plan or build_plan(row_slots)
     rows_all = plan.sorted_rows.long()
@@ -58,7 +61,8 @@ def lora_loop(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None, plan: Se
         if r == 0:
             continue
         z = x[rows].float() @ lora_a[s, :r].float().T
-        delta = (z @ lora_b[s, :, :r].float().T) * scales[s].float()
+        b = lora_b[s, :, :r] if b_view is None else b_view(s, r)
+        delta = (z @ b.float().T) * scales[s].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y
 

@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchPlan
+from .pitch import check_pitched
 from .plan import PlanError
 
 # The CPU interpreter mis-computes 16-bit tl.dot; there the fp32 path runs
@@ -261,6 +262,7 @@ def _expand_kernel(
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -278,7 +280,11 @@ def _expand_kernel(
     Bundle options (compile-time; off: the plain LoRA expand): ``BANK_ROWS`` reads B
     row ``bank_rows[j, slot]`` instead of the slot's; ``CORE`` (1: JD-Diag, 2: JD-Full)
     multiplies the tile's z by the slot's core of slice j (``core_ptr`` with strides
-    ``stride_cs, stride_cj, stride_cr, stride_ck``) in place of the scale."""
+    ``stride_cs, stride_cj, stride_cr, stride_ck``) in place of the scale.
+
+    ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
+    of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -297,6 +303,10 @@ def _expand_kernel(
     if BANK_ROWS:
         b_row = tl.load(bank_rows_ptr + j * stride_rj + slot * stride_rs)
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
+    if B_PITCHED:  # row n of slice j at n_lo * R + (n - n_lo) * pitch = n_lo * (R - pitch) + n * pitch
+        pitch = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R)
+        b_ptr += n_lo * (R - pitch)
+        stride_bn = pitch
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
@@ -532,7 +542,7 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
-                           out_offsets=None, ahead: "ShrinkAhead | None" = None):
+                           out_offsets=None, ahead: "ShrinkAhead | None" = None, b_pitched: bool = False):
     """Shrink then expand over ``lp``, or for small batches one fused launch
     (``triton_fused.fused_config`` decides from static shapes; ``config={"fused":
     True/False}`` forces it); y updated in place and returned. No host
@@ -542,7 +552,9 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     each slice's first column in y (default: side by side from 0). More than
     ``MAX_SLICES`` slices run as several launches of at most that many. ``ahead``: the
     shrink of this same call already launched by :func:`shrink_ahead_triton` (only the
-    expand runs here, after the current stream waits for it)."""
+    expand runs here, after the current stream waits for it). ``b_pitched``: ``lora_b`` is
+    rank-pitched (``mlora.kernels.pitch``; always two launches: the fused launch reads the
+    padded layout only)."""
     S, n, R, d_in = lora_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
@@ -554,22 +566,30 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
             ws = list(widths[j0 : j0 + MAX_SLICES])
             add_lora_slices_triton(y, x, lora_a[:, j0 : j0 + MAX_SLICES],
                                    lora_b[:, off : off + sum(ws)], lp, ranks[j0 : j0 + MAX_SLICES],
-                                   scales[j0 : j0 + MAX_SLICES], ws, config, out_offsets[j0 : j0 + MAX_SLICES])
+                                   scales[j0 : j0 + MAX_SLICES], ws, config, out_offsets[j0 : j0 + MAX_SLICES],
+                                   b_pitched=b_pitched)
             off += sum(ws)
         return y
     assert y.stride(1) == 1, "y must be row-major"
+    if b_pitched:
+        check_pitched(lora_b)  # before _kernel_operands, which would copy a strided bank
+    pitched = b_pitched and R % 8 == 0  # else the pitch is R for every rank: the padded layout
     x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
     if ahead is not None:  # the shrink was launched by shrink_ahead_triton: wait for it, then expand
         if ahead.stream is not None:
             torch.cuda.current_stream(x.device).wait_stream(ahead.stream)
-        return _expand(y, ahead.zp, lora_b, lp, ranks, scales, widths, out_offsets, ahead.cfg, native_b, False)
+        return _expand(y, ahead.zp, lora_b, lp, ranks, scales, widths, out_offsets, ahead.cfg, native_b, False,
+                       b_pitched=pitched)
     cfg = _config(lp, x, lora_a, widths, native_a, config)
+    if b_pitched and cfg["fused"]:
+        cfg = dict(cfg, fused=False)
     if cfg["fused"]:  # small batches: one fused launch
         from .triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
 
         return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
                                      native_a, native_b)
-    return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b)
+    return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b,
+                          b_pitched=pitched)
 
 
 def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None, fusable: bool = True) -> dict:
@@ -641,7 +661,8 @@ def _kernel_operands(x, a, b, table, other):
 
 
 def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
-                   native_a: bool, native_b: bool, bank_rows=None, cores=None, core_kind: int = 0):
+                   native_a: bool, native_b: bool, bank_rows=None, cores=None, core_kind: int = 0,
+                   b_pitched: bool = False):
     """The two launches (split-K shrink, then expand) of ``cfg`` (:func:`launch_config`) over
     ``lp``; y updated in place and returned. ``bank_rows`` (an ``[n, S]`` table with the
     strides of ``ranks``): the A and B rows to read per slice and slot instead of the slot.
@@ -650,7 +671,7 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, bank_rows)
     return _expand(y, zp, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_b, pdl, bank_rows, cores,
-                   core_kind)
+                   core_kind, b_pitched)
 
 
 def _shrink_buffers(x, lora_a, lp: LaunchPlan, cfg: dict, counters: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -684,9 +705,10 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
 
 
 def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict, native_b: bool, pdl: bool,
-            bank_rows=None, cores=None, core_kind: int = 0):
+            bank_rows=None, cores=None, core_kind: int = 0, b_pitched: bool = False):
     """Launch the expand of the shrink's ``zp`` on the current stream (with ``pdl``, as a
-    programmatic dependent of the shrink launched just before it on the same stream)."""
+    programmatic dependent of the shrink launched just before it on the same stream).
+    ``b_pitched``: B rank-pitched (R a multiple of 8, each slot's rows contiguous)."""
     n = len(widths)
     R = zp.shape[2] // n
     rows_map = ranks if bank_rows is None else bank_rows
@@ -701,7 +723,7 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind,
+        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
