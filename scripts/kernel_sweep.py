@@ -23,9 +23,12 @@ rank 16; 256 running rows over 64 and over 8 adapters, step 7's shapes) with
 the expand and shrink knobs that decide how many bytes are in flight, then per
 variant the layer's sum and 32 layers of it, to set against the decode
 profile's LoRA time (eleventh session: 5.8 ms of a 64-adapter iteration).
+With ``--split`` as well: the default's layer time split into the shrinks alone and the empty
+graph (where the fixed cost per launch pair sits).
 ``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
-their padded twins (every slot rank 64) with the shrink's rank tile, the expand's column
-groups and the split, then per variant the mixed / padded time ratio of each case (issue
+their padded twins (every slot rank 64) with the rank-pitched B bank (``rank_pitched``, the
+engine's layout; the other variants read the padded layout), the shrink's rank tile, the
+expand's column groups and the split, then per variant the mixed / padded time ratio of each case (issue
 step 2's target: at most 0.6), against the padded default and against the padded variant.
 """
 import json
@@ -34,7 +37,7 @@ import sys
 
 import torch
 
-from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
 from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, _events_median, case_floor,
@@ -71,6 +74,7 @@ SWEEP_OUTPUTS = {**OUTPUTS, "gateup": (14336, 14336), "down": (4096,)}
 SWEEP_D_IN = {"down": 14336}
 if DECODE:
     CASES = [(o, 16, 256, A) for A in (64, 8) for o in ("qkv", "4096", "gateup", "down")]
+if DECODE and not SPLIT:  # with --split: the default's time split into shrink alone and the empty graph
     VARIANTS = {"default": {},
                 "expand_warps2": dict(expand_warps=2), "expand_warps8": dict(expand_warps=8),
                 "expand_stages1": dict(expand_stages=1), "expand_stages3": dict(expand_stages=3),
@@ -80,7 +84,9 @@ if DECODE:
 if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
     CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]
 if MIXED and not SPLIT:  # with --split: the split's variants on these cases
-    VARIANTS = {"default": {}, "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
+    # default: the padded B layout; rank_pitched: the engine's banks' (mlora.kernels.pitch)
+    VARIANTS = {"default": {}, "rank_pitched": {"__pitched": True},
+                "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
                 "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
@@ -156,12 +162,15 @@ def main():
                             empty={"__skip": ("_shrink_kernel", "_expand_kernel"), "fused": False})
         for name, cfg in variants.items():
             skip = cfg.get("__skip", ()) if cfg else ()
-            cfg = {k: v for k, v in (cfg or {}).items() if k != "__skip"}
+            pitched = bool(cfg and cfg.get("__pitched"))
+            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched")}
             saved = {k: getattr(sgmv, k) for k in skip}
             for k in skip:
                 setattr(sgmv, k, _NoLaunch())
             try:
-                row[name] = _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, check=not skip)
+                bank = to_rank_pitched(b, ranks, widths) if pitched else b
+                row[name] = _time_variant(y0, x, a, bank, static, ranks, scales, widths, cfg, ref, flush,
+                                          check=not skip, pitched=pitched)
             finally:
                 for k, v in saved.items():
                     setattr(sgmv, k, v)
@@ -170,7 +179,7 @@ def main():
     if FUSED:
         print(fused_summary(rows), flush=True)
     if DECODE:
-        for line in decode_summary(rows):
+        for line in decode_summary(rows, list(VARIANTS) + (["shrink_only", "empty"] if SPLIT else [])):
             print(line, flush=True)
     if MIXED and not SPLIT:
         for line in mixed_summary(rows):
@@ -197,7 +206,7 @@ def mixed_summary(rows: list[dict]) -> list[str]:
     return out
 
 
-def decode_summary(rows: list[dict], layers: int = 32) -> list[str]:
+def decode_summary(rows: list[dict], names=None, layers: int = 32) -> list[str]:
     """Per adapter count of ``--decode``: the floor and each variant's time summed over one
     layer's four launches, and times ``layers`` (the decode iteration's LoRA share); a variant
     WRONG in any launch is reported as such."""
@@ -206,7 +215,7 @@ def decode_summary(rows: list[dict], layers: int = 32) -> list[str]:
         group = [r for r in rows if r["case"].endswith(f"/A{A}")]
         floor = sum(r["floor_us"] for r in group)
         parts = []
-        for name in VARIANTS:
+        for name in names or VARIANTS:
             times = [r.get(name) for r in group]
             if all(isinstance(t, float) for t in times):
                 parts.append(f"{name} {sum(times):.1f} us ({sum(times) * layers / 1e3:.2f} ms, {sum(times) / floor:.1f}x)")
@@ -217,10 +226,11 @@ def decode_summary(rows: list[dict], layers: int = 32) -> list[str]:
     return out
 
 
-def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, check=True):
+def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, check=True, pitched=False):
     """Median µs of one captured call (or "WRONG ..." when checked and not within 1e-2)."""
     y = y0.clone()
-    call = lambda: add_lora_slices_triton(y, x, a, b, static, ranks, scales, widths, config=cfg or None)  # noqa: E731
+    call = lambda: add_lora_slices_triton(y, x, a, b, static, ranks, scales, widths, config=cfg or None,  # noqa: E731
+                                          b_pitched=pitched)
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

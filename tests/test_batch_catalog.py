@@ -387,8 +387,12 @@ def test_bytes_per_slot_matches_the_allocation():
     assert SlotBank.bytes_per_slot(LAYERS, SHAPES, 8, torch.bfloat16) * 3 == total
 
 
-def test_triton_backend_equals_torch(ws, pinned):
-    banks = {be: SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, "cpu", backend=be) for be in ("torch", "triton")}
+@pytest.mark.parametrize("R", [8, 24])
+def test_triton_backend_equals_torch(ws, pinned, R):
+    """Both backends over the same bank contents; at R 24 every slot's B is rank-pitched with a
+    pitch (8) below R, so the layout is read, not just the padded bytes; both equal a float64
+    sum of each row's own adapter factors (from the catalog, not the bank)."""
+    banks = {be: SlotBank(LAYERS, SHAPES, 3, R, torch.float32, "cpu", backend=be) for be in ("torch", "triton")}
     g = torch.Generator().manual_seed(7)
     row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0], dtype=torch.int32)
     x = torch.randn(9, 32, generator=g)
@@ -399,6 +403,17 @@ def test_triton_backend_equals_torch(ws, pinned):
         y = y0.clone()
         bank.context(row_slots).apply(1, "qkv", x, y)
         out[be] = y
+    want = y0.double().clone()
+    for row, slot in enumerate(row_slots.tolist()):
+        if slot < 0:
+            continue
+        p = pinned[("all", "pattern", "qv")[slot]]
+        for (layer, role), (a, b, scale) in load_factors(p, torch.float64, "cpu").items():
+            group, j = ROLE_SLICE[role]
+            if layer == 1 and group == "qkv":
+                col = sum(SHAPES["qkv"][1][:j])
+                want[row, col : col + b.shape[0]] += scale * (b @ (a @ x[row].double()))
+    torch.testing.assert_close(out["torch"].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-5, atol=1e-5)
     assert torch.equal(out["triton"][row_slots < 0], y0[row_slots < 0])
     assert not torch.equal(out["torch"], y0)

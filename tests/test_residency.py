@@ -18,6 +18,7 @@ from mlora.batch.bank import SlotBank
 from mlora.batch.catalog import AdapterError, load_catalog, load_factors
 from mlora.batch.errors import CodedError
 from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes, held_slices
+from mlora.kernels import pitched_view
 from mlora.batch.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
                                    HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
                                    PagedStorage, PagePool, Piece, RequestAttempt, Residency, ResidencyBank,
@@ -801,11 +802,14 @@ def test_slot_factor_views_are_contiguous(pinned):
     for g in bank.groups:
         for name in (f"A.{g}", f"B.{g}", f"ranks.{g}", f"scales.{g}"):  # plain copies each way (load, read-back)
             assert views[name].is_contiguous() and views[name].data_ptr() != 0
-        assert torch.equal(views[f"A.{g}"], bank.A[g][slot]) and torch.equal(views[f"B.{g}"], bank.B[g][slot])
+        assert torch.equal(views[f"A.{g}"], bank.A[g][slot])
+        assert torch.equal(views[f"B.{g}"], bank.B[g][slot].flatten(1))  # B: one flat run per layer (rank-pitched)
     factors = load_factors(pinned["qv"], torch.float32, "cpu")
     (layer, role), (fa, fb, _) = sorted(factors.items())[0]
     group, j = ROLE_SLICE[role]
     assert torch.equal(bank.A[group][:, layer][slot, j, : fa.shape[0]], fa)  # the kernels' layer view
+    off, w = bank.offsets[group][j], bank.widths[group][j]
+    assert torch.equal(pitched_view(bank.B[group][:, layer], slot, off, w, fb.shape[1]), fb)  # rank-pitched B
     ranks, scales = bank.layer_tables(group, layer)
     assert ranks.shape == (len(bank.widths[group]), bank.num_slots) and int(ranks[j, slot]) == fa.shape[0]
     assert scales.stride() == ranks.stride() and float(scales[j, slot]) != 0

@@ -13,7 +13,10 @@ Per layer and group (``mlora.batch.lora.GROUPS``), with S slots, n slices and
 physical rank R::
 
     A       [S, n, R, d_in]         A[s, j, :r]            = lora_A of slice j's module, r = its rank
-    B       [S, sum(widths), R]     B[s, off_j:off_j+w_j, :r] = lora_B of that module
+    B       [S, sum(widths), R]     rank-pitched (``mlora.kernels.pitch``): lora_B of that module is
+                                    ``pitched_view(B, s, off_j, w_j, r)``, a [w_j, r] block with row
+                                    stride round8(r) from element off_j * R of the slot, so a
+                                    low-rank slot in a wide bank reads contiguous rows
     ranks   int32   [n, S]          0 = the slot's adapter does not target slice j
     scales  float32 [n, S]
 
@@ -27,8 +30,8 @@ slot is no larger than its adapters' factors and a load copies no zeros for
 k. Slice j adds into the projection's output at its own columns
 (``out_offsets[g][j]``: the k columns are not the bank's and stay untouched).
 
-Writing an adapter zeroes the whole slot first, so every tail (ranks past r,
-untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
+Writing an adapter zeroes the whole slot first, so every tail (ranks past r, the
+padding of rank-pitched B blocks, untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
 ``semantic_sha256``, never by id or path: two catalog ids naming the same
 adapter share one slot.
 
@@ -46,7 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan, shrink_ahead
+from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan, pitched_view, shrink_ahead
 
 from .catalog import PinnedAdapter, load_factors
 from .lora import GROUPS, ROLE_SLICE
@@ -129,6 +132,9 @@ class SlotTensors:
         # [n, S] view ``[:, layer].t()`` (``layer_tables``) and take its strides.
         self.A = {g: torch.zeros(S, L, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
         self.B = {g: torch.zeros(S, L, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
+        # B is rank-pitched (module docstring): the same bytes as the padded layout when every
+        # slot's rank is R; contiguous rows for the low-rank slots of a mixed-rank job
+        self.b_layout = "rank-pitched"
         self.ranks = {g: torch.zeros(S, L, len(w), dtype=torch.int32, device=device) for g, w in self.widths.items()}
         self.scales = {g: torch.zeros(S, L, len(w), dtype=torch.float32, device=device) for g, w in self.widths.items()}
         # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
@@ -284,7 +290,7 @@ class SlotBank(SlotTensors):
         for layer, group, j, a, b, r, scale in placed:
             off = self.offsets[group][j]
             self.A[group][slot, layer, j, :r].copy_(a)
-            self.B[group][slot, layer, off : off + b.shape[0], :r].copy_(b)
+            pitched_view(self.B[group][:, layer], slot, off, b.shape[0], r).copy_(b)
             self.ranks[group][slot, layer, j] = r
             self.scales[group][slot, layer, j] = scale
         self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
@@ -335,5 +341,5 @@ class BankContext:
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
-            out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None),
+            out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,
         )

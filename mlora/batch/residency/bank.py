@@ -8,14 +8,15 @@ adapter files itself (``catalog.load_factors`` does, verified).
 
 Per layer and group, with S slots, n slices and physical rank R::
 
-    A       [S, n, R, d_in]            B       [S, sum(widths), R]
+    A       [S, n, R, d_in]            B       [S, sum(widths), R] (rank-pitched, as SlotBank's)
     ranks   int32   [n, S]             scales  float32 [n, S]
 
 Only the groups named in ``shapes`` are allocated, and of each only the
 slices in ``slices`` (a job whose adapters target q/v only needs no MLP slots
 and no k slice: a slot is then exactly its adapter's factors, and a load's
 whole-view image copies no zeros for untargeted modules). An adapter's host artifact is the list
-of its factors (copied into the leading rank rows/columns) plus its whole
+of its factors (A into the leading rank rows; B as rank-pitched blocks of each
+layer's flat ``B.<group>`` view, ``mlora.kernels.pitch``) plus its whole
 ranks/scales columns; the slot is zeroed on the device first, so every tail
 is zero and validation proves it (spec 0x06A).
 
@@ -36,6 +37,8 @@ import time
 from collections import OrderedDict
 
 import torch
+
+from mlora.kernels import b_pitch
 
 from ..bank import BankContext, SlotTensors
 from ..catalog import AdapterError, PinnedAdapter, load_factors
@@ -84,7 +87,8 @@ class ResidencyBank(SlotTensors):
             pool = PagePool(num_slots, self.slot_bytes)
         tensors = {}
         for g in self.groups:
-            tensors.update({f"A.{g}": (self.A[g], 0), f"B.{g}": (self.B[g], 0),
+            # B per slot and layer as one flat run: a rank-pitched slice is a contiguous range of it
+            tensors.update({f"A.{g}": (self.A[g], 0), f"B.{g}": (self.B[g].flatten(2), 0),
                             f"ranks.{g}": (self.ranks[g], 0), f"scales.{g}": (self.scales[g], 0)})
         storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
@@ -444,7 +448,11 @@ class SlotLayout:
         for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
             off, w = self.offsets[group][j], self.widths[group][j]
             pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
-            pieces.append(Piece(f"B.{group}", (layer, slice(off, off + w), slice(0, r)), b.contiguous()))
+            p_r = b_pitch(r, self.max_rank)  # rank-pitched: [w, p_r] rows from element off * R
+            block = torch.zeros(w, p_r, dtype=b.dtype)
+            block[:, :r] = b
+            pieces.append(Piece(f"B.{group}", (layer, slice(off * self.max_rank, off * self.max_rank + w * p_r)),
+                                block.reshape(-1)))
             ranks[group][layer, j] = r
             scales[group][layer, j] = scale
             targets.add((layer, group))
