@@ -40,7 +40,7 @@ def pitched_view(lora_b: torch.Tensor, s: int, off: int, width: int, rank: int) 
     contiguous): the logical ``lora_b[s, off:off + width, :rank]`` of the padded layout."""
     R = lora_b.shape[2]
     p = b_pitch(rank, R)
-    return lora_b[s].reshape(-1)[off * R : off * R + width * p].view(width, p)[:, :rank]
+    return lora_b[s].view(-1)[off * R : off * R + width * p].view(width, p)[:, :rank]  # a view, never a copy
 
 
 def to_rank_pitched(lora_b: torch.Tensor, ranks: torch.Tensor, widths) -> torch.Tensor:
