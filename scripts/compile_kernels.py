@@ -204,7 +204,9 @@ def main() -> int:
     for delta in (False, True):
         build(fused._add_rms_norm_kernel, dict(HAS_DELTA=delta, BLOCK=4096), f"fused add+RMSNorm (delta={delta})",
               norm_ptrs)
-    build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64), "fused RoPE q/k", norm_ptrs)
+    build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=False, KV_P2=1), "fused RoPE q/k", norm_ptrs)
+    build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=True, KV_P2=8),
+          "fused RoPE q/k + KV cache write", dict(norm_ptrs, k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64"))
     build(fused._silu_mul_kernel, dict(BLOCK=1024), "fused SiLU product", norm_ptrs)
     return 0
 

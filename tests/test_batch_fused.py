@@ -10,6 +10,8 @@ from mlora.batch.fused import (
     add_rms_norm_triton,
     ops_for,
     rms_norm_ref,
+    rope_qk_kv_ref_,
+    rope_qk_kv_triton_,
     rope_qk_ref_,
     rope_qk_triton_,
     silu_mul_ref,
@@ -73,6 +75,47 @@ def test_rope_in_place_matches_the_reference(dtype, heads, kv_heads, head_dim):
     v0 = (heads + kv_heads) * head_dim
     assert torch.equal(out[:, v0:], qkv[:, v0:])  # v untouched
     assert not torch.equal(out[:, :v0], qkv[:, :v0])
+
+
+@pytest.mark.parametrize("layout", ["layer-major", "page-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 1, 24)])
+def test_rope_with_the_cache_write_matches_rope_then_write(layout, dtype, heads, kv_heads, head_dim):
+    """The RoPE launch that also stores k and v into the paged cache (the engine's CUDA path)
+    leaves qkv exactly as the RoPE kernel alone does, and the cache exactly as KVCache.write of
+    that qkv's k and v does: the written slots hold those bits, every other slot (NaN-poisoned)
+    and every other layer is untouched; against the torch reference, the same rounding rule."""
+    from mlora.batch.kvcache import KVCache
+
+    T, layer = 6, 1
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = _rand(T, width, seed=9, dtype=dtype, scale=2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(torch.tensor([0, 3, 17, 100, 511, 7]).to(DEVICE), inv_freq.to(DEVICE), dtype)
+    slots = torch.tensor([9, 0, 23, 4, 17, 12], device=DEVICE)  # 6 blocks of 4: offsets 1, 0, 3, 0, 1, 0
+
+    def cache():
+        kv = KVCache(3, 6, 4, kv_heads, head_dim, dtype, DEVICE, layout=layout)
+        for t in kv.k + kv.v:
+            t.fill_(float("nan"))
+        return kv
+
+    fused_kv, plain_kv, ref_kv = cache(), cache(), cache()
+    fused = qkv.clone()
+    rope_qk_kv_triton_(fused, cos, sin, heads, kv_heads, head_dim, fused_kv, layer, slots)
+    plain = rope_qk_triton_(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    assert torch.equal(fused, plain)
+    n_q, n_kv = heads * head_dim, kv_heads * head_dim
+    plain_kv.write(layer, plain[:, n_q : n_q + n_kv].reshape(T, kv_heads, head_dim),
+                   plain[:, n_q + n_kv :].reshape(T, kv_heads, head_dim), slots)
+    for a, b in zip(fused_kv.k + fused_kv.v, plain_kv.k + plain_kv.v):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert int(fused_kv.k[layer].isnan().sum()) == (6 * 4 - T) * kv_heads * head_dim  # only the T slots written
+    ref = rope_qk_kv_ref_(qkv.clone(), cos, sin, heads, kv_heads, head_dim, ref_kv, layer, slots)
+    assert same_rounding(fused, ref)
+    got_k, got_v = fused_kv.read(layer, slots)
+    want_k, want_v = ref_kv.read(layer, slots)
+    assert same_rounding(got_k, want_k) and torch.equal(got_v, want_v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

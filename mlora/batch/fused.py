@@ -1,6 +1,7 @@
 """Fused element-wise kernels of the decoder layer (issue step 7): RMSNorm (with
-the residual add before it), rotary embedding of q and k in place, SiLU-gated
-product. One Triton launch each instead of four to ten torch kernels.
+the residual add before it), rotary embedding of q and k in place (and, in the
+same launch, k and v stored into the paged KV cache), SiLU-gated product. One
+Triton launch each instead of four to ten torch kernels.
 
 Owns the Triton kernels and their torch references; the model picks one set
 per device (``ops_for``): Triton on CUDA, the references on the CPU (and
@@ -56,6 +57,18 @@ def rope_qk_ref_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_head
     return qkv
 
 
+def rope_qk_kv_ref_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+                    head_dim: int, kv, layer: int, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_qk_ref_`, then the layer's rotated k and its v written into the paged KV
+    cache ``kv`` (a :class:`~mlora.batch.kvcache.KVCache`) at ``slot_mapping``. Returns qkv."""
+    rope_qk_ref_(qkv, cos, sin, q_heads, kv_heads, head_dim)
+    T, n_q, n_kv = qkv.shape[0], q_heads * head_dim, kv_heads * head_dim
+    k = qkv[:, n_q : n_q + n_kv].reshape(T, kv_heads, head_dim)
+    v = qkv[:, n_q + n_kv : n_q + 2 * n_kv].reshape(T, kv_heads, head_dim)
+    kv.write(layer, k, v, slot_mapping)
+    return qkv
+
+
 def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] [T, 2 * inter]."""
     gate, up = gate_up.split([inter, inter], dim=-1)
@@ -87,7 +100,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_c, stride_s, heads, half,
-                        HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr):
+                        k_ptr, v_ptr, slot_ptr, q_heads, kv_heads, block_size,
+                        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                        HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr, WRITE_KV: tl.constexpr = False,
+                        KV_P2: tl.constexpr = 1):
+        """Rotate q and k of one row in place; with ``WRITE_KV`` also store the rotated k heads
+        and the row's v heads at its cache slot (block ``slot // block_size``, offset ``slot %
+        block_size``; cache strides per block, offset and head, head_dim contiguous)."""
         row = tl.program_id(0).to(tl.int64)
         hd = tl.arange(0, HEADS_P2)[:, None]
         i = tl.arange(0, HALF_P2)[None, :]
@@ -103,8 +122,23 @@ if triton is not None:
         b1 = (-(x2.to(tl.float32)) * s).to(dt).to(tl.float32)  # negation is exact in either dtype
         a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
         b2 = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
-        tl.store(base, (a1 + b1).to(dt), mask=ok)
-        tl.store(base + half, (a2 + b2).to(dt), mask=ok)
+        r1 = (a1 + b1).to(dt)
+        r2 = (a2 + b2).to(dt)
+        tl.store(base, r1, mask=ok)
+        tl.store(base + half, r2, mask=ok)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            blk = slot // block_size
+            off = slot % block_size
+            kmask = ok & (hd >= q_heads)  # heads q_heads .. heads-1 are k's
+            kdst = k_ptr + blk * stride_kb + off * stride_ko + (hd - q_heads) * stride_kh + i
+            tl.store(kdst, r1, mask=kmask)
+            tl.store(kdst + half, r2, mask=kmask)
+            vh = tl.arange(0, KV_P2)[:, None]
+            d = tl.arange(0, 2 * HALF_P2)[None, :]
+            vmask = (vh < kv_heads) & (d < 2 * half)
+            vv = tl.load(qkv_ptr + row * stride_t + (heads + vh) * (2 * half) + d, mask=vmask, other=0.0)
+            tl.store(v_ptr + blk * stride_vb + off * stride_vo + vh * stride_vh + d, vv, mask=vmask)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
@@ -144,8 +178,25 @@ def rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim):
     if qkv.shape[0]:
         heads = q_heads + kv_heads
         _rope_qk_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
-                                         head_dim // 2, HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads),
-                                         num_warps=4)
+                                         head_dim // 2, qkv, qkv, qkv, 0, 0, 1, 0, 0, 0, 0, 0, 0,
+                                         HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), num_warps=4)
+    return qkv
+
+
+def rope_qk_kv_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, slot_mapping):
+    """:func:`rope_qk_kv_ref_` in one launch (the RoPE kernel also stores k and v at their
+    slots: no separate cache-write kernels); the reference path where the cache's dtype
+    differs from qkv's or its head_dim is not contiguous."""
+    kc, vc = kv.k[layer], kv.v[layer]
+    if kc.dtype != qkv.dtype or kc.stride(3) != 1 or vc.stride(3) != 1 or head_dim % 2:
+        return rope_qk_kv_ref_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, slot_mapping)
+    if qkv.shape[0]:
+        heads = q_heads + kv_heads
+        _rope_qk_kernel[(qkv.shape[0],)](
+            qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads, head_dim // 2,
+            kc, vc, slot_mapping, q_heads, kv_heads, kv.block_size, kc.stride(0), kc.stride(1), kc.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), WRITE_KV=True, KV_P2=_pow2(kv_heads), num_warps=4)
     return qkv
 
 
@@ -170,11 +221,13 @@ class ElementwiseOps:
             self.add_rms_norm = add_rms_norm_triton
             self.rms_norm = lambda x, w, eps: add_rms_norm_triton(x, None, w, eps)[1]
             self.rope_qk_ = rope_qk_triton_
+            self.rope_qk_kv_ = rope_qk_kv_triton_
             self.silu_mul = silu_mul_triton
         else:
             self.add_rms_norm = add_rms_norm_ref
             self.rms_norm = rms_norm_ref
             self.rope_qk_ = rope_qk_ref_
+            self.rope_qk_kv_ = rope_qk_kv_ref_
             self.silu_mul = silu_mul_ref
 
 

@@ -293,13 +293,11 @@ class DecoderLayer(torch.nn.Module):
             q = rms_norm(q.reshape(rows, c.num_heads, c.head_dim), self.q_norm_weight, c.rms_norm_eps)
             k = rms_norm(k.reshape(rows, c.num_kv_heads, c.head_dim), self.k_norm_weight, c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
-            ops.rope_qk_(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)  # q and k rotated in place
-            q, k, v = qkv.split([c.q_out, c.kv_out, c.kv_out], dim=-1)
-            q = q.reshape(rows, c.num_heads, c.head_dim)
-            k = k.reshape(rows, c.num_kv_heads, c.head_dim)
-        v = v.reshape(rows, c.num_kv_heads, c.head_dim)
-        kv.write(i, k, v, meta.slot_mapping)
+            v = v.reshape(rows, c.num_kv_heads, c.head_dim)
+            kv.write(i, k, v, meta.slot_mapping)
+        else:  # q and k rotated in place, k and v written into the cache (one launch on CUDA)
+            ops.rope_qk_kv_(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim, kv, i, meta.slot_mapping)
+            q = qkv[:, : c.q_out].reshape(rows, c.num_heads, c.head_dim)
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
         if prepare is not None:
             prepare(i, "o", a)
