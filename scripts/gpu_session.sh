@@ -26,7 +26,8 @@
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
 #   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode (the expand and shrink knobs), bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh pitched      rank-pitched B banks (sixteenth session, built on the CPU): GPU tests, demo bf16,
-#                                            kernel_sweep.py --mixed (rank_pitched vs padded), --decode --split, bench kernels (~8 min)
+#                                            kernel_sweep.py --mixed (rank_pitched vs padded), --decode --split,
+#                                            base decode at 64 rows (RoPE + KV write), bench kernels (~9 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -146,13 +147,16 @@ case "${1:-quick}" in
     ;;
   pitched)  # sixteenth session: the engine's B banks rank-pitched (mlora.kernels.pitch); issue step 2's mixed-rank target
     timeout 200 python -m pytest -q tests/test_kernels_pitch.py tests/test_kernels_slices.py tests/test_batch_catalog.py \
-      tests/test_residency.py tests/test_batch_graphs.py 2>&1 | tail -2
+      tests/test_residency.py tests/test_batch_graphs.py tests/test_batch_fused.py 2>&1 | tail -2
     rm -rf /tmp/demo-pitch; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-pitch \
       --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype bfloat16 -q \
       >/dev/null; echo "demo bf16 (ranks 8 and 16 in a rank-16 bank): $(python scripts/check_demo_outputs.py /tmp/demo-pitch | tail -1)"
     timeout 120 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed.txt" | tail -16
     # the decode layer's fixed cost per launch pair: shrinks alone and the empty graph (issue step 7's 64-adapter gap)
     timeout 100 python -u scripts/kernel_sweep.py --decode --split 2>&1 | grep -v Warn | tee "$OUT/kernel-sweep-decode-split.txt" | tail -2
+    # the KV-cache write folded into RoPE (sixteenth session): base decode at 64 rows (7.24 ms before)
+    timeout 120 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --no-repeat-base \
+      --out "$OUT/batch-64seqs.json" 2>&1 | grep adapters
     timeout 260 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
