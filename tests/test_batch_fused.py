@@ -118,6 +118,32 @@ def test_rope_with_the_cache_write_matches_rope_then_write(layout, dtype, heads,
     assert same_rounding(got_k, want_k) and torch.equal(got_v, want_v)
 
 
+def test_rope_with_a_cache_of_another_dtype_rotates_then_writes():
+    """A float32 cache under bfloat16 activations: the launch cannot store the rotated values
+    as they are, so the RoPE kernel runs alone and KVCache.write converts (the path before the
+    fold): qkv as the RoPE kernel leaves it, the cache as that write makes it."""
+    from mlora.batch.kvcache import KVCache
+
+    heads, kv_heads, head_dim, T = 4, 2, 16, 5
+    qkv = _rand(T, (heads + 2 * kv_heads) * head_dim, seed=13, dtype=torch.bfloat16, scale=2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(torch.tensor([1, 2, 40, 8, 300]).to(DEVICE), inv_freq.to(DEVICE), torch.bfloat16)
+    slots = torch.tensor([3, 14, 0, 9, 6], device=DEVICE)
+    caches = [KVCache(2, 4, 4, kv_heads, head_dim, torch.float32, DEVICE) for _ in range(2)]
+    for c in caches:
+        for t in c.k + c.v:
+            t.fill_(float("nan"))
+    got = rope_qk_kv_triton_(qkv.clone(), cos, sin, heads, kv_heads, head_dim, caches[0], 0, slots)
+    want = rope_qk_triton_(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    assert torch.equal(got, want)
+    n_q, n_kv = heads * head_dim, kv_heads * head_dim
+    caches[1].write(0, want[:, n_q : n_q + n_kv].reshape(T, kv_heads, head_dim),
+                    want[:, n_q + n_kv :].reshape(T, kv_heads, head_dim), slots)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert not caches[0].k[0].nan_to_num(0.0).eq(0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [32, 40])
 def test_silu_mul_matches_the_reference(dtype, inter):

@@ -43,3 +43,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     if "global loads" in out.stdout:
         for ln in lora:
             assert "b16" not in ln.split("global loads", 1)[1], ln
+        # the RoPE launch's KV-cache stores: whole vectors too (its cache strides must be named
+        # stride_* to get a launch's divisibility marks: 72 two-byte stores otherwise)
+        (rope_kv,) = [ln for ln in lines if "RoPE q/k + KV cache write" in ln]
+        assert "b16" not in rope_kv.split("global loads", 1)[1], rope_kv

@@ -8,7 +8,7 @@ per device (``ops_for``): Triton on CUDA, the references on the CPU (and
 under ``MLORA_FUSED=0`` anywhere, for debugging).
 
 Semantics are those of the torch references below, op by op and rounding by
-rounding in the activations' dtype: ``rope_qk_`` and ``silu_mul`` round every
+rounding in the activations' dtype: ``rope_qk_kv_`` and ``silu_mul`` round every
 intermediate exactly where torch's bf16/fp16 arithmetic does, so they agree
 bit for bit; ``add_rms_norm`` reduces the row's sum of squares in another
 order than torch, so its output may differ in the last bit of some elements.
@@ -62,11 +62,16 @@ def rope_qk_kv_ref_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_h
     """:func:`rope_qk_ref_`, then the layer's rotated k and its v written into the paged KV
     cache ``kv`` (a :class:`~mlora.batch.kvcache.KVCache`) at ``slot_mapping``. Returns qkv."""
     rope_qk_ref_(qkv, cos, sin, q_heads, kv_heads, head_dim)
+    _write_kv(qkv, q_heads, kv_heads, head_dim, kv, layer, slot_mapping)
+    return qkv
+
+
+def _write_kv(qkv, q_heads, kv_heads, head_dim, kv, layer, slot_mapping) -> None:
+    """``KVCache.write`` of the k and v columns of ``qkv`` (after RoPE)."""
     T, n_q, n_kv = qkv.shape[0], q_heads * head_dim, kv_heads * head_dim
     k = qkv[:, n_q : n_q + n_kv].reshape(T, kv_heads, head_dim)
     v = qkv[:, n_q + n_kv : n_q + 2 * n_kv].reshape(T, kv_heads, head_dim)
     kv.write(layer, k, v, slot_mapping)
-    return qkv
 
 
 def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -185,11 +190,14 @@ def rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim):
 
 def rope_qk_kv_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, slot_mapping):
     """:func:`rope_qk_kv_ref_` in one launch (the RoPE kernel also stores k and v at their
-    slots: no separate cache-write kernels); the reference path where the cache's dtype
-    differs from qkv's or its head_dim is not contiguous."""
+    slots: no separate cache-write kernels); where the cache's dtype differs from qkv's, its
+    head_dim is not contiguous or head_dim is odd, the RoPE kernel alone and then ``KVCache.write``
+    (the path before the fold)."""
     kc, vc = kv.k[layer], kv.v[layer]
     if kc.dtype != qkv.dtype or kc.stride(3) != 1 or vc.stride(3) != 1 or head_dim % 2:
-        return rope_qk_kv_ref_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, slot_mapping)
+        rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim)
+        _write_kv(qkv, q_heads, kv_heads, head_dim, kv, layer, slot_mapping)
+        return qkv
     if qkv.shape[0]:
         heads = q_heads + kv_heads
         _rope_qk_kernel[(qkv.shape[0],)](
@@ -220,13 +228,11 @@ class ElementwiseOps:
         if fused:
             self.add_rms_norm = add_rms_norm_triton
             self.rms_norm = lambda x, w, eps: add_rms_norm_triton(x, None, w, eps)[1]
-            self.rope_qk_ = rope_qk_triton_
             self.rope_qk_kv_ = rope_qk_kv_triton_
             self.silu_mul = silu_mul_triton
         else:
             self.add_rms_norm = add_rms_norm_ref
             self.rms_norm = rms_norm_ref
-            self.rope_qk_ = rope_qk_ref_
             self.rope_qk_kv_ = rope_qk_kv_ref_
             self.silu_mul = silu_mul_ref
 

@@ -53,13 +53,13 @@ from __future__ import annotations
 import torch
 
 from .launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
-from .pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_view, to_rank_pitched
+from .pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_span, pitched_view, to_rank_pitched
 from .plan import PlanError, SegmentPlan, build_plan, validate_plan
 from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
     "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
-    "check_bank", "pitched_view", "to_rank_pitched",
+    "check_bank", "pitched_span", "pitched_view", "to_rank_pitched",
     "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "make_launch_plan",
     "shrink_ahead", "tile_capacity", "validate_plan",
 ]

@@ -34,13 +34,19 @@ def b_pitch(rank: int, R: int) -> int:
     return min(-(-int(rank) // 8) * 8, R)
 
 
+def pitched_span(off: int, width: int, rank: int, R: int) -> tuple[slice, int]:
+    """(elements of a slot's flat ``[sum(widths) * R]`` run, pitch) of the rank-``rank`` slice at
+    B rows ``[off, off + width)``: its ``[width, pitch]`` block, row-major."""
+    p = b_pitch(rank, R)
+    return slice(off * R, off * R + width * p), p
+
+
 def pitched_view(lora_b: torch.Tensor, s: int, off: int, width: int, rank: int) -> torch.Tensor:
     """``[width, rank]`` view of slot ``s``'s slice at B rows ``[off, off + width)`` of the
     rank-pitched bank ``lora_b`` (``[S, sum(widths), R]``, each slot's ``[sum(widths), R]``
     contiguous): the logical ``lora_b[s, off:off + width, :rank]`` of the padded layout."""
-    R = lora_b.shape[2]
-    p = b_pitch(rank, R)
-    return lora_b[s].view(-1)[off * R : off * R + width * p].view(width, p)[:, :rank]  # a view, never a copy
+    span, p = pitched_span(off, width, rank, lora_b.shape[2])
+    return lora_b[s].view(-1)[span].view(width, p)[:, :rank]  # a view, never a copy
 
 
 def to_rank_pitched(lora_b: torch.Tensor, ranks: torch.Tensor, widths) -> torch.Tensor:

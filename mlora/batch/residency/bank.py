@@ -38,7 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from mlora.kernels import b_pitch
+from mlora.kernels import pitched_span
 
 from ..bank import BankContext, SlotTensors
 from ..catalog import AdapterError, PinnedAdapter, load_factors
@@ -448,11 +448,10 @@ class SlotLayout:
         for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
             off, w = self.offsets[group][j], self.widths[group][j]
             pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
-            p_r = b_pitch(r, self.max_rank)  # rank-pitched: [w, p_r] rows from element off * R
+            span, p_r = pitched_span(off, w, r, self.max_rank)  # rank-pitched: a [w, p_r] block
             block = torch.zeros(w, p_r, dtype=b.dtype)
             block[:, :r] = b
-            pieces.append(Piece(f"B.{group}", (layer, slice(off * self.max_rank, off * self.max_rank + w * p_r)),
-                                block.reshape(-1)))
+            pieces.append(Piece(f"B.{group}", (layer, span), block.reshape(-1)))
             ranks[group][layer, j] = r
             scales[group][layer, j] = scale
             targets.add((layer, group))
