@@ -27,7 +27,8 @@
 #   bash scripts/gpu_session.sh decode-lora  the expand with vectorised B loads: kernel tests, kernel_sweep.py --decode (the expand and shrink knobs), bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh pitched      rank-pitched B banks (sixteenth session, built on the CPU): GPU tests, demo bf16,
 #                                            kernel_sweep.py --mixed (rank_pitched vs padded), --decode --split,
-#                                            base decode at 64 rows (RoPE + KV write), bench kernels (~9 min)
+#                                            base decode at 64 rows (RoPE + KV write) (~6 min)
+#   bash scripts/gpu_session.sh pitched-bench  then: bench kernels, bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -157,7 +158,10 @@ case "${1:-quick}" in
     # the KV-cache write folded into RoPE (sixteenth session): base decode at 64 rows (7.24 ms before)
     timeout 120 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --no-repeat-base \
       --out "$OUT/batch-64seqs.json" 2>&1 | grep adapters
+    ;;
+  pitched-bench)  # after `pitched`: the whole bench kernels grid, then bench batch 0/8/64 on the pitched banks (~8 min)
     timeout 260 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
+    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \
