@@ -4,7 +4,7 @@ CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
 checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode | --mixed]
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode [--split | --shrink] | --mixed]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -25,6 +25,9 @@ variant the layer's sum and 32 layers of it, to set against the decode
 profile's LoRA time (eleventh session: 5.8 ms of a 64-adapter iteration).
 With ``--split`` as well: the default's layer time split into the shrinks alone and the empty
 graph (where the fixed cost per launch pair sits).
+With ``--shrink`` instead: the shrinks alone under the shrink's knobs (K block, stages, waves of
+split-K, the final sum's chunk, warps), the expand not launched, plus the default with its expand
+(``default_full``).
 ``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
 their padded twins (every slot rank 64) with the rank-pitched B bank (``rank_pitched``, the
 engine's layout; the other variants read the padded layout), the shrink's rank tile, the
@@ -81,6 +84,16 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
                 "split1": dict(split=1), "shrink_warps8": dict(shrink_warps=8), "no_pdl": dict(pdl=False)}
+SHRINK = "--shrink" in sys.argv
+if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
+    VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {
+        "default": {}, "block_k64": dict(block_k=64), "block_k256": dict(block_k=256),
+        "stages2": dict(shrink_stages=2), "stages3": dict(shrink_stages=3), "stages6": dict(shrink_stages=6),
+        "waves1": dict(waves=1), "waves4": dict(waves=4), "waves8": dict(waves=8),
+        "sum_chunk4": dict(sum_chunk=4), "sum_chunk16": dict(sum_chunk=16),
+        "waves8_chunk16": dict(waves=8, sum_chunk=16), "shrink_warps2": dict(shrink_warps=2),
+        "shrink_warps8": dict(shrink_warps=8)}.items()}
+    VARIANTS["default_full"] = {}
 if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
     CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]
 if MIXED and not SPLIT:  # with --split: the split's variants on these cases
