@@ -29,10 +29,11 @@ With ``--shrink`` instead: the shrinks alone under the shrink's knobs (K block, 
 split-K, the final sum's chunk, warps), the expand not launched, plus the default with its expand
 (``default_full``).
 ``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
-their padded twins (every slot rank 64) with the rank-pitched B bank (``rank_pitched``, the
-engine's layout; the other variants read the padded layout), the shrink's rank tile, the
-expand's column groups and the split, then per variant the mixed / padded time ratio of each case (issue
-step 2's target: at most 0.6), against the padded default and against the padded variant.
+their padded twins (every slot rank 64), every variant on a rank-pitched B bank (the engine's
+layout) but ``padded_layout``: the shrink's rank tile, the expand's column groups, tiles and
+warps, and the split (with ``--split``: the default's shrink alone and the empty graph), then
+per variant the mixed / padded time ratio of each case (issue step 2's target: at most 0.6),
+against the padded default and against the padded variant.
 """
 import json
 import statistics
@@ -96,14 +97,16 @@ if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, 
     VARIANTS["default_full"] = {}
 if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
     CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]
-if MIXED and not SPLIT:  # with --split: the split's variants on these cases
-    # default: the padded B layout; rank_pitched: the engine's banks' (mlora.kernels.pitch)
-    VARIANTS = {"default": {}, "rank_pitched": {"__pitched": True},
+if MIXED and not SPLIT:  # with --split: the default's time split into shrink alone and the empty graph
+    # every variant reads a rank-pitched B bank (the engine's layout, mlora.kernels.pitch; the same
+    # bytes as the padded layout for the rank-64 twins) except padded_layout
+    VARIANTS = {"default": {}, "padded_layout": {"__padded": True},
                 "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
                 "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
-                "expand_warps8": dict(expand_warps=8), "block_r16_group2": dict(block_r=16, group_tiles=2)}
+                "block_n32": dict(block_n=32), "expand_warps8": dict(expand_warps=8),
+                "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
@@ -175,8 +178,8 @@ def main():
                             empty={"__skip": ("_shrink_kernel", "_expand_kernel"), "fused": False})
         for name, cfg in variants.items():
             skip = cfg.get("__skip", ()) if cfg else ()
-            pitched = bool(cfg and cfg.get("__pitched"))
-            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched")}
+            pitched = bool(cfg and cfg.get("__pitched")) or (MIXED and not (cfg and cfg.get("__padded")))
+            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched", "__padded")}
             saved = {k: getattr(sgmv, k) for k in skip}
             for k in skip:
                 setattr(sgmv, k, _NoLaunch())

@@ -1,0 +1,92 @@
+"""Where the fixed cost of one LoRA launch pair at decode size goes (issue step 7: ~10 us per
+shrink + expand pair over ~1-2 us of bytes). Needs a CUDA GPU:
+
+    PYTHONPATH=. python scripts/lora_latency.py
+
+For the four launches of one Llama-3-8B decoder layer (q/k/v, o, gate/up, down; rank 16; 256
+rows over 8 and 64 adapters; the plan buffers sized as in kernel_sweep.py), each timed as one
+captured CUDA graph, median of 30 replays, with and without a 256 MiB L2 flush before each:
+
+  pair          the default shrink + expand
+  shrink        the shrink alone (expand not launched)
+  shrink_empty  the shrink over a plan with no tiles (every program loads the plan and exits)
+  pair_x8       eight copies of the pair in one graph (no flush), per copy: back-to-back cost
+  noop          a one-program Triton kernel that stores one value (the launch itself)
+
+The flush also evicts the GPU's TLB entries for the plan, x and the banks, as the engine's
+weight streaming does between two LoRA launches; without it every page is warm.
+"""
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels import triton_sgmv as sgmv
+from mlora.kernels.bench import _events_median, make_case
+from mlora.kernels.triton_sgmv import add_lora_slices_triton
+
+OUTPUTS = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
+           "down": ((4096,), 14336)}
+
+
+@triton.jit
+def _noop(out_ptr):
+    tl.store(out_ptr, 1.0)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _graph(fn, copies=1):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(copies):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _times(g, flush, copies=1):
+    cold = _events_median(g.replay, 30, flush) * 1e6 / copies
+    warm = _events_median(g.replay, 30, None) * 1e6 / copies
+    return round(cold, 1), round(warm, 1)
+
+
+def main():
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(1, device="cuda")
+    g = _graph(lambda: _noop[(1,)](out))
+    print(json.dumps({"case": "noop", "flush_warm_us": _times(g, flush)}), flush=True)
+    for A in (8, 64):
+        for name, (widths, d_in) in OUTPUTS.items():
+            y0, x, a, b, rs, ranks, scales = make_case(256, A, widths, [16] * A, 16, d_in=d_in)
+            lp = make_launch_plan(build_plan(rs))
+            static = empty_launch_plan(256, tile_capacity(256, A, lp.block_m), lp.block_m, "cuda")
+            static.copy_from(lp)
+            empty = empty_launch_plan(256, static.tile_capacity, lp.block_m, "cuda")  # num_tiles 0
+            y = y0.clone()
+            row = {"case": f"{name}/r16/T256/A{A}"}
+
+            def call(plan=static):
+                add_lora_slices_triton(y, x, a, b, plan, ranks, scales, widths, config={"fused": False})
+
+            row["pair"] = _times(_graph(call), flush)
+            row["pair_x8"] = _times(_graph(call, 8), None, 8)[1]
+            saved = sgmv._expand_kernel
+            sgmv._expand_kernel = _NoLaunch()
+            try:
+                row["shrink"] = _times(_graph(call), flush)
+                row["shrink_empty"] = _times(_graph(lambda: call(empty)), flush)
+            finally:
+                sgmv._expand_kernel = saved
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
