@@ -92,3 +92,43 @@ def test_a_rank_pitched_bank_must_hold_each_slot_contiguously():
         add_lora_slices(y, x, a, strided, rs, widths=widths, ranks=ranks, scales=scales, b_layout="rank-pitched")
     with pytest.raises(ValueError, match="b_layout"):
         add_lora_slices(y, x, a, b, rs, widths=widths, ranks=ranks, scales=scales, b_layout="packed")
+
+
+@pytest.mark.parametrize("group_tiles", [1, 2, 3])
+def test_merged_column_groups_cover_every_column_once(group_tiles):
+    """The Triton expand over a rank-pitched bank lets a slot whose pitch is a k-th of R run one
+    program of every k column groups, over k groups' columns (``merge_groups``): with 16-wide
+    column tiles, slices of 4 and 3 (and 5) tiles and pitches 8/16/24/32 in a rank-32 bank (k 4, 2,
+    1, 1), every column is added exactly once (the oracle; NaN padding) and the bits equal the
+    unmerged launch and the padded layout's."""
+    from mlora.kernels.triton_sgmv import add_lora_slices_triton
+
+    widths = (64, 40, 72)
+    y, x, a, b, rs, ranks, scales, _ = sliced_case(41 + group_tiles, T=23, S=5, R=32, widths=widths)
+    ranks[:, :4] = torch.tensor([[8, 16, 24, 32], [5, 12, 32, 1], [3, 20, 9, 32]], dtype=torch.int32)
+    a, b = a.clone(), b.clone()
+    off = [0, 64, 104, 176]
+    for j in range(3):  # re-poison past the new ranks (the case poisoned at its own)
+        for s in range(5):
+            r = int(ranks[j, s])
+            a[s, j, :r] = torch.randn(r, a.shape[-1])
+            a[s, j, r:] = float("nan")
+            b[s, off[j] : off[j + 1], :r] = torch.randn(widths[j], r)
+            b[s, off[j] : off[j + 1], r:] = float("nan")
+    ref = sliced_oracle(y, x, a, b, rs, ranks, scales, list(widths))
+    pitched = to_rank_pitched(b, ranks, widths)
+    pitched[~_covered(pitched, ranks, widths)] = float("nan")
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    y, x, a, b, pitched, rs, ranks, scales = map(dev, (y, x, a, b, pitched, rs, ranks, scales))
+    lp = make_launch_plan(build_plan(rs), 16)
+    outs = {}
+    for name, bank, merge, is_pitched in (("merged", pitched, True, True), ("unmerged", pitched, False, True),
+                                          ("padded", b, False, False)):
+        out = y.clone()
+        add_lora_slices_triton(out, x, a, bank, lp, ranks, scales, list(widths), b_pitched=is_pitched,
+                               config=dict(fused=False, block_n=16, group_tiles=group_tiles, merge_groups=merge))
+        outs[name] = out
+    err = (outs["merged"].cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.float32], float(err)
+    assert torch.equal(outs["merged"][rs < 0], y[rs < 0])
+    assert torch.equal(outs["merged"], outs["unmerged"]) and torch.equal(outs["merged"], outs["padded"])
