@@ -100,8 +100,8 @@ if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) a
 if MIXED and not SPLIT:  # with --split: the default's time split into shrink alone and the empty graph
     # every variant reads a rank-pitched B bank (the engine's layout, mlora.kernels.pitch; the same
     # bytes as the padded layout for the rank-64 twins) except padded_layout
-    VARIANTS = {"default": {}, "padded_layout": {"__padded": True}, "no_merge": dict(merge_groups=False),
-                "expand_stages2": dict(expand_stages=2), "no_merge_stages2": dict(merge_groups=False, expand_stages=2),
+    VARIANTS = {"default": {}, "padded_layout": {"__padded": True},
+                "expand_stages2": dict(expand_stages=2),
                 "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),

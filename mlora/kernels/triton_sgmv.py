@@ -262,7 +262,7 @@ def _expand_kernel(
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    B_PITCHED: tl.constexpr = False, MERGE_GROUPS: tl.constexpr = False,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -284,12 +284,7 @@ def _expand_kernel(
 
     ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
     of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
-    step by the slot's pitch (its rank rounded up to 8) instead of R. With ``MERGE_GROUPS`` as
-    well, a slot whose pitch is a k-th of R (``k = R // pitch``) reads a k-th of the bytes per
-    column, so only every k-th of its column groups (counted from the slice's first) runs, over
-    k groups' columns: its programs stream as many bytes each as a rank-R slot's (a rank-8 slot
-    in a rank-64 bank otherwise ran 8 times the programs per byte, each paying the plan, z and
-    first-tile latency)."""
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -312,11 +307,6 @@ def _expand_kernel(
         pitch = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R)
         b_ptr += n_lo * (R - pitch)
         stride_bn = pitch
-        if MERGE_GROUPS:
-            k = R // pitch
-            if (pid_g - g_lo) % k != 0:  # its columns belong to the program k groups-aligned before it
-                return
-            group_tiles = tl.minimum(group_tiles * k, (n_hi - n_first + BLOCK_N - 1) // BLOCK_N)
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
@@ -529,9 +519,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
-        # rank-pitched banks: a low-rank slot's expand programs take k column groups each (see
-        # _expand_kernel's MERGE_GROUPS); measured on the H200 (seventeenth session, BENCHMARKS.md)
-        merge_groups=True,
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
@@ -553,7 +540,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "merge_groups")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -739,7 +726,6 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
         BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
-        MERGE_GROUPS=b_pitched and cfg["merge_groups"],
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
