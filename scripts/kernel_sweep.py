@@ -84,7 +84,8 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "expand_stages1": dict(expand_stages=1), "expand_stages3": dict(expand_stages=3),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
-                "split1": dict(split=1), "shrink_warps8": dict(shrink_warps=8), "no_pdl": dict(pdl=False)}
+                "split1": dict(split=1), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
+                "no_pdl": dict(pdl=False)}
 SHRINK = "--shrink" in sys.argv
 if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
     VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {

@@ -510,8 +510,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         block_r_expand=_pow2(R, 16, 1 << 20),
         # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
         # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
-        # on the H200 the two were equal within noise, tenth session)
-        shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 4,
+        # on the H200 the two were equal within noise, tenth session); 2 warps for a 16 x 16 tile
+        # (the decode shrinks alone 6% faster at 64 adapters, 4% at 8, seventeenth session)
+        shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 2 if tiles_bm * block_r <= 16 * 16 else 4,
         # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand): the
         # rank-64 d_out 14336 cases 5-7% faster, the others equal (seventeenth session, H200)
         shrink_stages=4, expand_warps=4, expand_stages=3 if _pow2(R, 16, 1 << 20) > 32 else 2, rank_class=16,
