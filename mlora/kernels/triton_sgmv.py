@@ -491,6 +491,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     block_r = override.get("block_r") or _pow2(R, 16, 64)
     block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
     rank_tiles = _cdiv(R, block_r)
+    block_r_expand = _pow2(R, 16, 1 << 20)
     # split d_in until the shrink launch has about ``waves`` programs per SM,
     # keeping chunks of at least 2 K-blocks (2 per SM: measured on the H200,
     # BENCHMARKS.md; more splits cost more partial traffic than they hide)
@@ -507,15 +508,16 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # H200 sweep had 64 faster or equal in 10 of its 11 rank <= 16 cases (up to 9%:
         # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md)
         block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 or R <= 16 else 128),
-        block_r_expand=_pow2(R, 16, 1 << 20),
+        block_r_expand=block_r_expand,
         # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
         # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
         # on the H200 the two were equal within noise, tenth session); 2 warps for a 16 x 16 tile
-        # (the decode shrinks alone 6% faster at 64 adapters, 4% at 8, seventeenth session)
+        # (the decode shrinks alone 6% faster at 64 adapters, 4% at 8, whole decode layers 2% / 1%;
+        # seventeenth session, the bench grid not rerun with it yet)
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 2 if tiles_bm * block_r <= 16 * 16 else 4,
         # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand): the
         # rank-64 d_out 14336 cases 5-7% faster, the others equal (seventeenth session, H200)
-        shrink_stages=4, expand_warps=4, expand_stages=3 if _pow2(R, 16, 1 << 20) > 32 else 2, rank_class=16,
+        shrink_stages=4, expand_warps=4, expand_stages=3 if block_r_expand > 32 else 2, rank_class=16,
         # split-K partials loaded per step of the final sum: one at a time measured best on the
         # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
         # the 162 bench cases; chunks stay a sweep variant)
