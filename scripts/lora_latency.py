@@ -11,6 +11,8 @@ captured CUDA graph, median of 30 replays, with and without a 256 MiB L2 flush b
   shrink        the shrink alone (expand not launched)
   shrink_empty  the shrink over a plan with no tiles (every program loads the plan and exits)
   pair_x8       eight copies of the pair in one graph (no flush), per copy: back-to-back cost
+  gemm, gemm_pair  the module's base GEMM (x @ W.T, W [sum(widths), d_in] bf16) alone and followed
+                by the pair, as the engine runs them: the pair's cost after a GEMM is the difference
   noop          a one-program Triton kernel that stores one value (the launch itself)
 
 The flush also evicts the GPU's TLB entries for the plan, x and the banks, as the engine's
@@ -77,6 +79,18 @@ def main():
                 add_lora_slices_triton(y, x, a, b, plan, ranks, scales, widths, config={"fused": False})
 
             row["pair"] = _times(_graph(call), flush)
+            w = torch.randn(sum(widths), d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
+            base = torch.empty(256, sum(widths), device="cuda", dtype=torch.bfloat16)
+
+            def gemm():
+                torch.matmul(x, w.T, out=base)
+
+            def gemm_pair():
+                gemm()
+                add_lora_slices_triton(base, x, a, b, static, ranks, scales, widths, config={"fused": False})
+
+            row["gemm"] = _times(_graph(gemm), flush)[0]
+            row["gemm_pair"] = _times(_graph(gemm_pair), flush)[0]
             row["pair_x8"] = _times(_graph(call, 8), None, 8)[1]
             saved = sgmv._expand_kernel
             sgmv._expand_kernel = _NoLaunch()
