@@ -470,3 +470,35 @@ def test_fill_from_rows_refills_only_when_the_row_slots_change(monkeypatch):
     static.copy_from(real(build_plan(rows), 16))
     static.fill_from_rows(other)  # the copy replaced the contents: refilled, not trusted
     assert len(built) == 3 and static.tile_slot[:2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("split,chunk", [(11, 4), (6, 8), (11, 16)])
+@pytest.mark.parametrize("R,widths", [(16, (24, 8)), (40, (16, 8, 24))])
+def test_expand_summing_the_split_partials_matches_the_shrink_sum(split, chunk, R, widths):
+    """``expand_sum``: the shrink leaves its split-K partials and every expand program sums them
+    (chunks of ``chunk``, a masked tail, one chunk larger than the split) over fresh
+    NaN-poisoned factors, with ranks up to R in a wide bank (the narrow and the wide z paths):
+    the oracle within tolerance, base-only rows untouched, and the same bits as the shrink's
+    last program summing with the same chunk (one summation order for both)."""
+    from mlora.kernels.triton_sgmv import _shrink_buffers, add_lora_slices_triton
+
+    case = sliced_case(50 + split + R, T=9, S=3, R=R, d_in=352, widths=widths, base_frac=0.2)
+    ref = sliced_oracle(*case)
+    y, x, a, b, rs, ranks, scales, widths = _dev(*case)
+    lp = make_launch_plan(build_plan(rs), 16)
+    outs = {}
+    for name, extra in (("expand", dict(expand_sum=chunk)), ("shrink", dict(sum_chunk=chunk))):
+        config = dict(split=split, block_k=32, fused=False, **extra)
+        cfg = launch_config(lp.tile_capacity, len(widths), R, 352, list(widths), torch.device(DEVICE), False, 16,
+                            **config)
+        assert cfg["split"] == split and cfg["expand_sum"] == extra.get("expand_sum", 0)
+        if name == "expand":  # no arrival counters: the shrink never sums
+            assert _shrink_buffers(x, a, lp, cfg)[1].dtype == torch.float32
+        out = y.clone()
+        add_lora_slices_triton(out, x, a, b, lp, ranks, scales, widths, config=config)
+        outs[name] = out
+    got = outs["expand"]
+    assert torch.equal(got[rs < 0], y[rs < 0])
+    err = (got.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.float32], float(err)
+    assert torch.equal(got, outs["shrink"])
