@@ -5,18 +5,20 @@ shrink + expand pair over ~1-2 us of bytes). Needs a CUDA GPU:
 
 For the four launches of one Llama-3-8B decoder layer (q/k/v, o, gate/up, down; rank 16; 256
 rows over 8 and 64 adapters; the plan buffers sized as in kernel_sweep.py), each timed as one
-captured CUDA graph, median of 30 replays, with and without a 256 MiB L2 flush before each:
+captured CUDA graph, median of 30 replays, each after a 256 MiB L2 flush (the flush also keeps
+the GPU busy while the host submits the replay: timed on an idle GPU, a one-kernel graph shows
+the host's submission, 11 us for the no-op, seventeenth session):
 
   pair          the default shrink + expand
   shrink        the shrink alone (expand not launched)
   shrink_empty  the shrink over a plan with no tiles (every program loads the plan and exits)
-  pair_x8       eight copies of the pair in one graph (no flush), per copy: back-to-back cost
+  pair_x8       eight copies of the pair in one graph, per copy: back-to-back cost
   gemm, gemm_pair  the module's base GEMM (x @ W.T, W [sum(widths), d_in] bf16) alone and followed
                 by the pair, as the engine runs them: the pair's cost after a GEMM is the difference
   noop          a one-program Triton kernel that stores one value (the launch itself)
 
 The flush also evicts the GPU's TLB entries for the plan, x and the banks, as the engine's
-weight streaming does between two LoRA launches; without it every page is warm.
+weight streaming does between two LoRA launches.
 """
 import json
 
@@ -55,16 +57,14 @@ def _graph(fn, copies=1):
 
 
 def _times(g, flush, copies=1):
-    cold = _events_median(g.replay, 30, flush) * 1e6 / copies
-    warm = _events_median(g.replay, 30, None) * 1e6 / copies
-    return round(cold, 1), round(warm, 1)
+    return round(_events_median(g.replay, 30, flush) * 1e6 / copies, 1)
 
 
 def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     out = torch.zeros(1, device="cuda")
     g = _graph(lambda: _noop[(1,)](out))
-    print(json.dumps({"case": "noop", "flush_warm_us": _times(g, flush)}), flush=True)
+    print(json.dumps({"case": "noop", "us": _times(g, flush)}), flush=True)
     for A in (8, 64):
         for name, (widths, d_in) in OUTPUTS.items():
             y0, x, a, b, rs, ranks, scales = make_case(256, A, widths, [16] * A, 16, d_in=d_in)
@@ -89,9 +89,9 @@ def main():
                 gemm()
                 add_lora_slices_triton(base, x, a, b, static, ranks, scales, widths, config={"fused": False})
 
-            row["gemm"] = _times(_graph(gemm), flush)[0]
-            row["gemm_pair"] = _times(_graph(gemm_pair), flush)[0]
-            row["pair_x8"] = _times(_graph(call, 8), None, 8)[1]
+            row["gemm"] = _times(_graph(gemm), flush)
+            row["gemm_pair"] = _times(_graph(gemm_pair), flush)
+            row["pair_x8"] = _times(_graph(call, 8), flush, 8)
             saved = sgmv._expand_kernel
             sgmv._expand_kernel = _NoLaunch()
             try:
