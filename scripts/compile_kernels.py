@@ -142,6 +142,14 @@ def main() -> int:
                        BANK_ROWS=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+    # the shrink as a programmatic dependent of the base GEMM before it (launch_config's shrink_pdl)
+    cfg = sgmv.launch_config(64, 3, 16, 4096, [4096] * 3, torch.device("cpu"), True, 16)
+    build(sgmv._shrink_kernel,
+          dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
+               BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"],
+               BANK_ROWS=False, WAIT_PRIOR=args.arch >= 90),
+          f"shrink block_m=16 split_k=True block_r={cfg['block_r']} waiting on the kernel before it",
+          num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 64)])):
         for slices, rank in cases:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)

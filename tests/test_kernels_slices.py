@@ -502,3 +502,42 @@ def test_expand_summing_the_split_partials_matches_the_shrink_sum(split, chunk, 
     err = (got.cpu().double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[torch.float32], float(err)
     assert torch.equal(got, outs["shrink"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU (runs on the device)")
+@pytest.mark.parametrize("graph", [False, True])
+def test_shrink_launched_as_a_dependent_of_the_base_gemm_matches_the_oracle(graph):
+    """``shrink_pdl``: the module's base GEMM writes y, the shrink launches as its programmatic
+    dependent (it reads x, the banks and the plan before waiting on the GEMM) and the expand
+    adds into the GEMM's y; eager and replayed from a CUDA graph, over fresh NaN-poisoned
+    factors: the GEMM plus the float64 oracle's delta, and the same bits as without the option."""
+    from mlora.kernels.triton_sgmv import add_lora_slices_triton
+
+    case = sliced_case(61, T=40, S=5, R=16, d_in=512, widths=(256, 64, 64), base_frac=0.2)
+    _, x, a, b, rs, ranks, scales, widths = _dev(*case)
+    w = torch.randn(sum(widths), 512, device="cuda") / 512**0.5
+    lp = make_launch_plan(build_plan(rs), 16)
+    outs = {}
+    for name, extra in (("pdl", dict(shrink_pdl=True)), ("plain", {})):
+        y = torch.full((40, sum(widths)), float("nan"), device="cuda")  # poisoned: the GEMM must write it
+
+        def step():
+            torch.matmul(x, w.T, out=y)
+            add_lora_slices_triton(y, x, a, b, lp, ranks, scales, widths, config=dict(fused=False, **extra))
+
+        step()
+        if graph:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            y.fill_(float("nan"))
+            g.replay()
+        torch.cuda.synchronize()
+        outs[name] = y.clone()
+    base = (x.double() @ w.double().T).cpu()
+    ref = sliced_oracle(base.float(), *[t.cpu() for t in (x, a, b, rs, ranks, scales)], widths)
+    got = outs["pdl"].cpu().double()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).abs().max() / ref.abs().max()) < 1e-4  # fp32 GEMM (TF32 off by default) and IEEE dots
+    assert torch.equal(outs["pdl"], outs["plain"])

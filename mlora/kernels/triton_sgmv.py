@@ -133,10 +133,17 @@ def _shrink_kernel(
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr,
+    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr, WAIT_PRIOR: tl.constexpr = False,
 ):
     """z partials of one (tile, slice, rank tile, split) program. With ``BANK_ROWS`` the A row
-    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself."""
+    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself.
+
+    ``WAIT_PRIOR`` (``shrink_pdl`` of :func:`launch_config`): the shrink is itself launched as
+    a programmatic dependent of the kernel before it on the stream, so its launch, plan loads
+    and K loop overlap that kernel's end; it reads nothing that kernel writes (the caller's
+    guarantee: the module's base GEMM writes y only), and every program waits on the grid
+    dependency before it exits, early exits included, so the shrink's completion still implies
+    its predecessor's (the expand, which waits on the shrink, then reads the GEMM's y)."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -146,6 +153,8 @@ def _shrink_kernel(
     slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
                                            num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
     if r0 >= rank:  # a tile past the count has rank 0
+        if WAIT_PRIOR:
+            tl.extra.cuda.gdc_wait()
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
     a_row = slot
@@ -164,6 +173,8 @@ def _shrink_kernel(
         _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
                      split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
+    if WAIT_PRIOR:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -545,6 +556,11 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # pair, for `split` partial loads from L2 per expand program). Off until measured
         # (seventeenth session: built on the CPU; `kernel_sweep.py --decode` variants)
         expand_sum=0,
+        # True: the shrink is launched as a programmatic dependent of the kernel before it (the
+        # module's base GEMM) and waits on it only before exiting (_shrink_kernel's WAIT_PRIOR);
+        # only for callers whose previous kernel writes none of x, the banks, the plan, ranks or
+        # scales. Off: not yet measured, and the engine does not pass it (seventeenth session)
+        shrink_pdl=False,
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
@@ -566,7 +582,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "expand_sum")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "expand_sum", "shrink_pdl")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -576,7 +592,9 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     True/False}`` forces it); y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config` and of ``fused_config``. ``out_offsets``:
+    entries of :func:`launch_config` and of ``fused_config`` (``shrink_pdl=True`` is the
+    caller's promise that the kernel launched just before this call writes none of x, the
+    banks, the plan, ranks or scales, e.g. the module's base GEMM writing y). ``out_offsets``:
     each slice's first column in y (default: side by side from 0). More than
     ``MAX_SLICES`` slices run as several launches of at most that many. ``ahead``: the
     shrink of this same call already launched by :func:`shrink_ahead_triton` (only the
@@ -726,10 +744,12 @@ def _expand_sum(cfg: dict) -> int:
 def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None,
             buffers=None) -> torch.Tensor:
     """Launch the split-K shrink on the current stream into ``buffers`` (default: new ones,
-    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done)."""
+    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done, unless
+    the expand sums the partials: ``expand_sum``)."""
     _, n, R, d_in = lora_a.shape
     zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
+    wait_prior = pdl and cfg["shrink_pdl"]  # a programmatic dependent of the previous kernel itself
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         rows_map,
@@ -737,8 +757,8 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=lp.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=_shrink_sums(cfg),
-        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
+        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None, WAIT_PRIOR=wait_prior,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"], **(dict(launch_pdl=True) if wait_prior else {}),
     )
     return zp
 
