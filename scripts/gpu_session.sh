@@ -168,10 +168,10 @@ case "${1:-quick}" in
   latency)  # seventeenth session: where a decode launch pair's ~10 us go; the expand summing the split-K partials
     # (expand_sum, built on the CPU) on the GPU and in the decode sweep; the grid with the 2-warp 16 x 16 shrink
     timeout 100 python -m pytest -q tests/test_kernels_slices.py tests/test_kernels_triton.py 2>&1 | tail -1
-    timeout 120 python -u scripts/lora_latency.py 2>&1 | grep -v -i warn | grep -v capture_end | tee "$OUT/lora-latency.txt"
+    timeout 90 python -u scripts/lora_latency.py 2>&1 | grep -v -i warn | grep -v capture_end | tee "$OUT/lora-latency.txt"
     timeout 100 python -u scripts/kernel_sweep.py --decode 2>&1 | grep -v -i warn | grep -v capture_end \
       | tee "$OUT/kernel-sweep-decode.txt" | grep "^decode"
-    timeout 300 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
+    timeout 270 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \
