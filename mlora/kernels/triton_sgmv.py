@@ -27,8 +27,9 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
     together and summed as a tree, chunks in sequence) into ``zp[0]``, which is
     all the expand reads (deterministic: the atomics decide who sums, never the
     order). With ``expand_sum`` (off by default, not yet measured) the shrink only
-    stores its partials and every expand program sums them in the same order. Decode-like batches (few rows per slot) get enough
-    programs to stream the factors at full bandwidth.
+    stores its partials and every expand program sums them in the same order.
+    Decode-like batches (few rows per slot) get enough programs to stream the
+    factors at full bandwidth.
   * Programmatic dependent launch on Hopper and later (``USE_PDL``): the
     shrink lets the expand launch at once; the expand loads everything the
     shrink does not write (plan, rank, scale, its first B and y tiles) and
@@ -192,9 +193,10 @@ def _shrink_rows(
     order (chunks of ``SUM_CHUNK`` partials loaded together, each summed in a fixed
     tree, the chunks in order) into partial 0 and resets the counter: the result
     does not depend on which program arrives last, and the expand reads one z, not
-    ``split`` (``SPLIT_K`` is off where the expand sums them: ``expand_sum``). ``split`` is a runtime argument, not a compile-time constant: each
-    batch size gets its own split, and a constant would compile a kernel per
-    value (seconds of Triton compiles inside a job, BENCHMARKS.md)."""
+    ``split`` (``SPLIT_K`` is off where the expand sums them: ``expand_sum``).
+    ``split`` is a runtime argument, not a compile-time constant: each batch size
+    gets its own split, and a constant would compile a kernel per value (seconds
+    of Triton compiles inside a job, BENCHMARKS.md)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -329,7 +331,7 @@ def _expand_kernel(
         b_row = tl.load(bank_rows_ptr + j * stride_rj + slot * stride_rs)
     n_first = n_lo + (pid_g - g_lo) * (group_tiles * BLOCK_N)
     if B_PITCHED:  # row n of slice j at n_lo * R + (n - n_lo) * pitch = n_lo * (R - pitch) + n * pitch
-        pitch = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R)
+        pitch = _rank_round8(rank, R)
         b_ptr += n_lo * (R - pitch)
         stride_bn = pitch
     # narrow code path for low-rank slots in a wide bank (mixed ranks): their
@@ -441,7 +443,15 @@ def _rank_cols(offs_r, rank, R):
     reaches y; ranks that are multiples of 8 load nothing past the rank. Measured on the H200
     (sixteenth session, BENCHMARKS.md): one decoder layer's LoRA launches at decode size 11%
     faster than with the exact-rank mask."""
-    return offs_r < tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R), offs_r < rank
+    return offs_r < _rank_round8(rank, R), offs_r < rank
+
+
+@triton.jit
+def _rank_round8(rank, R):
+    """``rank`` rounded up to a multiple of 8 (whole 16-byte vectors of 16-bit values), at most
+    ``R``: the load bound of :func:`_rank_cols` and a rank-pitched B row's pitch
+    (``mlora.kernels.pitch.b_pitch``, launched only where R is a multiple of 8)."""
+    return tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), R)
 
 
 @triton.jit
