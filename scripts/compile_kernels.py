@@ -105,7 +105,7 @@ def main() -> int:
 
     def build(kernel, consts: dict, label: str, types: dict | None = None, **options) -> None:
         names = inspect.signature(kernel.fn).parameters
-        # compile-time options with a default (B_PITCHED, SPLIT_SUM) take it unless the build names them
+        # compile-time options with a default (B_PITCHED) take it unless the build names them
         consts = {**{n: p.default for n, p in names.items() if p.default is not inspect.Parameter.empty}, **consts}
         signature = {n: "constexpr" if n in consts else (types or pointers).get(n, "i32") for n in names}
         # the specialisation a GPU launch gets for the 8B shapes (Triton marks each pointer that is
@@ -142,14 +142,6 @@ def main() -> int:
                        BANK_ROWS=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
-    # the shrink as a programmatic dependent of the base GEMM before it (launch_config's shrink_pdl)
-    cfg = sgmv.launch_config(64, 3, 16, 4096, [4096] * 3, torch.device("cpu"), True, 16)
-    build(sgmv._shrink_kernel,
-          dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
-               BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"],
-               BANK_ROWS=False, WAIT_PRIOR=args.arch >= 90),
-          f"shrink block_m=16 split_k=True block_r={cfg['block_r']} waiting on the kernel before it",
-          num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 64)])):
         for slices, rank in cases:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
@@ -158,13 +150,6 @@ def main() -> int:
                        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
-    # the expand summing the shrink's split-K partials itself (launch_config's expand_sum), decode-sized
-    cfg = sgmv.launch_config(64, 3, 16, 4096, [4096] * 3, torch.device("cpu"), True, 16)
-    build(sgmv._expand_kernel,
-          dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=3,
-               BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0, SPLIT_SUM=16),
-          f"expand block_m=16 slices=3 block_r={cfg['block_r_expand']} summing 16 split-K partials per load",
-          num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # a rank-pitched B bank (mlora.kernels.pitch): row stride from the slot's rank, still whole vectors
     for rank in (16, 64):
         cfg = sgmv.launch_config(64, 3, rank, 4096, [4096] * 3, torch.device("cpu"), True, 16)

@@ -30,7 +30,7 @@
 #                                            base decode at 64 rows (RoPE + KV write) (~6 min)
 #   bash scripts/gpu_session.sh pitched-bench  then: bench kernels, bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh latency      GPU slice tests, a decode launch pair's fixed cost (scripts/lora_latency.py),
-#                                            kernel_sweep.py --decode (expand_sum variants), the bench kernels grid (~6 min)
+#                                            kernel_sweep.py --decode, the bench kernels grid (~4 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -165,8 +165,7 @@ case "${1:-quick}" in
     timeout 260 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     ;;
-  latency)  # seventeenth session: where a decode launch pair's ~10 us go; the expand summing the split-K partials
-    # (expand_sum, built on the CPU) on the GPU and in the decode sweep; the grid with the 2-warp 16 x 16 shrink
+  latency)  # seventeenth session: where a decode launch pair's ~10 us go; the decode sweep; the bench kernels grid
     timeout 100 python -m pytest -q tests/test_kernels_slices.py tests/test_kernels_triton.py 2>&1 | tail -1
     timeout 90 python -u scripts/lora_latency.py 2>&1 | grep -v -i warn | grep -v capture_end | tee "$OUT/lora-latency.txt"
     timeout 100 python -u scripts/kernel_sweep.py --decode 2>&1 | grep -v -i warn | grep -v capture_end \

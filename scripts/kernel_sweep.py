@@ -64,8 +64,7 @@ VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "
             "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2), "sum_chunk4": dict(sum_chunk=4),
             "split1": dict(split=1),
             "split4": dict(split=4), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
-            "fused": dict(fused=True), "two_launch": dict(fused=False),
-            "expand_sum4": dict(expand_sum=4, fused=False), "expand_sum16": dict(expand_sum=16, fused=False)}
+            "fused": dict(fused=True), "two_launch": dict(fused=False)}
 if "--defaults" in sys.argv:
     VARIANTS = {"default": {}}
 SPLIT = "--split" in sys.argv
@@ -86,10 +85,7 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
                 "split1": dict(split=1), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
-                "no_pdl": dict(pdl=False),
-                # the expand sums the split-K partials (no arrival atomic or last-program sum in the shrink)
-                "expand_sum4": dict(expand_sum=4), "expand_sum16": dict(expand_sum=16),
-                "expand_sum16_waves4": dict(expand_sum=16, waves=4)}
+                "no_pdl": dict(pdl=False)}
 SHRINK = "--shrink" in sys.argv
 if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
     VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {

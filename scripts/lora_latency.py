@@ -14,8 +14,7 @@ the host's submission, 11 us for the no-op, seventeenth session):
   shrink_empty  the shrink over a plan with no tiles (every program loads the plan and exits)
   pair_x8       eight copies of the pair in one graph, per copy: back-to-back cost
   gemm, gemm_pair  the module's base GEMM (x @ W.T, W [sum(widths), d_in] bf16) alone and followed
-                by the pair, as the engine runs them: the pair's cost after a GEMM is the difference;
-                gemm_pair_shrink_pdl / _expand_sum / _both with those launch_config options
+                by the pair, as the engine runs them: the pair's cost after a GEMM is the difference
   noop          a one-program Triton kernel that stores one value (the launch itself)
 
 The flush also evicts the GPU's TLB entries for the plan, x and the banks, as the engine's
@@ -32,11 +31,6 @@ from mlora.kernels import triton_sgmv as sgmv
 from mlora.kernels.bench import _events_median, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
-# launch_config options built to shorten the pair's chain (seventeenth session, off by default),
-# timed after the GEMM: the shrink as the GEMM's programmatic dependent, the expand summing the
-# split-K partials, both
-VARIANTS = {"": {}, "_shrink_pdl": dict(shrink_pdl=True), "_expand_sum": dict(expand_sum=16),
-            "_both": dict(shrink_pdl=True, expand_sum=16)}
 OUTPUTS = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
            "down": ((4096,), 14336)}
 
@@ -91,13 +85,12 @@ def main():
             def gemm():
                 torch.matmul(x, w.T, out=base)
 
-            def gemm_pair(**extra):
+            def gemm_pair():
                 gemm()
-                add_lora_slices_triton(base, x, a, b, static, ranks, scales, widths, config={"fused": False, **extra})
+                add_lora_slices_triton(base, x, a, b, static, ranks, scales, widths, config={"fused": False})
 
             row["gemm"] = _times(_graph(gemm), flush)
-            for label, extra in VARIANTS.items():
-                row["gemm_pair" + label] = _times(_graph(lambda: gemm_pair(**extra)), flush)
+            row["gemm_pair"] = _times(_graph(gemm_pair), flush)
             row["pair_x8"] = _times(_graph(call, 8), flush, 8)
             saved = sgmv._expand_kernel
             sgmv._expand_kernel = _NoLaunch()

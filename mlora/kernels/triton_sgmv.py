@@ -26,10 +26,8 @@ Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
     program) sums the partials in a fixed order (chunks of ``SUM_CHUNK`` loaded
     together and summed as a tree, chunks in sequence) into ``zp[0]``, which is
     all the expand reads (deterministic: the atomics decide who sums, never the
-    order). With ``expand_sum`` (off by default, not yet measured) the shrink only
-    stores its partials and every expand program sums them in the same order.
-    Decode-like batches (few rows per slot) get enough programs to stream the
-    factors at full bandwidth.
+    order). Decode-like batches (few rows per slot) get enough
+    programs to stream the factors at full bandwidth.
   * Programmatic dependent launch on Hopper and later (``USE_PDL``): the
     shrink lets the expand launch at once; the expand loads everything the
     shrink does not write (plan, rank, scale, its first B and y tiles) and
@@ -90,7 +88,7 @@ from .plan import PlanError
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split (or by each expand program: expand_sum); scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused); bundles: [n,S] slot->bank-row map, core on z in the expand"
+KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused); bundles: [n,S] slot->bank-row map, core on z in the expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
@@ -134,17 +132,10 @@ def _shrink_kernel(
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr, WAIT_PRIOR: tl.constexpr = False,
+    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr,
 ):
     """z partials of one (tile, slice, rank tile, split) program. With ``BANK_ROWS`` the A row
-    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself.
-
-    ``WAIT_PRIOR`` (``shrink_pdl`` of :func:`launch_config`): the shrink is itself launched as
-    a programmatic dependent of the kernel before it on the stream, so its launch, plan loads
-    and K loop overlap that kernel's end; it reads nothing that kernel writes (the caller's
-    guarantee: the module's base GEMM writes y only), and every program waits on the grid
-    dependency before it exits, early exits included, so the shrink's completion still implies
-    its predecessor's (the expand, which waits on the shrink, then reads the GEMM's y)."""
+    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -154,8 +145,6 @@ def _shrink_kernel(
     slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
                                            num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
     if r0 >= rank:  # a tile past the count has rank 0
-        if WAIT_PRIOR:
-            tl.extra.cuda.gdc_wait()
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
     a_row = slot
@@ -174,8 +163,6 @@ def _shrink_kernel(
         _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
                      split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
-    if WAIT_PRIOR:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -193,10 +180,9 @@ def _shrink_rows(
     order (chunks of ``SUM_CHUNK`` partials loaded together, each summed in a fixed
     tree, the chunks in order) into partial 0 and resets the counter: the result
     does not depend on which program arrives last, and the expand reads one z, not
-    ``split`` (``SPLIT_K`` is off where the expand sums them: ``expand_sum``).
-    ``split`` is a runtime argument, not a compile-time constant: each batch size
-    gets its own split, and a constant would compile a kernel per value (seconds
-    of Triton compiles inside a job, BENCHMARKS.md)."""
+    ``split``. ``split`` is a runtime argument, not a compile-time constant: each
+    batch size gets its own split, and a constant would compile a kernel per
+    value (seconds of Triton compiles inside a job, BENCHMARKS.md)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -209,27 +195,19 @@ def _shrink_rows(
     if SPLIT_K:
         tl.debug_barrier()  # every thread's partial is written before the release below
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == split - 1:
-            z = _sum_partials(z0, zmask, split, stride_zk, SUM_CHUNK)
+            # partials in chunks of SUM_CHUNK: one chunk's loads are independent and in flight
+            # together (a loop of one load per partial waited for each L2 round trip in turn);
+            # chunks are added in order and each chunk sums in a fixed tree, so the result is
+            # the same on every call. .cg: from L2, never a stale L1 line.
+            offs_c = tl.arange(0, SUM_CHUNK)
+            z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for c0 in range(0, split, SUM_CHUNK):
+                kk = c0 + offs_c
+                part = tl.load(z0[None, :, :] + kk[:, None, None] * stride_zk,
+                               mask=(kk < split)[:, None, None] & zmask[None, :, :], other=0.0, cache_modifier=".cg")
+                z += tl.sum(part, axis=0)
             tl.store(z0, z, mask=zmask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call (or graph replay)
-
-
-@triton.jit
-def _sum_partials(z0, zmask, split, stride_zk, SUM_CHUNK: tl.constexpr):
-    """fp32 sum of the ``split`` split-K partials ``z0 + k * stride_zk`` (``[BLOCK_M, BLOCK_R]``
-    pointers; entries outside ``zmask`` read as zero) in a fixed order: chunks of ``SUM_CHUNK``
-    partials loaded together (their loads are independent and in flight at once; one load per
-    partial waited for each L2 round trip in turn), each chunk summed in a fixed tree, the
-    chunks in order, so the result is the same bits on every call. ``.cg``: from L2, never a
-    stale L1 line."""
-    offs_c = tl.arange(0, SUM_CHUNK)
-    z = tl.zeros(z0.shape, dtype=tl.float32)
-    for c0 in range(0, split, SUM_CHUNK):
-        kk = c0 + offs_c
-        part = tl.load(z0[None, :, :] + kk[:, None, None] * stride_zk,
-                       mask=(kk < split)[:, None, None] & zmask[None, :, :], other=0.0, cache_modifier=".cg")
-        z += tl.sum(part, axis=0)
-    return z
 
 
 @triton.jit
@@ -275,16 +253,16 @@ def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.co
     return j, g_lo, n_lo, n_hi, dy
 
 
-@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3", "split"])
+@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr, bank_rows_ptr, core_ptr,
-    R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles, split,
-    stride_zk, stride_zu, stride_bs, stride_bn, stride_yt, stride_cs, stride_cj, stride_cr, stride_ck,
+    R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
+    stride_zu, stride_bs, stride_bn, stride_yt, stride_cs, stride_cj, stride_cr, stride_ck,
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    B_PITCHED: tl.constexpr = False, SPLIT_SUM: tl.constexpr = 0,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -306,12 +284,7 @@ def _expand_kernel(
 
     ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
     of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
-    step by the slot's pitch (its rank rounded up to 8) instead of R.
-
-    ``SPLIT_SUM`` > 0: the shrink left its ``split`` partials unsummed (``expand_sum`` of
-    :func:`launch_config`) and each program sums them itself after the grid-dependency wait,
-    ``SPLIT_SUM`` partials per load (:func:`_sum_partials`, the order the shrink's last
-    arriver uses); 0: the shrink summed them into partial 0."""
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -340,23 +313,23 @@ def _expand_kernel(
         if rank <= RANK_CLASS:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, split, stride_zk, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE, SPLIT_SUM)
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
         else:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, split, stride_zk, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, SPLIT_SUM)
+                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
     else:
         _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                         stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                        group_tiles, split, stride_zk, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, SPLIT_SUM)
+                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
 
 
 @triton.jit
 def _expand_columns(
     zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
-    stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck, group_tiles, split, stride_zk,
+    stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck, group_tiles,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr, SPLIT_SUM: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr,
 ):
     """The expand of one tile over its column group from row ``b_row`` of the B bank, z and
     B BLOCK_R wide (>= rank). ``CORE`` 0: z times ``scale``; 1 / 2: z times the core at
@@ -383,11 +356,8 @@ def _expand_columns(
     # z's columns past the rank were never written by the shrink: loaded only within the
     # rank's 16-byte vectors and zeroed (_rank_cols)
     r_load, r_ok = _rank_cols(offs_r, rank, R)
-    z0 = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
-    if SPLIT_SUM == 0:  # the shrink summed its partials into partial 0
-        z = tl.load(z0, mask=m_ok[:, None] & r_load[None, :], other=0.0)
-    else:
-        z = _sum_partials(z0, m_ok[:, None] & r_load[None, :], split, stride_zk, SPLIT_SUM)
+    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
+                other=0.0)
     z = tl.where(r_ok[None, :], z, 0.0)
     if CORE == 0:
         z = z * scale
@@ -560,17 +530,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
-        # > 0: the shrink leaves its split-K partials and every expand program sums them, this
-        # many per load, after its grid-dependency wait (no arrival atomic, no last-program
-        # loads and store in the shrink: three dependent round trips fewer per decode launch
-        # pair, for `split` partial loads from L2 per expand program). Off until measured
-        # (seventeenth session: built on the CPU; `kernel_sweep.py --decode` variants)
-        expand_sum=0,
-        # True: the shrink is launched as a programmatic dependent of the kernel before it (the
-        # module's base GEMM) and waits on it only before exiting (_shrink_kernel's WAIT_PRIOR);
-        # only for callers whose previous kernel writes none of x, the banks, the plan, ranks or
-        # scales. Off: not yet measured, and the engine does not pass it (seventeenth session)
-        shrink_pdl=False,
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
@@ -592,7 +551,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "expand_sum", "shrink_pdl")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -602,9 +561,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     True/False}`` forces it); y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config` and of ``fused_config`` (``shrink_pdl=True`` is the
-    caller's promise that the kernel launched just before this call writes none of x, the
-    banks, the plan, ranks or scales, e.g. the module's base GEMM writing y). ``out_offsets``:
+    entries of :func:`launch_config` and of ``fused_config``. ``out_offsets``:
     each slice's first column in y (default: side by side from 0). More than
     ``MAX_SLICES`` slices run as several launches of at most that many. ``ahead``: the
     shrink of this same call already launched by :func:`shrink_ahead_triton` (only the
@@ -736,39 +693,26 @@ def _shrink_buffers(x, lora_a, lp: LaunchPlan, cfg: dict, counters: str = "") ->
     streams) need different ones."""
     _, n, R, _ = lora_a.shape
     zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
-    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"], counters) if _shrink_sums(cfg) else zp
+    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"], counters) if cfg["split"] > 1 else zp
     return zp, cnt
-
-
-def _shrink_sums(cfg: dict) -> bool:
-    """Whether the shrink's last split program sums the split-K partials (else there is one
-    partial, or the expand sums them: ``expand_sum``)."""
-    return cfg["split"] > 1 and not cfg["expand_sum"]
-
-
-def _expand_sum(cfg: dict) -> int:
-    """The expand's ``SPLIT_SUM``: partials per load where the expand sums them, else 0."""
-    return cfg["expand_sum"] if cfg["split"] > 1 else 0
 
 
 def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None,
             buffers=None) -> torch.Tensor:
     """Launch the split-K shrink on the current stream into ``buffers`` (default: new ones,
-    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done, unless
-    the expand sums the partials: ``expand_sum``)."""
+    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done)."""
     _, n, R, d_in = lora_a.shape
     zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
-    wait_prior = pdl and cfg["shrink_pdl"]  # a programmatic dependent of the previous kernel itself
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         rows_map,
         d_in, R, ranks.stride(0), ranks.stride(1), cfg["k_per_split"], cfg["split"],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=lp.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=_shrink_sums(cfg),
-        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None, WAIT_PRIOR=wait_prior,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"], **(dict(launch_pdl=True) if wait_prior else {}),
+        RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
+        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     return zp
 
@@ -788,11 +732,11 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
     _expand_kernel[(lp.tile_capacity, n_groups)](
         zp, lora_b, y, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         ranks, scales, rows_map, scales if cores is None else cores,
-        R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt, cfg["split"],
-        zp.stride(0), zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
+        R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
+        zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched, SPLIT_SUM=_expand_sum(cfg),
+        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
