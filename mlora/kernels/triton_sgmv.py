@@ -521,7 +521,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
         # on the H200 the two were equal within noise, tenth session); 2 warps for a 16 x 16 tile
         # (the decode shrinks alone 6% faster at 64 adapters, 4% at 8, whole decode layers 2% / 1%;
-        # seventeenth session, the bench grid not rerun with it yet)
+        # seventeenth session; the bench grid's launch-bound cases 0.8% faster, eighteenth)
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 2 if tiles_bm * block_r <= 16 * 16 else 4,
         # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand): the
         # rank-64 d_out 14336 cases 5-7% faster, the others equal (seventeenth session, H200)
