@@ -31,6 +31,8 @@
 #   bash scripts/gpu_session.sh pitched-bench  then: bench kernels, bench batch 0,8,64 (~8 min)
 #   bash scripts/gpu_session.sh latency      GPU slice tests, a decode launch pair's fixed cost (scripts/lora_latency.py),
 #                                            kernel_sweep.py --decode, the bench kernels grid (~4 min)
+#   bash scripts/gpu_session.sh prefill-lora  the LoRA launches of an 8,192-token prefill chunk under the expand's knobs
+#                                            (kernel_sweep.py --prefill), then a prefill iteration's kernels by GPU time (~7 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -171,6 +173,13 @@ case "${1:-quick}" in
     timeout 100 python -u scripts/kernel_sweep.py --decode 2>&1 | grep -v -i warn | grep -v capture_end \
       | tee "$OUT/kernel-sweep-decode.txt" | grep "^decode"
     timeout 270 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
+    ;;
+  prefill-lora)  # eighteenth session: the expand at prefill size (a y read-modify-write at ~2x its byte floor)
+    timeout 100 python -m pytest -q tests/test_kernels_slices.py -k "column_groups" 2>&1 | tail -1
+    timeout 330 python -u scripts/kernel_sweep.py --prefill 2>&1 | grep -v -i warn | grep -v capture_end \
+      | tee "$OUT/kernel-sweep-prefill.txt" | grep "^prefill"
+    timeout 150 python scripts/profile_batch.py --rows 256 --adapters 8 --phase prefill --iters 3 2>&1 | grep -v USDT \
+      | head -40 | tee "$OUT/profile-prefill-8.txt"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

@@ -4,7 +4,8 @@ CUDA graph, replayed after a 256 MiB L2 flush, CUDA events, median of 30), and
 checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
-    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode [--split | --shrink] | --mixed]
+    PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode [--split | --shrink] | --mixed
+                                                 | --prefill]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -34,6 +35,11 @@ layout) but ``padded_layout``: the shrink's rank tile, the expand's column group
 warps, and the split (with ``--split``: the default's shrink alone and the empty graph), then
 per variant the mixed / padded time ratio of each case (issue step 2's target: at most 0.6),
 against the padded default and against the padded variant.
+``--prefill``: the four LoRA launches of one decoder layer in an 8,192-token prefill chunk (the
+engine's prefill iterations; rank 16, 8 and 2 adapters) with the row tile (``block_m*``), the
+expand's column tile, warps and column groups, and the narrow z's column loop pipelined by
+Triton (``pipelined*``: ``expand_narrow_db=False``) instead of double-buffered by hand; then
+per variant the layer's sum.
 """
 import json
 import statistics
@@ -72,6 +78,7 @@ if SPLIT:
     VARIANTS = {"default": dict(fused=False)}
 FUSED = "--fused" in sys.argv
 DECODE = "--decode" in sys.argv
+PREFILL = "--prefill" in sys.argv
 MIXED = "--mixed" in sys.argv
 # the engine's fused slices beyond the bench grid's outputs, and their d_in where it is not 4096
 SWEEP_OUTPUTS = {**OUTPUTS, "gateup": (14336, 14336), "down": (4096,)}
@@ -96,6 +103,18 @@ if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, 
         "waves8_chunk16": dict(waves=8, sum_chunk=16), "shrink_warps2": dict(shrink_warps=2),
         "shrink_warps8": dict(shrink_warps=8)}.items()}
     VARIANTS["default_full"] = {}
+if PREFILL:  # one decoder layer's four LoRA launches in an 8,192-token prefill chunk over few adapters
+    CASES = [(o, 16, 8192, A) for A in (8, 2) for o in ("qkv", "4096", "gateup", "down")]
+    VARIANTS = {"default": {}, "block_m16": {"__block_m": 16}, "block_m64": {"__block_m": 64},
+                "block_n128": dict(block_n=128), "block_n32": dict(block_n=32),
+                "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2),
+                "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
+                # the narrow z's column tiles through Triton's pipelined loop instead of by hand
+                "pipelined2": dict(expand_narrow_db=False, expand_stages=2),
+                "pipelined3": dict(expand_narrow_db=False, expand_stages=3),
+                "pipelined4": dict(expand_narrow_db=False, expand_stages=4),
+                "pipelined3_block_n128": dict(expand_narrow_db=False, expand_stages=3, block_n=128),
+                "block_m64_block_n128": {"__block_m": 64, "block_n": 128}}
 if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
     CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]
 if MIXED and not SPLIT:  # with --split: the default's time split into shrink alone and the empty graph
@@ -181,13 +200,18 @@ def main():
         for name, cfg in variants.items():
             skip = cfg.get("__skip", ()) if cfg else ()
             pitched = bool(cfg and cfg.get("__pitched")) or (MIXED and not (cfg and cfg.get("__padded")))
-            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched", "__padded")}
+            block_m = cfg.get("__block_m") if cfg else None
+            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched", "__padded", "__block_m")}
             saved = {k: getattr(sgmv, k) for k in skip}
             for k in skip:
                 setattr(sgmv, k, _NoLaunch())
             try:
                 bank = to_rank_pitched(b, ranks, widths) if pitched else b
-                row[name] = _time_variant(y0, x, a, bank, static, ranks, scales, widths, cfg, ref, flush,
+                plan = static
+                if block_m is not None:  # the same rows in tiles of another height
+                    plan = empty_launch_plan(T, tile_capacity(T, A, block_m), block_m, "cuda")
+                    plan.copy_from(make_launch_plan(build_plan(rs), block_m))
+                row[name] = _time_variant(y0, x, a, bank, plan, ranks, scales, widths, cfg, ref, flush,
                                           check=not skip, pitched=pitched)
             finally:
                 for k, v in saved.items():
@@ -196,6 +220,9 @@ def main():
         rows.append(row)
     if FUSED:
         print(fused_summary(rows), flush=True)
+    if PREFILL:
+        for line in decode_summary(rows, list(VARIANTS), label="prefill chunk layer"):
+            print(line, flush=True)
     if DECODE:
         for line in decode_summary(rows, list(VARIANTS) + (["shrink_only", "empty"] if SPLIT else [])):
             print(line, flush=True)
@@ -224,7 +251,7 @@ def mixed_summary(rows: list[dict]) -> list[str]:
     return out
 
 
-def decode_summary(rows: list[dict], names=None, layers: int = 32) -> list[str]:
+def decode_summary(rows: list[dict], names=None, layers: int = 32, label: str = "decode layer") -> list[str]:
     """Per adapter count of ``--decode``: the floor and each variant's time summed over one
     layer's four launches, and times ``layers`` (the decode iteration's LoRA share); a variant
     WRONG in any launch is reported as such."""
@@ -239,7 +266,7 @@ def decode_summary(rows: list[dict], names=None, layers: int = 32) -> list[str]:
                 parts.append(f"{name} {sum(times):.1f} us ({sum(times) * layers / 1e3:.2f} ms, {sum(times) / floor:.1f}x)")
             else:
                 parts.append(f"{name} WRONG or missing")
-        out.append(f"decode layer, {A} adapters, {len(group)} launches: floor {floor:.1f} us "
+        out.append(f"{label}, {A} adapters, {len(group)} launches: floor {floor:.1f} us "
                    f"({floor * layers / 1e3:.2f} ms per {layers} layers); " + "; ".join(parts))
     return out
 
