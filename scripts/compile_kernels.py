@@ -142,7 +142,7 @@ def main() -> int:
                        BANK_ROWS=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
-    for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 64)])):
+    for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 16), (3, 64)])):
         for slices, rank in cases:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
             build(sgmv._expand_kernel,

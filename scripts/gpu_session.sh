@@ -33,6 +33,8 @@
 #                                            kernel_sweep.py --decode, the bench kernels grid (~4 min)
 #   bash scripts/gpu_session.sh prefill-lora  the LoRA launches of an 8,192-token prefill chunk under the expand's knobs
 #                                            (kernel_sweep.py --prefill), then a prefill iteration's kernels by GPU time (~7 min)
+#   bash scripts/gpu_session.sh prefill-bench  after a launch_config change found by prefill-lora: the bench kernels
+#                                            grid, then bench batch 0,8,64 (~9 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -180,6 +182,11 @@ case "${1:-quick}" in
       | tee "$OUT/kernel-sweep-prefill.txt" | grep "^prefill"
     timeout 150 python scripts/profile_batch.py --rows 256 --adapters 8 --phase prefill --iters 3 2>&1 | grep -v USDT \
       | head -40 | tee "$OUT/profile-prefill-8.txt"
+    ;;
+  prefill-bench)  # eighteenth session: 128-wide expand column tiles for 32-row tiles at rank <= 16
+    timeout 230 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
+    timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --no-repeat-base --out "$OUT/batch-h200.json" \
+      2>&1 | grep adapters
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

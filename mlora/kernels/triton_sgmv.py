@@ -515,11 +515,13 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     split = _cdiv(d_in, k_per_split)
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
-        # 64-wide column tiles at rank <= 16 (and for 32-row tiles): at rank 16 the expand needs
+        # 16-row tiles: 64-wide column tiles at rank <= 16, 128 above: at rank 16 the expand needs
         # 114 registers against 158 at 128 (4 programs per SM, not 3), and the tenth session's
         # H200 sweep had 64 faster or equal in 10 of its 11 rank <= 16 cases (up to 9%:
-        # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md)
-        block_n=override.get("block_n") or _pow2(min(widths), 16, 64 if tiles_bm >= 32 or R <= 16 else 128),
+        # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md). 32-row tiles
+        # (large batches, long segments): 128 at rank <= 16 (an 8,192-token prefill chunk's
+        # launches 3-19% faster, eighteenth session: `kernel_sweep.py --prefill`), 64 above
+        block_n=override.get("block_n") or _pow2(min(widths), 16, _expand_block_n(tiles_bm, R)),
         block_r_expand=block_r_expand,
         # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
         # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
@@ -549,6 +551,13 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     cfg["group_tiles"] = override.get("group_tiles") or max(1, min(8, programs // (waves * _num_sms(device))))
     cfg.update({k: v for k, v in override.items() if k in cfg and k not in ("split", "block_r", "block_k", "block_n")})
     return cfg
+
+
+def _expand_block_n(tiles_bm: int, R: int) -> int:
+    """The expand's column tile before clipping to the slices' widths (:func:`launch_config`)."""
+    if tiles_bm >= 32:
+        return 128 if R <= 16 else 64
+    return 64 if R <= 16 else 128
 
 
 MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arguments)
