@@ -35,6 +35,7 @@
 #                                            (kernel_sweep.py --prefill), then a prefill iteration's kernels by GPU time (~7 min)
 #   bash scripts/gpu_session.sh prefill-bench  after a launch_config change found by prefill-lora: the bench kernels
 #                                            grid, then bench batch 0,8,64 (~9 min)
+#   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -187,6 +188,14 @@ case "${1:-quick}" in
     timeout 230 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --no-repeat-base --out "$OUT/batch-h200.json" \
       2>&1 | grep adapters
+    ;;
+  prefill-ab)  # the engine's prefill with 64- and 128-wide expand column tiles for 32-row tiles (same machine)
+    for bn in 64 128; do
+      run="import mlora.kernels.triton_sgmv as s; s._expand_block_n = lambda bm, R: ($bn if bm >= 32 else 64) if R <= 16 else (64 if bm >= 32 else 128); from mlora.cli.app import app; app()"
+      echo "32-row tiles, rank <= 16: block_n $bn"
+      timeout 140 python -c "$run" bench batch --rows 1024 --adapters 8,64 --no-repeat-base --out "$OUT/batch-bn$bn.json" \
+        2>&1 | grep adapters
+    done
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

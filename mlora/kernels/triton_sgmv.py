@@ -519,8 +519,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # 114 registers against 158 at 128 (4 programs per SM, not 3), and the tenth session's
         # H200 sweep had 64 faster or equal in 10 of its 11 rank <= 16 cases (up to 9%:
         # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md). 32-row tiles
-        # (large batches, long segments): 128 at rank <= 16 (an 8,192-token prefill chunk's
-        # launches 3-19% faster, eighteenth session: `kernel_sweep.py --prefill`), 64 above
+        # (large batches, long segments): 128 at rank 9-16 (an 8,192-token prefill chunk's
+        # launches 3-19% faster, the grid's rank-16 d_out 14336 cases 4-13%; rank 8 up to 30%
+        # slower: eighteenth session, `kernel_sweep.py --prefill`, `bench kernels`), 64 else
         block_n=override.get("block_n") or _pow2(min(widths), 16, _expand_block_n(tiles_bm, R)),
         block_r_expand=block_r_expand,
         # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
@@ -556,7 +557,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
 def _expand_block_n(tiles_bm: int, R: int) -> int:
     """The expand's column tile before clipping to the slices' widths (:func:`launch_config`)."""
     if tiles_bm >= 32:
-        return 128 if R <= 16 else 64
+        return 128 if 8 < R <= 16 else 64
     return 64 if R <= 16 else 128
 
 
