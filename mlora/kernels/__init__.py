@@ -60,8 +60,8 @@ from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 __all__ = [
     "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
     "check_bank", "pitched_span", "pitched_view", "to_rank_pitched",
-    "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "make_launch_plan",
-    "shrink_ahead", "tile_capacity", "validate_plan",
+    "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "lora_silu_mul",
+    "make_launch_plan", "shrink_ahead", "silu_mul_ref", "tile_capacity", "validate_plan",
 ]
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -195,6 +195,57 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
                                   out_offsets=out_offsets, ahead=ahead, b_pitched=pitched)
+
+
+def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` [T, 2 * inter] in its dtype (silu rounded
+    to it, then the product): the SiLU product every path of :func:`lora_silu_mul` ends with."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return torch.nn.functional.silu(gate) * up
+
+
+def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, scales=None, backend="auto",
+                  plan=None, check_values=True, b_layout="padded"):
+    """``silu(gate) * up`` after the gate/up LoRA deltas, without writing them into ``gate_up``:
+    the same result as ``add_lora_slices(gate_up, x, lora_a, lora_b, row_slots, widths=(inter,
+    inter), ...)`` then :func:`silu_mul_ref` (``gate_up`` [T, 2 * inter] is left as it was;
+    returns a new [T, inter]). ``lora_a`` [S, 2, R, d_in], ``lora_b`` [S, 2 * inter, R]. The
+    torch backend runs exactly those two steps on a copy; the Triton backend adds the deltas
+    inside the SiLU product (``triton_act``: one launch after the shrink, no read-modify-write
+    of ``gate_up``)."""
+    widths = [int(inter), int(inter)]
+    if lora_a.dim() != 4 or lora_a.shape[1] != 2:
+        raise PlanError("E_BANK_SHAPE", f"lora_silu_mul takes a gate/up bank [S, 2, R, d_in], got "
+                        f"{tuple(lora_a.shape)}")
+    backend = _resolve(backend, x)
+    if backend == "torch":
+        y = add_lora_slices(gate_up.clone(), x, lora_a, lora_b, row_slots, widths=widths, ranks=ranks, scales=scales,
+                            backend="torch", plan=plan, check_values=check_values, b_layout=b_layout)
+        return silu_mul_ref(y, inter)
+    _check_shapes(gate_up, x, lora_a, lora_b, row_slots, widths, ranks, scales)
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"unknown b_layout {b_layout!r}; expected one of {B_LAYOUTS}")
+    pitched = b_layout == "rank-pitched"
+    if pitched:
+        try:
+            check_pitched(lora_b)
+        except ValueError as e:
+            raise PlanError("E_BANK_SHAPE", str(e)) from None
+    S, n, R, _ = lora_a.shape
+    if check_values:
+        _check_values(row_slots, S, R, ranks)
+    if ranks is None:
+        ranks = torch.full((n, S), R, dtype=torch.int32, device=lora_a.device)
+    if scales is None:
+        scales = torch.ones((n, S), dtype=torch.float32, device=lora_a.device)
+    from .triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
+
+    if not isinstance(plan, LaunchPlan):
+        plan = make_launch_plan(plan or build_plan(row_slots))
+    if plan.device != x.device:
+        raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
+    return lora_silu_mul_triton(gate_up, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32),
+                                inter, b_pitched=pitched)
 
 
 def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, stream=None):

@@ -18,6 +18,10 @@ Encoding (``u`` indexes the grouped row order of the SegmentPlan)::
     tile_end     int32 [tile_capacity]  end of tile i's segment; the tile covers
                                         [tile_start, min(tile_start + block_m, tile_end))
     num_tiles    int32 [1]              valid tiles (a device scalar, read by the kernels)
+    base_rows    int32 [row_capacity]   the scheduler rows with no adapter (slot -1), in row
+                                        order (first num_base valid): the rows a kernel that
+                                        writes every row (the fused SiLU product) covers apart
+    num_base     int32 [1]              valid base rows
 
 A segment of ``c`` rows contributes ``ceil(c / block_m)`` tiles, so ``N``
 active rows over ``A`` active slots need at most ``(N + A*(block_m-1)) //
@@ -43,6 +47,8 @@ class LaunchPlan:
     tile_end: torch.Tensor
     num_tiles: torch.Tensor
     block_m: int
+    base_rows: torch.Tensor
+    num_base: torch.Tensor
     # what fill_from_rows last copied into these buffers: {"rows": row slots, "plan": their SegmentPlan}
     _filled: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -63,17 +69,19 @@ class LaunchPlan:
         from the scheduler's row slots is moved with one copy per buffer, no sync)."""
         mv = dict(device=device, non_blocking=True)
         return LaunchPlan(self.sorted_rows.to(**mv), self.tile_slot.to(**mv), self.tile_start.to(**mv),
-                          self.tile_end.to(**mv), self.num_tiles.to(**mv), self.block_m)
+                          self.tile_end.to(**mv), self.num_tiles.to(**mv), self.block_m, self.base_rows.to(**mv),
+                          self.num_base.to(**mv))
 
     def copy_from(self, other: "LaunchPlan") -> "LaunchPlan":
         """Copy ``other`` (same block_m, no larger) into this plan's buffers in place
         (stream-ordered, no sync); returns self. Used before a CUDA graph replay."""
         if other.block_m != self.block_m:
             raise ValueError(f"block_m {other.block_m} != {self.block_m}: capture a graph per block size")
-        if other.row_capacity > self.row_capacity or other.tile_capacity > self.tile_capacity:
+        if (other.row_capacity > self.row_capacity or other.tile_capacity > self.tile_capacity
+                or other.base_rows.numel() > self.base_rows.numel()):
             raise ValueError(
-                f"plan needs {other.row_capacity} rows / {other.tile_capacity} tiles, "
-                f"buffers hold {self.row_capacity} / {self.tile_capacity}"
+                f"plan needs {other.row_capacity} rows / {other.tile_capacity} tiles / {other.base_rows.numel()} "
+                f"base rows, buffers hold {self.row_capacity} / {self.tile_capacity} / {self.base_rows.numel()}"
             )
         n, k = other.row_capacity, other.tile_capacity
         self._filled.clear()
@@ -82,6 +90,8 @@ class LaunchPlan:
         self.tile_start[:k].copy_(other.tile_start, non_blocking=True)
         self.tile_end[:k].copy_(other.tile_end, non_blocking=True)
         self.num_tiles.copy_(other.num_tiles, non_blocking=True)
+        self.base_rows[: other.base_rows.numel()].copy_(other.base_rows, non_blocking=True)
+        self.num_base.copy_(other.num_base, non_blocking=True)
         return self
 
     def fill_from_rows(self, row_slots: torch.Tensor) -> SegmentPlan:
@@ -124,7 +134,21 @@ def empty_launch_plan(row_capacity: int, tile_capacity: int, block_m: int, devic
         tile_end=torch.zeros(tile_capacity, **i32),
         num_tiles=torch.zeros(1, **i32),
         block_m=block_m,
+        base_rows=torch.zeros(row_capacity, **i32),
+        num_base=torch.zeros(1, **i32),
     )
+
+
+def base_rows_of(plan: SegmentPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every row of ``plan``'s invocation, the rows with no adapter first and in row order,
+    then the others; how many have no adapter as an int32 [1]), on the plan's device, with
+    no synchronisation (a stable sort of the 0/1 "has an adapter" flags)."""
+    device = plan.starts.device
+    flags = torch.zeros(plan.num_rows, dtype=torch.int32, device=device)
+    flags[plan.sorted_rows.to(torch.int64)] = 1
+    rows = torch.sort(flags, stable=True).indices.to(torch.int32)
+    num_base = torch.full((1,), plan.num_rows - int(plan.sorted_rows.numel()), dtype=torch.int32, device=device)
+    return rows, num_base
 
 
 def make_launch_plan(plan: SegmentPlan, block_m: int | None = None) -> LaunchPlan:
@@ -135,8 +159,11 @@ def make_launch_plan(plan: SegmentPlan, block_m: int | None = None) -> LaunchPla
     i32 = dict(dtype=torch.int32, device=device)
     n_seg = plan.num_segments
     cap = tile_capacity(plan.num_active, n_seg, block_m) if n_seg else 1
+    base_rows, num_base = base_rows_of(plan)
     if n_seg == 0:
-        return empty_launch_plan(max(plan.num_active, 1), cap, block_m, device)
+        empty = empty_launch_plan(max(plan.num_active, 1), cap, block_m, device)
+        return LaunchPlan(empty.sorted_rows, empty.tile_slot, empty.tile_start, empty.tile_end, empty.num_tiles,
+                          block_m, base_rows, num_base)
     counts = plan.counts.to(torch.int64)
     per_seg = (counts + block_m - 1) // block_m
     cum = torch.cumsum(per_seg, 0)
@@ -153,4 +180,6 @@ def make_launch_plan(plan: SegmentPlan, block_m: int | None = None) -> LaunchPla
         tile_end=starts[seg_c + 1].to(**i32),
         num_tiles=cum[-1:].to(**i32),
         block_m=block_m,
+        base_rows=base_rows,
+        num_base=num_base,
     )
