@@ -36,6 +36,8 @@
 #   bash scripts/gpu_session.sh prefill-bench  after a launch_config change found by prefill-lora: the bench kernels
 #                                            grid, then bench batch 0,8,64 (~9 min)
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
+#   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
+#                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -195,6 +197,20 @@ case "${1:-quick}" in
       echo "32-row tiles, rank <= 16: block_n $bn"
       timeout 140 python -c "$run" bench batch --rows 1024 --adapters 8,64 --no-repeat-base --out "$OUT/batch-bn$bn.json" \
         2>&1 | grep adapters
+    done
+    ;;
+  silu-fused)  # eighteenth session: lora_silu_mul (triton_act) in the engine, correctness then A/B on one machine
+    timeout 120 python -m pytest -q tests/test_kernels_act.py tests/test_batch_graphs.py tests/test_batch_catalog.py \
+      -k "act or silu or graph or gate_up" 2>&1 | tail -1
+    for dt in float32 bfloat16; do
+      rm -rf "/tmp/demo-sf-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-sf-$dt" \
+        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
+        >/dev/null; echo "demo $dt (fused SiLU): $(python scripts/check_demo_outputs.py "/tmp/demo-sf-$dt" | tail -1)"
+    done
+    for f in 0 1; do
+      echo "MLORA_LORA_SILU_FUSED=$f:"
+      MLORA_LORA_SILU_FUSED=$f timeout 140 python -m mlora bench batch --rows 1024 --adapters 8,64 --no-repeat-base \
+        --out "$OUT/batch-silu$f.json" 2>&1 | grep adapters
     done
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters

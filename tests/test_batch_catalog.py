@@ -420,6 +420,41 @@ def test_triton_backend_equals_torch(ws, pinned, R):
     assert not torch.equal(out["torch"], y0)
 
 
+@pytest.mark.parametrize("R", [8, 24])
+def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
+    """``BankContext.apply_silu_mul`` on a Triton bank (the expand inside the SiLU product:
+    ``mlora.kernels.lora_silu_mul``) against a torch bank's ``apply`` then the SiLU product,
+    and against the same Triton bank with the fusion off; one adapter targets gate/up
+    ("all"), two do not (their rows, like the slot-less ones, get the SiLU product alone);
+    at R 24 B is rank-pitched with pitch 8."""
+    from mlora.batch.fused import ElementwiseOps, silu_mul_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inter = SHAPES["gate_up"][1][0]
+    g = torch.Generator().manual_seed(8)
+    row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0, 0], dtype=torch.int32)
+    x = torch.randn(10, 32, generator=g)
+    gu0 = torch.randn(10, 2 * inter, generator=g)
+    torch_bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, "cpu", backend="torch")
+    torch_bank.ensure(["all", "pattern", "qv"], pinned)
+    gu = gu0.clone()
+    torch_bank.context(row_slots).apply(0, "gate_up", x, gu)
+    want = silu_mul_ref(gu, inter)
+    assert not torch.equal(want, silu_mul_ref(gu0, inter))  # the adapter changes something
+    ops = ElementwiseOps(True)  # the Triton element-wise kernels (interpreted on the CPU)
+    outs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("MLORA_LORA_SILU_FUSED", fused)
+        bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
+        assert bank.fuse_silu == (fused == "1")
+        bank.ensure(["all", "pattern", "qv"], pinned)
+        gu = gu0.to(device, copy=True)
+        outs[fused] = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
+        assert torch.equal(gu.cpu(), gu0) == (fused == "1")  # fused: the deltas never written into gate_up
+    torch.testing.assert_close(outs["1"], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
+
+
 def test_shrinks_launched_ahead_give_the_same_bits_for_every_module(ws, pinned, monkeypatch):
     """A SlotBank with ``overlap`` (MLORA_LORA_OVERLAP=1): ``prepare`` before the base GEMM
     then ``apply`` gives, for every (layer, group), the bits of ``apply`` alone; a module no

@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, make_launch_plan, pitched_view, shrink_ahead
+from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view,
+                           shrink_ahead)
 
 from .catalog import PinnedAdapter, load_factors
 from .lora import GROUPS, ROLE_SLICE
@@ -141,6 +142,9 @@ class SlotTensors:
         # (``BankContext.prepare``): opt-in (MLORA_LORA_OVERLAP=1); measured 0.3-0.4 ms slower per
         # 256-row decode iteration on the H200 (fourteenth session), so off by default
         self.overlap = backend == "triton" and os.environ.get("MLORA_LORA_OVERLAP") == "1"
+        # the gate/up expand fused into the SiLU product (BankContext.apply_silu_mul; off with
+        # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
+        self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
         self._side_stream = None
 
     def side_stream(self):
@@ -343,3 +347,21 @@ class BankContext:
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
             out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,
         )
+
+    def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
+        """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
+        Triton kernels (the bank's ``fuse_silu``, a LaunchPlan, the fused element-wise ops, both
+        slices held side by side, no shrink launched ahead) one launch after the shrink adds the
+        deltas inside the SiLU product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps
+        the base values; otherwise :meth:`apply`, then ``ops.silu_mul``."""
+        group = "gate_up"
+        bank = self.bank
+        if ((layer, group) in self.targeted and bank.fuse_silu and getattr(ops, "fused", False)
+                and isinstance(self.plan, LaunchPlan) and (layer, group) not in self._ahead
+                and tuple(bank.widths.get(group, ())) == (inter, inter) and list(bank.out_offsets[group]) == [0, inter]):
+            ranks, scales = bank.layer_tables(group, layer)
+            return lora_silu_mul(gate_up, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots,
+                                 inter=inter, ranks=ranks, scales=scales, backend="triton", plan=self.plan,
+                                 check_values=False, b_layout=bank.b_layout)
+        self.apply(layer, group, x, gate_up)
+        return ops.silu_mul(gate_up, inter)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
+
+from mlora.kernels import silu_mul_ref  # silu(gate) * up of [gate | up]; also the fused LoRA path's
 
 try:  # the CPU-only CI installs triton too; guard anyway: the references need nothing
     import triton
@@ -72,12 +73,6 @@ def _write_kv(qkv, q_heads, kv_heads, head_dim, kv, layer, slot_mapping) -> None
     k = qkv[:, n_q : n_q + n_kv].reshape(T, kv_heads, head_dim)
     v = qkv[:, n_q + n_kv : n_q + 2 * n_kv].reshape(T, kv_heads, head_dim)
     kv.write(layer, k, v, slot_mapping)
-
-
-def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] [T, 2 * inter]."""
-    gate, up = gate_up.split([inter, inter], dim=-1)
-    return F.silu(gate) * up
 
 
 # ------------------------------------------------------------------ Triton

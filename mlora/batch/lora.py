@@ -83,3 +83,14 @@ def config_role_shapes(config) -> dict[str, tuple[int, int]]:
 class LoraContext(Protocol):
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
+
+
+def apply_silu_mul(lora, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
+    """The MLP's activation after its gate/up LoRA: ``ops.silu_mul`` of ``gate_up`` plus the
+    deltas. A context with ``apply_silu_mul`` (``BankContext``) may fuse the two (it may then
+    leave ``gate_up`` without the deltas); any other adds them with ``apply`` first."""
+    fused = getattr(lora, "apply_silu_mul", None)
+    if fused is not None:
+        return fused(layer, x, gate_up, inter, ops)
+    lora.apply(layer, "gate_up", x, gate_up)
+    return ops.silu_mul(gate_up, inter)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from mlora.batch.attention import AttentionMetadata, attention
 from mlora.batch.kvcache import KVCache
 from mlora.batch.fused import ops_for, rms_norm_ref as rms_norm
-from mlora.batch.lora import LoraContext, group_shapes
+from mlora.batch.lora import LoraContext, apply_silu_mul, group_shapes
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -308,9 +308,10 @@ class DecoderLayer(torch.nn.Module):
         if prepare is not None:
             prepare(i, "gate_up", x)
         gate_up = F.linear(x, self.gate_up_weight)
-        if lora is not None:
-            lora.apply(i, "gate_up", x, gate_up)
-        m = ops.silu_mul(gate_up, c.intermediate_size)
+        if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
+            m = apply_silu_mul(lora, i, x, gate_up, c.intermediate_size, ops)
+        else:
+            m = ops.silu_mul(gate_up, c.intermediate_size)
         if prepare is not None:
             prepare(i, "down", m)
         down = F.linear(m, self.down_weight)
