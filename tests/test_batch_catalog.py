@@ -426,8 +426,8 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
     ``mlora.kernels.lora_silu_mul``) against a torch bank's ``apply`` then the SiLU product,
     and against the same Triton bank with the fusion off; one adapter targets gate/up
     ("all"), two do not (their rows, like the slot-less ones, get the SiLU product alone);
-    at R 24 B is rank-pitched with pitch 8. A plan of 16-row tiles is left to the two launches
-    unless the bank lowers ``fuse_silu_min_block_m``."""
+    at R 24 B is rank-pitched with pitch 8. A batch of fewer than ``fuse_silu_min_rows`` rows
+    is left to the two launches."""
     from mlora.batch.fused import ElementwiseOps, silu_mul_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -448,7 +448,7 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
         monkeypatch.setenv("MLORA_LORA_SILU_FUSED", fused)
         bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
         assert bank.fuse_silu == (fused == "1")
-        bank.fuse_silu_min_block_m = 16  # this 10-row batch's plan has 16-row tiles
+        bank.fuse_silu_min_rows = 1  # a 10-row batch
         bank.ensure(["all", "pattern", "qv"], pinned)
         gu = gu0.to(device, copy=True)
         outs[fused] = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
@@ -459,7 +459,7 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
     bank.ensure(["all", "pattern", "qv"], pinned)
     gu = gu0.to(device, copy=True)
     out = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
-    assert not torch.equal(gu.cpu(), gu0)  # 16-row tiles: the expand wrote gate_up, then the SiLU product
+    assert not torch.equal(gu.cpu(), gu0)  # 10 rows: the expand wrote gate_up, then the SiLU product
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -145,7 +145,7 @@ class SlotTensors:
         # the gate/up expand fused into the SiLU product (BankContext.apply_silu_mul; off with
         # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
-        self.fuse_silu_min_block_m = 32  # plans of smaller row tiles (decode) keep the two launches
+        self.fuse_silu_min_rows = 1024  # smaller batches (decode steps) keep the two launches
         self._side_stream = None
 
     def side_stream(self):
@@ -351,18 +351,18 @@ class BankContext:
 
     def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
         """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
-        Triton kernels (the bank's ``fuse_silu``, a LaunchPlan of 32-row tiles, the fused
-        element-wise ops, both slices held side by side, no shrink launched ahead) one launch
-        after the shrink adds the deltas inside the SiLU product (``mlora.kernels.lora_silu_mul``)
-        and ``gate_up`` keeps the base values; otherwise :meth:`apply`, then ``ops.silu_mul``.
-        32-row tiles only (large batches with long segments: prefill chunks): on the H200 the
-        fusion took 0.4 s off the prefill of `bench batch` at 8 and 64 adapters, but made a
-        256-row decode iteration with 64 adapters 0.5 ms slower (16-row tiles; BENCHMARKS.md,
-        eighteenth session)."""
+        Triton kernels (the bank's ``fuse_silu``, a LaunchPlan of at least
+        ``fuse_silu_min_rows`` rows, the fused element-wise ops, both slices held side by side,
+        no shrink launched ahead) one launch after the shrink adds the deltas inside the SiLU
+        product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps the base values;
+        otherwise :meth:`apply`, then ``ops.silu_mul``. Large batches only (prefill chunks,
+        mixed iterations): on the H200 the fusion took 0.4 s off the prefill of `bench batch`
+        at 8 and 64 adapters, but made a 256-row decode iteration with 64 adapters 0.5 ms
+        slower (BENCHMARKS.md, eighteenth session)."""
         group = "gate_up"
         bank = self.bank
         if ((layer, group) in self.targeted and bank.fuse_silu and getattr(ops, "fused", False)
-                and isinstance(self.plan, LaunchPlan) and self.plan.block_m >= bank.fuse_silu_min_block_m
+                and isinstance(self.plan, LaunchPlan) and self.row_slots.shape[0] >= bank.fuse_silu_min_rows
                 and (layer, group) not in self._ahead
                 and tuple(bank.widths.get(group, ())) == (inter, inter) and list(bank.out_offsets[group]) == [0, inter]):
             ranks, scales = bank.layer_tables(group, layer)
