@@ -351,7 +351,7 @@ class BankContext:
 
     def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
         """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
-        Triton kernels (the bank's ``fuse_silu``, a LaunchPlan of at least
+        Triton kernels (the bank's ``fuse_silu``, an invocation of at least
         ``fuse_silu_min_rows`` rows, the fused element-wise ops, both slices held side by side,
         no shrink launched ahead) one launch after the shrink adds the deltas inside the SiLU
         product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps the base values;
