@@ -150,6 +150,18 @@ def main() -> int:
                        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0),
                   f"expand block_m={bm} slices={slices} block_r={cfg['block_r_expand']}",
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
+    # the gate/up expand fused into the SiLU product (mlora.kernels.triton_act): decode-sized
+    # (16-row tiles) and prefill-sized (32-row tiles, 128-wide columns), rank-pitched B
+    from mlora.kernels import triton_act as ta
+
+    act_types = {**pointers, "out_ptr": "*bf16", "base_rows_ptr": "*i32", "num_base_ptr": "*i32"}
+    for bm in (16, 32):
+        cfg = sgmv.launch_config(64, 2, 16, 4096, [14336] * 2, torch.device("cpu"), True, bm)
+        build(ta._expand_silu_kernel,
+              dict(BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=True,
+                   USE_PDL=args.arch >= 90, B_PITCHED=True),
+              f"expand+silu block_m={bm} block_n={cfg['block_n']} block_r={cfg['block_r_expand']} rank-pitched B",
+              types=act_types, num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # a rank-pitched B bank (mlora.kernels.pitch): row stride from the slot's rank, still whole vectors
     for rank in (16, 64):
         cfg = sgmv.launch_config(64, 3, rank, 4096, [4096] * 3, torch.device("cpu"), True, 16)

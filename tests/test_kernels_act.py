@@ -63,17 +63,21 @@ def test_fused_silu_product_matches_the_oracle(backend, seed, dtype, kw, layout)
     assert _err(out, ref) < TOL[dtype] * 2, _err(out, ref)  # one more rounding than the add alone: silu
 
 
+@pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("bm", [16, 32])
-def test_fused_equals_the_plain_expand_then_the_silu_kernel(bm):
+def test_fused_equals_the_plain_expand_then_the_silu_kernel(bm, group):
     """float32 under the interpreter (IEEE dots, the same tiles): bit for bit the plain path,
-    into a NaN-poisoned output."""
+    into a NaN-poisoned output; one column tile per program, or groups of three (a ragged
+    last group: 40 columns in 16-wide tiles)."""
     y, x, a, b, rs, ranks, scales, widths = _dev(*_case(11, T=45, S=5))
     lp = make_launch_plan(build_plan(rs), bm)
-    plain = add_lora_slices(y.clone(), x, a, b, rs, widths=widths, ranks=ranks, scales=scales, backend="triton",
-                            plan=lp)
+    from mlora.kernels.triton_sgmv import add_lora_slices_triton
+
+    plain = add_lora_slices_triton(y.clone(), x, a, b, lp, ranks, scales, widths, config=dict(fused=False, block_n=16))
     want = silu_mul_triton(plain, widths[0])
     out = torch.full((y.shape[0], widths[0]), float("nan"), device=y.device)
-    lora_silu_mul_triton(y, x, a, b, lp, ranks, scales, widths[0], out=out, config=dict(fused=False))
+    lora_silu_mul_triton(y, x, a, b, lp, ranks, scales, widths[0], out=out,
+                         config=dict(fused=False, block_n=16, silu_group_tiles=group))
     if DEVICE == "cpu":
         assert torch.equal(out, want)
     else:  # compiled: the fused kernel's dot may round apart from the expand's

@@ -34,25 +34,40 @@ from .triton_sgmv import _b_tile, _config, _kernel_operands, _pdl_supported, _ra
 
 
 @triton.jit
-def _slice_delta(zp_ptr, b_ptr, u, m_ok, slot, j, rank, scale, R, n_lo, cols, c_ok, stride_zu, stride_bs,
-                 stride_bn, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr, B_PITCHED: tl.constexpr):
-    """fp32 ``scale * z_j[u] @ B[slot, n_lo + cols, :rank].T`` of one tile (zero where ``rank`` is 0)."""
-    offs_r = tl.arange(0, BLOCK_R)
+def _slice_b(b_ptr, slot, rank, R, n_lo, stride_bs, stride_bn, B_PITCHED: tl.constexpr):
+    """(address of row ``n_lo`` of slot ``slot``'s B, the row stride) for one slice: rows step by
+    the slot's pitch in a rank-pitched bank (row ``n_lo + c`` at ``n_lo * R + c * pitch``,
+    ``mlora.kernels.pitch``), by ``stride_bn`` otherwise."""
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    if B_PITCHED:  # row n_lo + c at n_lo * R + c * pitch (mlora.kernels.pitch)
-        pitch = _rank_round8(rank, R)
-        b_base += n_lo * R
-        stride_bn = pitch
-    else:
-        b_base += n_lo * stride_bn
-    bt = _b_tile(b_base, cols, c_ok, offs_r, rank, R, stride_bn)
+    if B_PITCHED:
+        return b_base + n_lo * R, _rank_round8(rank, R)
+    return b_base + n_lo * stride_bn, stride_bn
+
+
+@triton.jit
+def _slice_z(zp_ptr, b_ptr, u, m_ok, j, rank, scale, R, stride_zu, BLOCK_R: tl.constexpr,
+             NATIVE_DOT: tl.constexpr):
+    """``scale * z_j`` of the tile's rows (zero past ``rank``), in the dot's input type (B's
+    with ``NATIVE_DOT``, else fp32)."""
+    offs_r = tl.arange(0, BLOCK_R)
     r_load, r_ok = _rank_cols(offs_r, rank, R)
     z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
                 other=0.0)
     z = tl.where(r_ok[None, :], z, 0.0) * scale
     if NATIVE_DOT:
-        return tl.dot(z.to(b_ptr.dtype.element_ty), tl.trans(bt))
-    return tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        z = z.to(b_ptr.dtype.element_ty)
+    return z
+
+
+@triton.jit
+def _tile_delta(z, b_base, stride_bn, cols, c_ok, rank, R, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """fp32 ``z @ B[cols, :rank].T`` of one column tile (``_b_tile``: whole-vector loads)."""
+    bt = _b_tile(b_base, cols, c_ok, tl.arange(0, BLOCK_R), rank, R, stride_bn)
+    if NATIVE_DOT:
+        acc = tl.dot(z, tl.trans(bt))
+    else:
+        acc = tl.dot(z, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -63,46 +78,51 @@ def _silu_product(g, u, dt: tl.constexpr):
     return (act.to(tl.float32) * u.to(tl.float32)).to(dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_tiles"])
 def _expand_silu_kernel(
     zp_ptr, b_ptr, gu_ptr, out_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     base_rows_ptr, num_base_ptr, ranks_ptr, scales_ptr,
-    tile_cap, inter, R, stride_rj, stride_rs, stride_zu, stride_bs, stride_bn, stride_g, stride_o,
+    tile_cap, inter, R, group_tiles, stride_rj, stride_rs, stride_zu, stride_bs, stride_bn, stride_g, stride_o,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NATIVE_DOT: tl.constexpr,
     USE_PDL: tl.constexpr, B_PITCHED: tl.constexpr,
 ):
-    """One row tile x one column tile of ``inter``: a plan tile (its slot's deltas added) for
-    ``program_id(0) < tile_cap``, else a tile of the rows with no adapter (the SiLU product
-    alone). With ``USE_PDL`` the kernel is the shrink's programmatic dependent: z is read only
-    after the grid-dependency wait (everything else before it)."""
+    """One row tile x ``group_tiles`` column tiles of ``inter`` (a runtime argument: one
+    compiled kernel for every grouping): a plan tile (its slot's deltas added; z loaded once
+    for the group) for ``program_id(0) < tile_cap``, else a tile of the rows with no adapter
+    (the SiLU product alone). With ``USE_PDL`` the kernel is the shrink's programmatic
+    dependent: z is read only after the grid-dependency wait (the plan, ranks and scales
+    before it)."""
     pid_t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = cols < inter
+    c0 = tl.program_id(1) * group_tiles * BLOCK_N
     dt = out_ptr.dtype.element_ty
     if pid_t < tile_cap:
         valid, slot, u, m_ok, rows = _tile(pid_t, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
                                            num_tiles_ptr, BLOCK_M)
         if not valid:
             return
-        mask = m_ok[:, None] & c_ok[None, :]
-        gp = gu_ptr + rows[:, None] * stride_g + cols[None, :]
-        g = tl.load(gp, mask=mask, other=0.0, eviction_policy="evict_first")
-        up = tl.load(gp + inter, mask=mask, other=0.0, eviction_policy="evict_first")
         rank_g = tl.load(ranks_ptr + slot * stride_rs)
         rank_u = tl.load(ranks_ptr + stride_rj + slot * stride_rs)
         scale_g = tl.load(scales_ptr + slot * stride_rs)
         scale_u = tl.load(scales_ptr + stride_rj + slot * stride_rs)
+        bg, sg = _slice_b(b_ptr, slot, rank_g, R, 0, stride_bs, stride_bn, B_PITCHED)
+        bu, su = _slice_b(b_ptr, slot, rank_u, R, inter, stride_bs, stride_bn, B_PITCHED)
         if USE_PDL:  # z is the shrink's output
             tl.extra.cuda.gdc_wait()
-        gs = g.to(tl.float32)
-        us = up.to(tl.float32)
-        if rank_g > 0:
-            gs += _slice_delta(zp_ptr, b_ptr, u, m_ok, slot, 0, rank_g, scale_g, R, 0, cols, c_ok, stride_zu,
-                               stride_bs, stride_bn, BLOCK_R, NATIVE_DOT, B_PITCHED)
-        if rank_u > 0:
-            us += _slice_delta(zp_ptr, b_ptr, u, m_ok, slot, 1, rank_u, scale_u, R, inter, cols, c_ok, stride_zu,
-                               stride_bs, stride_bn, BLOCK_R, NATIVE_DOT, B_PITCHED)
-        out = _silu_product(gs.to(dt), us.to(dt), dt)
+        zg = _slice_z(zp_ptr, b_ptr, u, m_ok, 0, rank_g, scale_g, R, stride_zu, BLOCK_R, NATIVE_DOT)
+        zu = _slice_z(zp_ptr, b_ptr, u, m_ok, 1, rank_u, scale_u, R, stride_zu, BLOCK_R, NATIVE_DOT)
+        for t in range(0, group_tiles):
+            cols = c0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_ok = cols < inter
+            mask = m_ok[:, None] & c_ok[None, :]
+            gp = gu_ptr + rows[:, None] * stride_g + cols[None, :]
+            gs = tl.load(gp, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            us = tl.load(gp + inter, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if rank_g > 0:
+                gs += _tile_delta(zg, bg, sg, cols, c_ok, rank_g, R, BLOCK_R, NATIVE_DOT)
+            if rank_u > 0:
+                us += _tile_delta(zu, bu, su, cols, c_ok, rank_u, R, BLOCK_R, NATIVE_DOT)
+            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _silu_product(gs.to(dt), us.to(dt), dt),
+                     mask=mask)
     else:
         b0 = (pid_t - tile_cap) * BLOCK_M
         n_base = tl.load(num_base_ptr)
@@ -111,12 +131,13 @@ def _expand_silu_kernel(
         k = b0 + tl.arange(0, BLOCK_M)
         m_ok = k < n_base
         rows = tl.load(base_rows_ptr + k, mask=m_ok, other=0).to(tl.int64)
-        mask = m_ok[:, None] & c_ok[None, :]
-        gp = gu_ptr + rows[:, None] * stride_g + cols[None, :]
-        g = tl.load(gp, mask=mask, other=0.0)
-        up = tl.load(gp + inter, mask=mask, other=0.0)
-        out = _silu_product(g, up, dt)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
+        for t in range(0, group_tiles):
+            cols = c0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_ok[:, None] & (cols < inter)[None, :]
+            gp = gu_ptr + rows[:, None] * stride_g + cols[None, :]
+            g = tl.load(gp, mask=mask, other=0.0)
+            up = tl.load(gp + inter, mask=mask, other=0.0)
+            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _silu_product(g, up, dt), mask=mask)
 
 
 def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, inter: int, config=None,
@@ -126,7 +147,10 @@ def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scal
     ``lora_a`` [S, 2, R, d_in], ``lora_b`` [S, 2 * inter, R] (rank-pitched with ``b_pitched``),
     ``ranks``/``scales`` [2, S]; ``lp`` covers the T rows (``base_rows``: the slot-less ones).
     No host synchronisation: capturable in a CUDA graph. Callers have checked shapes and
-    values (``mlora.kernels.lora_silu_mul``). ``out``: write there (row-major [T, inter])."""
+    values (``mlora.kernels.lora_silu_mul``). ``out``: write there (row-major [T, inter]).
+    ``config``: ``launch_config`` overrides, plus ``silu_group_tiles``, the column tiles each
+    program covers (default 1, what the H200 measured; more load z once per group, as the
+    plain expand's column groups do)."""
     T = gate_up.shape[0]
     if out is None:
         out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
@@ -139,16 +163,18 @@ def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scal
     pitched = b_pitched and R % 8 == 0  # else the pitch is R for every rank: the padded layout
     x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
     widths = [inter, inter]
-    cfg = _config(lp, x, lora_a, widths, native_a, config, fusable=False)
+    config = dict(config or {})
+    group = int(config.pop("silu_group_tiles", 1))  # column tiles per program (1: what the H200 measured)
+    cfg = _config(lp, x, lora_a, widths, native_a, config or None, fusable=False)
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl)
     bm, bn = lp.block_m, cfg["block_n"]
     base_tiles = triton.cdiv(lp.base_rows.numel(), bm)
     extra = dict(launch_pdl=True) if pdl else {}
-    _expand_silu_kernel[(lp.tile_capacity + base_tiles, triton.cdiv(inter, bn))](
+    _expand_silu_kernel[(lp.tile_capacity + base_tiles, triton.cdiv(triton.cdiv(inter, bn), group))](
         zp, lora_b, gate_up, out, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles,
         lp.base_rows, lp.num_base, ranks, scales,
-        lp.tile_capacity, inter, R, ranks.stride(0), ranks.stride(1), zp.stride(1), lora_b.stride(0),
+        lp.tile_capacity, inter, R, group, ranks.stride(0), ranks.stride(1), zp.stride(1), lora_b.stride(0),
         lora_b.stride(1), gate_up.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"], NATIVE_DOT=native_b, USE_PDL=pdl,
         B_PITCHED=pitched, num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
