@@ -38,6 +38,9 @@
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
+#   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
+#                                            sizes with 1-8 column tiles per program (kernel_sweep.py --silu), then
+#                                            bench batch 8,64 with the fusion at every size (MLORA_LORA_SILU_MIN_ROWS=0) (~6 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -211,6 +214,15 @@ case "${1:-quick}" in
       echo "MLORA_LORA_SILU_FUSED=$f:"
       MLORA_LORA_SILU_FUSED=$f timeout 140 python -m mlora bench batch --rows 1024 --adapters 8,64 --no-repeat-base \
         --out "$OUT/batch-silu$f.json" 2>&1 | grep adapters
+    done
+    ;;
+  silu-sweep)  # eighteenth session: whether column groups make the fused launch pay at decode too
+    timeout 150 python -u scripts/kernel_sweep.py --silu 2>&1 | grep -v -i warn | grep -v capture_end \
+      | tee "$OUT/kernel-sweep-silu.txt"
+    for m in 1024 0; do
+      echo "MLORA_LORA_SILU_MIN_ROWS=$m:"
+      MLORA_LORA_SILU_MIN_ROWS=$m timeout 140 python -m mlora bench batch --rows 1024 --adapters 8,64 --no-repeat-base \
+        --out "$OUT/batch-silu-min$m.json" 2>&1 | grep adapters
     done
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters

@@ -5,7 +5,7 @@ checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
     PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode [--split | --shrink] | --mixed
-                                                 | --prefill]
+                                                 | --prefill | --silu]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -40,6 +40,11 @@ engine's prefill iterations; rank 16, 8 and 2 adapters) with the row tile (``blo
 expand's column tile, warps and column groups, and the narrow z's column loop pipelined by
 Triton (``pipelined*``: ``expand_narrow_db=False``) instead of double-buffered by hand; then
 per variant the layer's sum.
+``--silu``: the gate/up LoRA and the SiLU product at decode (256 rows, 64 and 8 adapters) and
+prefill (8,192 rows, 8 adapters) sizes, rank 16, rank-pitched B: the plain path (shrink +
+expand, then the SiLU kernel) against the fused one (``mlora.kernels.triton_act``) with 1, 2,
+4 and 8 column tiles per program (``silu_group_tiles``); outputs checked against the plain
+path's.
 """
 import json
 import statistics
@@ -287,5 +292,44 @@ def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, c
     err = float((y.double() - ref).abs().max() / ref.abs().max()) if check else 0.0
     return round(graph_median(graph, flush), 1) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
 
+def silu_main():
+    """``--silu`` (module docstring)."""
+    from mlora.batch.fused import silu_mul_triton
+    from mlora.kernels.triton_act import lora_silu_mul_triton
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    inter = 14336
+    for T, A in ((256, 64), (256, 8), (8192, 8)):
+        y0, x, a, b, rs, ranks, scales = make_case(T, A, (inter, inter), [16] * A, 16)
+        b = to_rank_pitched(b, ranks, [inter, inter])
+        lp = make_launch_plan(build_plan(rs))
+        static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
+        static.copy_from(lp)
+        gu = y0.clone()
+        outs = {}
+        calls = {"plain": lambda: outs.__setitem__("plain", silu_mul_triton(add_lora_slices_triton(
+            gu.copy_(y0), x, a, b, static, ranks, scales, [inter, inter], config={"fused": False}, b_pitched=True),
+            inter))}
+        for g in (1, 2, 4, 8):
+            calls[f"fused_group{g}"] = lambda g=g: outs.__setitem__(f"fused_group{g}", lora_silu_mul_triton(
+                y0, x, a, b, static, ranks, scales, inter, config={"silu_group_tiles": g}, b_pitched=True))
+        row = {"case": f"gateup+silu/r16/T{T}/A{A}"}
+        for name, call in calls.items():
+            call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = outs["plain"].float()
+            err = float((outs[name].float() - ref).abs().max() / ref.abs().max())
+            row[name] = round(graph_median(graph, flush), 1) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
+        print(json.dumps(row), flush=True)
+
+
 if __name__ == "__main__":
+    if "--silu" in sys.argv:
+        silu_main()
+        sys.exit(0)
     main()

@@ -145,7 +145,8 @@ class SlotTensors:
         # the gate/up expand fused into the SiLU product (BankContext.apply_silu_mul; off with
         # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
-        self.fuse_silu_min_rows = 1024  # smaller batches (decode steps) keep the two launches
+        # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
+        self.fuse_silu_min_rows = int(os.environ.get("MLORA_LORA_SILU_MIN_ROWS", "1024"))
         self._side_stream = None
 
     def side_stream(self):
