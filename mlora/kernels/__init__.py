@@ -154,24 +154,10 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
     ``b_layout``: ``"padded"`` or ``"rank-pitched"`` (``mlora.kernels.pitch``)."""
     widths = [int(w) for w in widths]
     _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
-    if b_layout not in B_LAYOUTS:
-        raise ValueError(f"unknown b_layout {b_layout!r}; expected one of {B_LAYOUTS}")
-    pitched = b_layout == "rank-pitched"
-    if pitched:
-        try:
-            check_pitched(lora_b)
-        except ValueError as e:
-            raise PlanError("E_BANK_SHAPE", str(e)) from None
+    ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(len(widths))]
     out_offsets = [int(o) for o in out_offsets]
-    S, n, R, _ = lora_a.shape
-    if check_values:
-        _check_values(row_slots, S, R, ranks)
-    if ranks is None:
-        ranks = torch.full((n, S), R, dtype=torch.int32, device=lora_a.device)
-    if scales is None:
-        scales = torch.ones((n, S), dtype=torch.float32, device=lora_a.device)
     backend = _resolve(backend, x)
     if backend == "torch":
         if isinstance(plan, LaunchPlan):
@@ -187,10 +173,7 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         return y
     from .triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
 
-    if not isinstance(plan, LaunchPlan):
-        plan = make_launch_plan(plan or build_plan(row_slots))
-    if plan.device != x.device:
-        raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
+    plan = _launch_plan(plan, row_slots, x)
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
@@ -223,6 +206,17 @@ def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, s
                             backend="torch", plan=plan, check_values=check_values, b_layout=b_layout)
         return silu_mul_ref(y, inter)
     _check_shapes(gate_up, x, lora_a, lora_b, row_slots, widths, ranks, scales)
+    ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
+    from .triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
+
+    return lora_silu_mul_triton(gate_up, x, lora_a, lora_b, _launch_plan(plan, row_slots, x), ranks.to(torch.int32),
+                                scales.to(torch.float32), inter, b_pitched=pitched)
+
+
+def _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout: str, check_values: bool):
+    """(ranks, scales, whether B is rank-pitched) of a checked-shape call: the layout named and
+    checked, the values checked when asked (``_check_values``: syncs), absent tables filled
+    (every slot at the bank's rank R, scale 1)."""
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"unknown b_layout {b_layout!r}; expected one of {B_LAYOUTS}")
     pitched = b_layout == "rank-pitched"
@@ -238,14 +232,17 @@ def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, s
         ranks = torch.full((n, S), R, dtype=torch.int32, device=lora_a.device)
     if scales is None:
         scales = torch.ones((n, S), dtype=torch.float32, device=lora_a.device)
-    from .triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
+    return ranks, scales, pitched
 
+
+def _launch_plan(plan, row_slots, x) -> LaunchPlan:
+    """The LaunchPlan a Triton call launches over (``plan`` as given, or built from the
+    SegmentPlan or the row slots), on x's device."""
     if not isinstance(plan, LaunchPlan):
         plan = make_launch_plan(plan or build_plan(row_slots))
     if plan.device != x.device:
         raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
-    return lora_silu_mul_triton(gate_up, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32),
-                                inter, b_pitched=pitched)
+    return plan
 
 
 def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, stream=None):
