@@ -14,6 +14,9 @@ One decoder layer, in the notation of the forward pass::
     x = rmsnorm(h);   g, u = x W_gate_up^T           [lora "gate_up"]
     m = silu(g) * u;  h = h + m W_down^T             [lora "down" on m]
 
+(the last add happens in the next layer's input norm launch, or before the final norm; the
+gate/up deltas may be added inside the SiLU product: ``lora.apply_silu_mul``)
+
 Config limits (refused with ``E_MODEL_CONFIG``, never silently approximated):
 rope types other than "default" and "llama3"; a sliding window shorter than
 ``max_position_embeddings`` that is in use (Mistral: whenever ``sliding_window``
@@ -278,10 +281,18 @@ class DecoderLayer(torch.nn.Module):
             self.register_buffer(name, tensor)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache, lora: LoraContext | None) -> torch.Tensor:
+                kv: KVCache, lora: LoraContext | None, delta: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream after attention, the MLP's output): the layer's output is their
+        sum, which the caller forms: the next layer passes the MLP output as its ``delta`` and
+        adds it in its input norm's launch (``add_rms_norm``; one element-wise pass and one
+        launch fewer per layer than a separate add). ``delta`` None: ``h`` is the stream."""
         c, i, rows = self.config, self.index, h.shape[0]
         ops = ops_for(h.device)  # fused Triton element-wise kernels on CUDA, torch references elsewhere
-        x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
+        if delta is None:
+            x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
+        else:  # h + the previous layer's MLP output, then the norm
+            h, x = ops.add_rms_norm(h, delta, self.input_norm_weight, c.rms_norm_eps)
         prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
         if prepare is not None:
             prepare(i, "qkv", x)
@@ -317,7 +328,7 @@ class DecoderLayer(torch.nn.Module):
         down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)
-        return h + down
+        return h, down
 
 
 class DecoderModel(torch.nn.Module):
@@ -359,9 +370,13 @@ class DecoderModel(torch.nn.Module):
         kv.begin(meta.slot_mapping)  # inside a graph capture: captured, recomputed on every replay
         h = F.embedding(input_ids, self.embed_weight)
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), h.dtype)
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta, kv, lora)
-        h = rms_norm(h.index_select(0, sample_rows), self.norm_weight, self.config.rms_norm_eps)
+            h, delta = layer(h, cos, sin, meta, kv, lora, delta)
+        h = h.index_select(0, sample_rows)
+        if delta is not None:  # the last layer's MLP output, for the sampled rows only
+            h = h + delta.index_select(0, sample_rows)
+        h = rms_norm(h, self.norm_weight, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head_weight).float()
 
     # ------------------------------------------------------------ loading
