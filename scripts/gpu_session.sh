@@ -40,7 +40,8 @@
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
 #                                            sizes with 1-8 column tiles per program (kernel_sweep.py --silu), then
-#                                            bench batch 8,64 with the fusion at every size (MLORA_LORA_SILU_MIN_ROWS=0) (~6 min)
+#                                            bench batch 8,64 with the fusion at every size (MLORA_LORA_SILU_MIN_ROWS=0);
+#                                            first the demo and a base decode profile (the residual add fold) (~9 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -216,7 +217,15 @@ case "${1:-quick}" in
         --out "$OUT/batch-silu$f.json" 2>&1 | grep adapters
     done
     ;;
-  silu-sweep)  # eighteenth session: whether column groups make the fused launch pay at decode too
+  silu-sweep)  # eighteenth session: whether column groups make the fused launch pay at decode too; first the
+    # demo on the GPU (the MLP residual add folded into the next layer's input norm, built on the CPU)
+    for dt in float32 bfloat16; do
+      rm -rf "/tmp/demo-fold-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-fold-$dt" \
+        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
+        >/dev/null; echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-fold-$dt" | tail -1)"
+    done
+    timeout 90 python scripts/profile_batch.py --rows 256 --adapters 0 --graphs --iters 10 2>&1 | grep -v USDT | head -24 \
+      | tee "$OUT/profile-decode-0.txt"
     timeout 150 python -u scripts/kernel_sweep.py --silu 2>&1 | grep -v -i warn | grep -v capture_end \
       | tee "$OUT/kernel-sweep-silu.txt"
     for m in 1024 0; do
