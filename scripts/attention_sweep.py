@@ -16,7 +16,9 @@ fast wrong config shows. Needs a CUDA device.
 
 ``--prefill``: one prefill launch of whole prompts (lengths uniform in
 [128, 1024], as many as fit in ``--tokens`` packed rows: one
-``--max-batch-tokens`` chunk of the bench job), sweeping ``BLOCK_N``,
+``--max-batch-tokens`` chunk of the bench job), sweeping the prefill tile's
+rows (``PREFILL_ROWS`` 64, 128, 256: query rows x the heads sharing a KV head;
+a taller tile reads each K/V tile for more queries), ``BLOCK_N``,
 ``ATTENTION_WARPS`` and ``PREFILL_STAGES`` (no splits); its floor is the
 larger of the causal flops (QK and PV, 4 x causal pairs x heads x head_dim)
 over the bf16 matmul rate measured in the same run, and the Q/K/V/output
@@ -61,12 +63,11 @@ def prefill_case(tokens: int, gen: torch.Generator):
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    layout = pa.PagedLayout.build(starts, lens, tables, H // HKV, torch.device("cuda"))
-    return layout, lens, num_pages
+    return starts, lens, tables, num_pages
 
 
 def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.Generator) -> None:
-    layout, lens, num_pages = prefill_case(tokens, gen)
+    starts, lens, tables, num_pages = prefill_case(tokens, gen)
     T = sum(lens)
     k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
@@ -77,11 +78,19 @@ def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.G
     floor_us = max(flop_us, byte_us)
     print(f"prefill: {len(lens)} prompts, {T} rows, matmul {rate / 1e12:.0f} TFLOP/s: flop floor {flop_us:.1f} us, "
           f"byte floor {byte_us:.1f} us")
-    ref = pa.paged_attention(q, k, v, layout, D**-0.5).float()
+    layouts = {}  # query rows x heads of one prefill tile -> the tile lists (built per tile size)
+    saved_rows = pa.PREFILL_ROWS
+    for rows in (64, 128, 256):
+        pa.PREFILL_ROWS = rows
+        layouts[rows] = pa.PagedLayout.build(starts, lens, tables, H // HKV, torch.device("cuda"))
+    pa.PREFILL_ROWS = saved_rows
+    ref = pa.paged_attention(q, k, v, layouts[saved_rows], D**-0.5).float()
     results = []
-    saved = pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES
-    for bn, w, st in itertools.product([32, 64, 128], [4, 8], [None, 2, 3] if quick else [None, 1, 2, 3, 4]):
+    saved = saved_rows, pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES
+    for rows, bn, w, st in itertools.product(layouts, [32, 64, 128], [4, 8],
+                                             [None, 2, 3] if quick else [None, 1, 2, 3, 4]):
         pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = bn, w, st
+        layout = layouts[rows]
         out = torch.full_like(q, float("nan"))
         try:
             pa.paged_attention(q, k, v, layout, D**-0.5, out=out)
@@ -89,14 +98,14 @@ def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.G
             us = 1e3 * triton.testing.do_bench_cudagraph(
                 lambda: pa.paged_attention(q, k, v, layout, D**-0.5, out=out), rep=30)
         except Exception as e:  # shared memory or registers out of range: reported, not fatal
-            print(f"  block_n {bn:3d} warps {w} stages {st}: failed ({type(e).__name__})")
+            print(f"  tile rows {rows:3d} block_n {bn:3d} warps {w} stages {st}: failed ({type(e).__name__})")
             continue
-        results.append((us, bn, w, st, err))
-    pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = saved
-    for us, bn, w, st, err in sorted(results):
-        mark = "  (default)" if (bn, w, st) == saved else ""
-        print(f"    block_n {bn:3d} warps {w} stages {str(st):4s}: {us:7.1f} us = {us / floor_us:.2f}x floor, "
-              f"max |diff| {err:.1e}{mark}")
+        results.append((us, rows, bn, w, st, err))
+    _, pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = saved
+    for us, rows, bn, w, st, err in sorted(results):
+        mark = "  (default)" if (rows, bn, w, st) == saved else ""
+        print(f"    tile rows {rows:3d} block_n {bn:3d} warps {w} stages {str(st):4s}: {us:7.1f} us = "
+              f"{us / floor_us:.2f}x floor, max |diff| {err:.1e}{mark}")
 
 
 def layout_for(rows: int, gen: torch.Generator):

@@ -42,6 +42,8 @@
 #                                            sizes with 1-8 column tiles per program (kernel_sweep.py --silu), then
 #                                            bench batch 8,64 with the fusion at every size (MLORA_LORA_SILU_MIN_ROWS=0);
 #                                            first the demo and a base decode profile (the residual add fold) (~9 min)
+#   bash scripts/gpu_session.sh prefill-attn  the prefill attention launch with 64/128/256-row tiles x BLOCK_N x warps x
+#                                            stages (attention_sweep.py --prefill --quick), against its flop floor (~5 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
 # Each part writes JSON/text under $OUT; copy the figures into BENCHMARKS.md.
 set -u
@@ -233,6 +235,10 @@ case "${1:-quick}" in
       MLORA_LORA_SILU_MIN_ROWS=$m timeout 140 python -m mlora bench batch --rows 1024 --adapters 8,64 --no-repeat-base \
         --out "$OUT/batch-silu-min$m.json" 2>&1 | grep adapters
     done
+    ;;
+  prefill-attn)  # eighteenth session: prefill attention took ~12 ms of a ~200 ms 8,192-token chunk (several x its flops)
+    timeout 500 python -u scripts/attention_sweep.py --prefill --quick 2>&1 | grep -v -i warn \
+      | tee "$OUT/attention-sweep-prefill.txt" | tail -30
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \
