@@ -20,7 +20,7 @@
 #                                            bundle-data runs the bundle GPU tests, bundle all four runs incl. the Triton operator)
 #   bash scripts/gpu_session.sh bundle-triton  the bundle through the Triton operator against the torch one alone
 #   bash scripts/gpu_session.sh tune         decode attention launch sweep, Triton compiles inside bench batch, compress profile
-#   bash scripts/gpu_session.sh prefill      prefill attention sweep; Triton compiles of a bench run after the alignment fix
+#   bash scripts/gpu_session.sh prefill      Triton compiles of a bench run after the alignment fix
 #   bash scripts/gpu_session.sh fused        GPU kernel tests on both LoRA paths, then the fused-launch calibration sweep
 #   bash scripts/gpu_session.sh kv-layout    page-major against layer-major KV (the one-arena ledger's first step): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh attention-warps  paged attention at 4 and 8 warps: GPU attention tests, demo, bench batch
@@ -144,8 +144,7 @@ case "${1:-quick}" in
     grep -c "^\[compile" "$OUT/compile-log.txt"
     timeout 100 python scripts/compress_profile.py 1024 4096 4096 64 8 --device cuda 2>&1 | tail -14
     ;;
-  prefill)  # the prefill attention launch sweep, then whether bench batch still compiles inside timed runs (~5 min)
-    timeout 200 python scripts/attention_sweep.py --prefill --quick 2>&1 | tee "$OUT/attention-sweep-prefill.txt" | tail -22
+  prefill)  # whether bench batch still compiles inside timed runs (the attention sweep: prefill-attn) (~4 min)
     timeout 200 python -u scripts/compile_log.py bench batch --rows 512 --adapters 0,8 --out "$OUT/batch-compiles.json" \
       > "$OUT/compile-log.txt" 2>&1; grep -E "adapters:|compiles|^ +[0-9]+ " "$OUT/compile-log.txt" | head -30
     ;;
