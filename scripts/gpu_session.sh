@@ -219,7 +219,9 @@ case "${1:-quick}" in
     done
     ;;
   silu-sweep)  # eighteenth session: whether column groups make the fused launch pay at decode too; first the
-    # demo on the GPU (the MLP residual add folded into the next layer's input norm, built on the CPU)
+    # demo on the GPU (the MLP residual add folded into the next layer's input norm, built on the CPU; and the
+    # demo with the fused SiLU product in every invocation, graphs included)
+    timeout 120 python -m pytest -q tests/test_batch_run.py -k "fused_everywhere" 2>&1 | tail -1
     for dt in float32 bfloat16; do
       rm -rf "/tmp/demo-fold-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-fold-$dt" \
         --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \

@@ -233,6 +233,26 @@ def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypat
             assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the fused gate/up SiLU product runs on a CUDA GPU (runs on the device)")
+def test_demo_workspace_outputs_with_the_gate_up_deltas_fused_everywhere(tmp_path, monkeypatch):
+    """The demo job on the GPU in float32 with the gate/up deltas added inside the SiLU product
+    in every invocation (MLORA_LORA_SILU_MIN_ROWS=1: prefill chunks and the captured decode
+    graphs, slot-less rows included) gives the expected rows."""
+    from mlora.batch.job import JobOptions, run_job
+
+    monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "1")
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
+                       max_new_tokens=expected["max_new_tokens"], device="cuda", dtype="float32"))
+    rows = _rows(tmp_path / "out")
+    for i, _ in enumerate(expected["prompts"]):
+        for a, outs in expected["outputs"].items():
+            assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+
+
 def test_adapter_bytes_changed_after_pinning_are_never_served(env, tmp_path, monkeypatch):
     import shutil
 
