@@ -40,7 +40,7 @@
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
 #                                            sizes with 1-8 column tiles per program (kernel_sweep.py --silu), then
-#                                            bench batch 8,64 with the fusion at every size (MLORA_LORA_SILU_MIN_ROWS=0);
+#                                            bench batch --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 at 64 adapters, twice;
 #                                            first the demo and a base decode profile (the residual add fold) (~9 min)
 #   bash scripts/gpu_session.sh prefill-attn  the prefill attention launch with 64/128/256-row tiles x BLOCK_N x warps x
 #                                            stages (attention_sweep.py --prefill --quick), against its flop floor (~5 min)
@@ -231,11 +231,9 @@ case "${1:-quick}" in
       | tee "$OUT/profile-decode-0.txt"
     timeout 150 python -u scripts/kernel_sweep.py --silu 2>&1 | grep -v -i warn | grep -v capture_end \
       | tee "$OUT/kernel-sweep-silu.txt"
-    for m in 1024 0; do
-      echo "MLORA_LORA_SILU_MIN_ROWS=$m:"
-      MLORA_LORA_SILU_MIN_ROWS=$m timeout 140 python -m mlora bench batch --rows 1024 --adapters 8,64 --no-repeat-base \
-        --out "$OUT/batch-silu-min$m.json" 2>&1 | grep adapters
-    done
+    # the fusion at decode too (threshold 0) against large invocations only (1024), 64 adapters, interleaved twice
+    timeout 300 python -m mlora bench batch --rows 1024 --adapters 64 --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 \
+      --ab-repeats 2 --out "$OUT/batch-silu-ab.json" 2>&1 | grep -E "adapters|MLORA|^[│|]"
     ;;
   prefill-attn)  # eighteenth session: prefill attention took ~12 ms of a ~200 ms 8,192-token chunk (several x its flops)
     timeout 500 python -u scripts/attention_sweep.py --prefill --quick 2>&1 | grep -v -i warn \

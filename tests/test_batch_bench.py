@@ -3,6 +3,7 @@ real engine, every row generates its tokens, and the floor accounting is
 consistent with the bank it measures (no timings are asserted)."""
 
 import json
+import os
 
 import pytest
 
@@ -30,6 +31,52 @@ def test_bench_runs_every_row_to_max_new_tokens():
     once = run_batch_bench(BatchBenchOptions(**OPTS, repeat_base=False))
     assert [s["adapters"] for s in once["scenarios"]] == [0, 3]
     json.dumps(r)  # the --json / --out payload serialises
+
+
+def test_ab_runs_every_count_once_per_value_and_repeat_and_restores_the_variable(monkeypatch):
+    """``ab``: scenarios interleaved (count, value) per repeat, the variable set while each runs
+    (the bank reads it: ``fuse_silu``) and restored after; medians per (count, value)."""
+    from mlora.batch import bank as bank_mod
+
+    seen = []
+    real_init = bank_mod.SlotTensors.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        seen.append(self.fuse_silu_min_rows)
+
+    monkeypatch.setattr(bank_mod.SlotTensors, "__init__", spy)
+    monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "77")
+    opts = dict(OPTS, adapters=(3,))
+    r = run_batch_bench(BatchBenchOptions(**opts, ab=("MLORA_LORA_SILU_MIN_ROWS", ("1", "5")), ab_repeats=2))
+    assert [(s["adapters"], s["ab"]["value"], s["ab"]["repeat"]) for s in r["scenarios"]] == \
+        [(3, "1", 0), (3, "5", 0), (3, "1", 1), (3, "5", 1)]
+    assert set(seen) == {1, 5}  # each scenario's banks (warm-up and timed) saw its value
+    assert os.environ["MLORA_LORA_SILU_MIN_ROWS"] == "77"
+    rows = {(a["adapters"], a["value"]): a for a in r["ab"]}
+    assert set(rows) == {(3, "1"), (3, "5")}
+    for (_, value), a in rows.items():
+        runs = [s for s in r["scenarios"] if s["ab"]["value"] == value]
+        tps = sorted(s["tokens_per_s"] for s in runs)
+        assert a["runs"] == 2 and a["tokens_per_s"] == dict(median=(tps[0] + tps[1]) / 2, min=tps[0], max=tps[1])
+    json.dumps(r)
+    with pytest.raises(ValueError, match="MLORA_"):
+        run_batch_bench(BatchBenchOptions(**opts, ab=("PATH", ("a", "b"))))
+
+
+def test_ab_on_the_command_line(run_cli):
+    args = ("bench", "batch", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--rows", 6,
+            "--adapters", 2, "--prompt-min", 3, "--prompt-max", 9, "--max-new-tokens", 3, "--max-num-seqs", 4,
+            "--max-batch-tokens", 32)
+    code, stdout, stderr = run_cli(*args, "--ab", "MLORA_LORA_SILU_FUSED=0,1")
+    assert code == 0, stderr
+    assert "A/B" in stdout and "MLORA_LORA_SILU_FUSED=0" in stderr  # the table; each scenario's progress line
+    code, stdout, stderr = run_cli(*args, "--ab", "MLORA_LORA_SILU_FUSED=0,1", "--ab-repeats", 2, "--json")
+    assert code == 0, stderr
+    r = json.loads(stdout)
+    assert [(a["value"], a["runs"]) for a in r["ab"]] == [("0", 2), ("1", 2)]
+    code, _, stderr = run_cli(*args, "--ab", "LORA_SILU_FUSED=0,1")
+    assert code != 0 and "MLORA_VAR=value1,value2" in stderr
 
 
 def test_adapter_bytes_equal_the_true_rank_bytes_in_the_bank():

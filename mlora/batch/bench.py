@@ -48,6 +48,7 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -91,6 +92,11 @@ class BatchBenchOptions:
     # with base first among several scenarios: run it again last, ratios against the faster run
     repeat_base: bool = True
     lookahead: bool = True  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
+    # an A/B of an engine setting read from the environment when a scenario builds its engine and bank
+    # (an MLORA_* variable): (name, values); every adapter count runs once per value, values adjacent in
+    # time, the whole sequence ``ab_repeats`` times (small effects need repeats: one run's spread is ~2%)
+    ab: tuple[str, tuple[str, ...]] | None = None
+    ab_repeats: int = 1
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:
@@ -371,8 +377,11 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     model = random_model(config, dev, DTYPES[o.dtype], o.seed)
     _sync(dev)
     build_s = time.perf_counter() - t0
-    scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
-    if o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
+    if o.ab is not None:
+        scenarios = _run_ab(model, o, ceil, progress)
+    else:
+        scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
+    if o.ab is None and o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
         # the first scenario of a run can pay lazy compiles and cold caches inside its timed
         # part (eleventh session: base prefill 1.9x its floor first, 1.36x in another run),
         # which flatters every ratio to it: run the base again last and take the faster
@@ -383,9 +392,56 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     base = max(bases, key=lambda s: s["tokens_per_s"]) if bases else None
     for s in scenarios:
         s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
-    return dict(
+    out = dict(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
         ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s),
         model_build_s=build_s, scenarios=scenarios,
     )
+    if o.ab is not None:
+        out["ab"] = ab_summary(scenarios)
+    return out
+
+
+def _run_ab(model: DecoderModel, o: BatchBenchOptions, ceil: Ceilings, progress=None) -> list[dict]:
+    """The scenarios of ``o.ab`` (BatchBenchOptions), each tagged ``ab = {var, value, repeat}``;
+    the variable is restored afterwards."""
+    var, values = o.ab
+    if not var.startswith("MLORA_") or len(values) < 2 or o.ab_repeats < 1:
+        raise ValueError(f"--ab takes an MLORA_* variable and at least two values (got {var!r}: {list(values)}), "
+                         f"--ab-repeats at least 1")
+    saved = os.environ.get(var)
+    scenarios = []
+    try:
+        for repeat in range(o.ab_repeats):
+            for n in o.adapters:
+                for value in values:
+                    os.environ[var] = value
+                    s = run_scenario(model, o, n, ceil, None)
+                    s["ab"] = dict(var=var, value=value, repeat=repeat)
+                    scenarios.append(s)
+                    if progress is not None:
+                        progress(s)
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return scenarios
+
+
+def ab_summary(scenarios: list[dict]) -> list[dict]:
+    """Per (adapter count, value) of an A/B run: medians over its repeats of tokens/s, prefill
+    seconds and the decode iterations' median time, with each one's smallest and largest."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for s in scenarios:
+        groups.setdefault((s["adapters"], s["ab"]["value"]), []).append(s)
+    out = []
+    for (n, value), runs in groups.items():
+        row = dict(adapters=n, var=runs[0]["ab"]["var"], value=value, runs=len(runs))
+        for key, get in (("tokens_per_s", lambda s: s["tokens_per_s"]), ("prefill_s", lambda s: s["prefill"]["seconds"]),
+                         ("decode_median_s", lambda s: (s["decode"] or {}).get("median_s"))):
+            vals = [v for v in map(get, runs) if v is not None]
+            row[key] = dict(median=statistics.median(vals), min=min(vals), max=max(vals)) if vals else None
+        out.append(row)
+    return out
