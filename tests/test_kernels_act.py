@@ -121,3 +121,21 @@ def test_a_bank_without_two_slices_is_refused():
     y, x, a, b, rs, ranks, scales, widths = _case(41, widths=(24, 8, 8))
     with pytest.raises(Exception, match="E_BANK_SHAPE"):
         lora_silu_mul(y[:, :48], x, a, b, rs, inter=24, ranks=ranks, scales=scales, backend="torch")
+
+
+def test_launch_plans_list_the_slot_less_rows_in_row_order():
+    """``base_rows`` / ``num_base`` of a built plan, after ``to``, and in a static plan refilled
+    with fewer of them (the entries past ``num_base`` are never read)."""
+    rs = torch.tensor([-1, 2, -1, 0, -1, 2], dtype=torch.int32)
+    lp = make_launch_plan(build_plan(rs), 16)
+    assert int(lp.num_base) == 3 and lp.base_rows[:3].tolist() == [0, 2, 4]
+    assert sorted(lp.base_rows.tolist()) == list(range(6))  # every row once: the others after
+    moved = lp.to("cpu")
+    assert torch.equal(moved.base_rows, lp.base_rows) and torch.equal(moved.num_base, lp.num_base)
+    static = empty_launch_plan(8, tile_capacity(8, 3, 16), 16, "cpu")
+    static.fill_from_rows(rs)
+    assert int(static.num_base) == 3 and static.base_rows[:3].tolist() == [0, 2, 4]
+    static.fill_from_rows(torch.tensor([1, -1, 0, 0], dtype=torch.int32))
+    assert int(static.num_base) == 1 and static.base_rows[0].item() == 1
+    with pytest.raises(ValueError, match="base rows"):
+        empty_launch_plan(3, 4, 16, "cpu").copy_from(lp)  # room for its rows and tiles, not its 6 base rows
