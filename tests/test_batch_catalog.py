@@ -455,7 +455,12 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
         assert torch.equal(gu.cpu(), gu0) == (fused == "1")  # fused: the deltas never written into gate_up
     torch.testing.assert_close(outs["1"], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "ten")
+    with pytest.raises(ValueError, match="MLORA_LORA_SILU_MIN_ROWS='ten'"):
+        SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
+    monkeypatch.delenv("MLORA_LORA_SILU_MIN_ROWS")
     bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
+    assert bank.fuse_silu_min_rows == 1024
     bank.ensure(["all", "pattern", "qv"], pinned)
     gu = gu0.to(device, copy=True)
     out = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()

@@ -93,6 +93,16 @@ def lru_slot(lru: OrderedDict, num_slots: int, keep, stats: BankStats) -> int:
     return lru.pop(victim)
 
 
+def _env_rows(name: str, default: int) -> int:
+    """A non-negative row count from the environment variable ``name`` (``default`` when unset)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit():
+        raise ValueError(f"{name}={raw!r}: expected a non-negative whole number of rows (unset it for {default})")
+    return int(raw)
+
+
 class SlotTensors:
     """Slot tensors for the groups ``groups`` of every layer, in the layout of
     ``mlora.kernels.add_lora_slices``, and the checks that admit a pinned
@@ -146,7 +156,7 @@ class SlotTensors:
         # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
         # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
-        self.fuse_silu_min_rows = int(os.environ.get("MLORA_LORA_SILU_MIN_ROWS", "1024"))
+        self.fuse_silu_min_rows = _env_rows("MLORA_LORA_SILU_MIN_ROWS", 1024)
         self._side_stream = None
 
     def side_stream(self):
