@@ -40,8 +40,8 @@
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
 #                                            sizes with 1-8 column tiles per program (kernel_sweep.py --silu), then
-#                                            bench batch --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 at 64 adapters, twice;
-#                                            first the demo and a base decode profile (the residual add fold) (~9 min)
+#                                            first the demo and a base decode profile (the residual add fold) (~5 min)
+#   bash scripts/gpu_session.sh silu-ab     then: bench batch --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 at 64 adapters, twice (~5 min)
 #   bash scripts/gpu_session.sh prefill-attn  the prefill attention launch with 64/128/256-row tiles x BLOCK_N x warps x
 #                                            stages (attention_sweep.py --prefill --quick), against its flop floor (~5 min)
 #   bash scripts/gpu_session.sh overlap      LoRA shrinks on a side stream beside the base GEMMs (MLORA_LORA_OVERLAP=1): tests, demo, bench batch A/B (~7 min)
@@ -231,8 +231,10 @@ case "${1:-quick}" in
       | tee "$OUT/profile-decode-0.txt"
     timeout 150 python -u scripts/kernel_sweep.py --silu 2>&1 | grep -v -i warn | grep -v capture_end \
       | tee "$OUT/kernel-sweep-silu.txt"
-    # the fusion at decode too (threshold 0) against large invocations only (1024), 64 adapters, interleaved twice
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 64 --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 \
+    ;;
+  silu-ab)  # after silu-sweep: the fusion at decode too (threshold 0) against large invocations only (1024),
+    # 64 adapters, interleaved twice (~5 min; set silu_group_tiles first if the sweep found a better one)
+    timeout 540 python -m mlora bench batch --rows 1024 --adapters 64 --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 \
       --ab-repeats 2 --out "$OUT/batch-silu-ab.json" 2>&1 | grep -E "adapters|MLORA|^[│|]"
     ;;
   prefill-attn)  # eighteenth session: prefill attention took ~12 ms of a ~200 ms 8,192-token chunk (several x its flops)
