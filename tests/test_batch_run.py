@@ -200,37 +200,34 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
         assert rows[rid]["completion_token_ids"] == want
 
 
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_demo_workspace_outputs(tmp_path, lookahead):
+def _demo_job_gives_the_expected_rows(tmp_path, device="cpu", **options):
+    """Run the demo workspace's job in float32 and assert every row equals expected.json;
+    returns the job summary."""
     from mlora.batch.job import JobOptions, run_job
 
     with open(os.path.join(DEMO, "expected.json")) as f:
         expected = json.load(f)
     summary = run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
                                  base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
-                                 max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32",
-                                 lookahead=lookahead))
-    assert summary.engine.get("lookahead_iterations", 0) > 0 if lookahead else "lookahead_iterations" not in summary.engine
+                                 max_new_tokens=expected["max_new_tokens"], device=device, dtype="float32",
+                                 **options))
     rows = _rows(tmp_path / "out")
     for i, _ in enumerate(expected["prompts"]):
         for a, outs in expected["outputs"].items():
             assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+    return summary
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_demo_workspace_outputs(tmp_path, lookahead):
+    summary = _demo_job_gives_the_expected_rows(tmp_path, lookahead=lookahead)
+    assert summary.engine.get("lookahead_iterations", 0) > 0 if lookahead else "lookahead_iterations" not in summary.engine
 
 
 def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypatch):
     """The whole demo job through the page-major KV layout (MLORA_KV_LAYOUT) gives the expected rows."""
-    from mlora.batch.job import JobOptions, run_job
-
     monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
-    with open(os.path.join(DEMO, "expected.json")) as f:
-        expected = json.load(f)
-    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
-                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
-                       max_new_tokens=expected["max_new_tokens"], device="cpu", dtype="float32"))
-    rows = _rows(tmp_path / "out")
-    for i, _ in enumerate(expected["prompts"]):
-        for a, outs in expected["outputs"].items():
-            assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+    _demo_job_gives_the_expected_rows(tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -239,18 +236,8 @@ def test_demo_workspace_outputs_with_the_gate_up_deltas_fused_everywhere(tmp_pat
     """The demo job on the GPU in float32 with the gate/up deltas added inside the SiLU product
     in every invocation (MLORA_LORA_SILU_MIN_ROWS=1: prefill chunks and the captured decode
     graphs, slot-less rows included) gives the expected rows."""
-    from mlora.batch.job import JobOptions, run_job
-
     monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "1")
-    with open(os.path.join(DEMO, "expected.json")) as f:
-        expected = json.load(f)
-    run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
-                       base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
-                       max_new_tokens=expected["max_new_tokens"], device="cuda", dtype="float32"))
-    rows = _rows(tmp_path / "out")
-    for i, _ in enumerate(expected["prompts"]):
-        for a, outs in expected["outputs"].items():
-            assert rows[f"{a}-{i}"]["completion"] == outs[i], (a, i)
+    _demo_job_gives_the_expected_rows(tmp_path, device="cuda")
 
 
 def test_adapter_bytes_changed_after_pinning_are_never_served(env, tmp_path, monkeypatch):
