@@ -37,9 +37,7 @@ per variant the mixed / padded time ratio of each case (issue step 2's target: a
 against the padded default and against the padded variant.
 ``--prefill``: the four LoRA launches of one decoder layer in an 8,192-token prefill chunk (the
 engine's prefill iterations; rank 16, 8 and 2 adapters) with the row tile (``block_m*``), the
-expand's column tile, warps and column groups, and the narrow z's column loop pipelined by
-Triton (``pipelined*``: ``expand_narrow_db=False``) instead of double-buffered by hand; then
-per variant the layer's sum.
+expand's column tile, warps and column groups; then per variant the layer's sum.
 ``--silu``: the gate/up LoRA and the SiLU product at decode (256 rows, 64 and 8 adapters) and
 prefill (8,192 rows, 8 adapters) sizes, rank 16, rank-pitched B: the plain path (shrink +
 expand, then the SiLU kernel) against the fused one (``mlora.kernels.triton_act``) with 1, 2,
@@ -114,11 +112,6 @@ if PREFILL:  # one decoder layer's four LoRA launches in an 8,192-token prefill 
                 "block_n128": dict(block_n=128), "block_n32": dict(block_n=32),
                 "expand_warps8": dict(expand_warps=8), "expand_warps2": dict(expand_warps=2),
                 "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
-                # the narrow z's column tiles through Triton's pipelined loop instead of by hand
-                "pipelined2": dict(expand_narrow_db=False, expand_stages=2),
-                "pipelined3": dict(expand_narrow_db=False, expand_stages=3),
-                "pipelined4": dict(expand_narrow_db=False, expand_stages=4),
-                "pipelined3_block_n128": dict(expand_narrow_db=False, expand_stages=3, block_n=128),
                 "block_m64_block_n128": {"__block_m": 64, "block_n": 128}}
 if MIXED:  # bench kernels' mixed-rank cases (ranks 8/16/64 in a rank-64 bank) and their padded twins
     CASES = [(o, r, T, A) for T, A, o in MIXED_CASES for r in ("mixed", 64)]

@@ -328,13 +328,10 @@ def test_cuda_graph_replay_follows_the_static_plan(lora_path):
 
 @pytest.mark.parametrize("bm", [16, 32, 64])
 @pytest.mark.parametrize("config", [dict(group_tiles=3, block_n=16, fused=False),
-                                    dict(split=3, group_tiles=2, block_n=16, fused=False),
-                                    dict(group_tiles=3, block_n=16, fused=False, expand_narrow_db=False,
-                                         expand_stages=3)])
+                                    dict(split=3, group_tiles=2, block_n=16, fused=False)])
 def test_column_groups_and_forced_split_match_the_oracle(config, bm):
-    """Expand programs streaming several column tiles (incl. a ragged last group), with the
-    narrow z's tiles double-buffered by hand or through the pipelined loop
-    (``expand_narrow_db=False``), in row tiles of 16, 32 and 64."""
+    """Expand programs streaming several column tiles (incl. a ragged last group), in row
+    tiles of 16, 32 and 64."""
     from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
     case = sliced_case(9, T=21, S=3, d_in=96, widths=(40, 24, 56))

@@ -262,7 +262,7 @@ def _expand_kernel(
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    B_PITCHED: tl.constexpr = False, NARROW_DB: tl.constexpr = True,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -284,11 +284,7 @@ def _expand_kernel(
 
     ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
     of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
-    step by the slot's pitch (its rank rounded up to 8) instead of R.
-
-    ``NARROW_DB`` (``expand_narrow_db``): a narrow z's column tiles double-buffered by hand
-    (:func:`_expand_columns`); off, they run through the wide z's loop, which Triton
-    pipelines over ``num_stages``."""
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -317,15 +313,15 @@ def _expand_kernel(
         if rank <= RANK_CLASS:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE, NARROW_DB)
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
         else:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, NARROW_DB)
+                            group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
     else:
         _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                         stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE, NARROW_DB)
+                        group_tiles, BLOCK_N, BLOCK_R, NATIVE_DOT, USE_PDL, CORE)
 
 
 @triton.jit
@@ -333,23 +329,23 @@ def _expand_columns(
     zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
     stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck, group_tiles,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr, NARROW_DB: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, CORE: tl.constexpr,
 ):
     """The expand of one tile over its column group from row ``b_row`` of the B bank, z and
     B BLOCK_R wide (>= rank). ``CORE`` 0: z times ``scale``; 1 / 2: z times the core at
     ``core_base`` (loaded before the grid-dependency wait: the shrink does not write it).
 
-    Narrow z (BLOCK_R <= 32) with ``NARROW_DB``: column tile g+1's B and y are loaded while
-    tile g's dot and store run (register double buffering), and tile 0's before z is
-    available. Wide z (two 64-wide B tiles in registers spill), or ``NARROW_DB`` off: one
-    tile at a time in a loop Triton pipelines, only the plan metadata read before the wait."""
+    Narrow z (BLOCK_R <= 32): column tile g+1's B and y are loaded while tile
+    g's dot and store run (register double buffering), and tile 0's before z
+    is available. Wide z: one tile at a time (two 64-wide B tiles in registers
+    spill), with only the plan metadata read before the wait."""
     offs_r = tl.arange(0, BLOCK_R)
     b_base = b_ptr + b_row.to(tl.int64) * stride_bs
     offs_n = n_first + tl.arange(0, BLOCK_N)
     mask = m_ok[:, None] & (offs_n < n_hi)[None, :]
     yp = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     n_stop = tl.minimum(n_hi, n_first + group_tiles * BLOCK_N)  # end of this program's columns
-    if BLOCK_R <= 32 and NARROW_DB:
+    if BLOCK_R <= 32:
         # y streams through once (evict_first); B stays cached for the slot's other tiles
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
         bt = _b_tile(b_base, offs_n, offs_n < n_hi, offs_r, rank, R, stride_bn)
@@ -371,7 +367,7 @@ def _expand_columns(
         zd = z.to(b_ptr.dtype.element_ty)
     else:
         zd = z
-    if BLOCK_R <= 32 and NARROW_DB:
+    if BLOCK_R <= 32:
         for g in range(0, group_tiles):
             offs_n2 = offs_n + BLOCK_N
             n_ok2 = offs_n2 < n_stop
@@ -537,9 +533,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
-        # the expand's narrow z (rank tile <= 32): column tiles double-buffered by hand (True), or
-        # through the loop Triton pipelines over expand_stages (False)
-        expand_narrow_db=True,
         pdl=override.get("pdl", True),
     )
     # column groups: each expand program loads its tile's z once and streams
@@ -568,7 +561,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "expand_narrow_db")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -754,7 +747,6 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
         BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
-        NARROW_DB=cfg["expand_narrow_db"],
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
