@@ -25,6 +25,8 @@ from mlora.kernels import silu_mul_ref  # silu(gate) * up of [gate | up]; also t
 try:  # the CPU-only CI installs triton too; guard anyway: the references need nothing
     import triton
     import triton.language as tl
+
+    from mlora.kernels.triton_act import _silu_product  # the one rounding of silu(g) * u
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -145,11 +147,10 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
-        g = tl.load(gu_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + row * stride_g + cols, mask=ok, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + inter + cols, mask=ok, other=0.0)
-        dt = out_ptr.dtype.element_ty
-        act = (g / (1.0 + tl.exp(-g))).to(dt)  # torch's silu, rounded to dt
-        tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=ok)
+        # torch's silu rounded to the output dtype, then the product (shared with the fused LoRA kernel)
+        tl.store(out_ptr + row * stride_o + cols, _silu_product(g, u, out_ptr.dtype.element_ty), mask=ok)
 
 
 def _pow2(n: int) -> int:

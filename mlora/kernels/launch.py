@@ -32,7 +32,7 @@ rows) and does not synchronise with the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -162,8 +162,7 @@ def make_launch_plan(plan: SegmentPlan, block_m: int | None = None) -> LaunchPla
     base_rows, num_base = base_rows_of(plan)
     if n_seg == 0:
         empty = empty_launch_plan(max(plan.num_active, 1), cap, block_m, device)
-        return LaunchPlan(empty.sorted_rows, empty.tile_slot, empty.tile_start, empty.tile_end, empty.num_tiles,
-                          block_m, base_rows, num_base)
+        return replace(empty, base_rows=base_rows, num_base=num_base)
     counts = plan.counts.to(torch.int64)
     per_seg = (counts + block_m - 1) // block_m
     cum = torch.cumsum(per_seg, 0)

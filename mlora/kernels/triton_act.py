@@ -72,7 +72,8 @@ def _tile_delta(z, b_base, stride_bn, cols, c_ok, rank, R, BLOCK_R: tl.constexpr
 
 @triton.jit
 def _silu_product(g, u, dt: tl.constexpr):
-    """``silu(g) * u`` with mlora.batch.fused's rounding: silu rounded to ``dt``, the product too."""
+    """``silu(g) * u`` as torch rounds it in ``dt``: silu in fp32 rounded to ``dt``, then the
+    product rounded to ``dt``; also the body of ``mlora.batch.fused``'s SiLU kernel."""
     g = g.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
     return (act.to(tl.float32) * u.to(tl.float32)).to(dt)
