@@ -233,8 +233,8 @@ case "${1:-quick}" in
       | tee "$OUT/kernel-sweep-silu.txt"
     ;;
   silu-ab)  # after silu-sweep: the fusion at decode too (threshold 0) against large invocations only (1024),
-    # 64 adapters, interleaved twice (~5 min; set silu_group_tiles first if the sweep found a better one)
-    timeout 540 python -m mlora bench batch --rows 1024 --adapters 64 --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 \
+    # 8 and 64 adapters, interleaved twice (~8 min; nineteenth session: 4 column tiles per program)
+    timeout 560 python -m mlora bench batch --rows 1024 --adapters 8,64 --ab MLORA_LORA_SILU_MIN_ROWS=1024,0 \
       --ab-repeats 2 --out "$OUT/batch-silu-ab.json" 2>&1 | grep -E "adapters|MLORA|^[│|]"
     ;;
   prefill-attn)  # eighteenth session: prefill attention took ~12 ms of a ~200 ms 8,192-token chunk (several x its flops)
