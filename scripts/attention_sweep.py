@@ -18,8 +18,8 @@ fast wrong config shows. Needs a CUDA device.
 [128, 1024], as many as fit in ``--tokens`` packed rows: one
 ``--max-batch-tokens`` chunk of the bench job), sweeping the prefill tile's
 rows (``PREFILL_ROWS`` 64, 128, 256: query rows x the heads sharing a KV head;
-a taller tile reads each K/V tile for more queries), ``BLOCK_N``,
-``ATTENTION_WARPS`` and ``PREFILL_STAGES`` (no splits); its floor is the
+a taller tile reads each K/V tile for more queries), ``PREFILL_BLOCK_N``,
+``PREFILL_WARPS`` and ``PREFILL_STAGES`` (no splits); its floor is the
 larger of the causal flops (QK and PV, 4 x causal pairs x heads x head_dim)
 over the bf16 matmul rate measured in the same run, and the Q/K/V/output
 bytes over the copy bandwidth.
@@ -86,10 +86,10 @@ def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.G
     pa.PREFILL_ROWS = saved_rows
     ref = pa.paged_attention(q, k, v, layouts[saved_rows], D**-0.5).float()
     results = []
-    saved = saved_rows, pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES
+    saved = saved_rows, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS, pa.PREFILL_STAGES
     for rows, bn, w, st in itertools.product(layouts, [32, 64, 128], [4, 8],
                                              [None, 2, 3] if quick else [None, 1, 2, 3, 4]):
-        pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = bn, w, st
+        pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS, pa.PREFILL_STAGES = bn, w, st
         layout = layouts[rows]
         out = torch.full_like(q, float("nan"))
         try:
@@ -101,7 +101,7 @@ def sweep_prefill(tokens: int, quick: bool, bw: float, rate: float, gen: torch.G
             print(f"  tile rows {rows:3d} block_n {bn:3d} warps {w} stages {st}: failed ({type(e).__name__})")
             continue
         results.append((us, rows, bn, w, st, err))
-    _, pa.BLOCK_N, pa.ATTENTION_WARPS, pa.PREFILL_STAGES = saved
+    _, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS, pa.PREFILL_STAGES = saved
     for us, rows, bn, w, st, err in sorted(results):
         mark = "  (default)" if (rows, bn, w, st) == saved else ""
         print(f"    tile rows {rows:3d} block_n {bn:3d} warps {w} stages {str(st):4s}: {us:7.1f} us = "

@@ -203,7 +203,8 @@ def main() -> int:
     group = 4  # 32 query heads over 8 KV heads, head_dim 128
     decode = dict(block_n=pa.DECODE_BLOCK_N, num_warps=pa.DECODE_WARPS,
                   **({"num_stages": pa.DECODE_STAGES} if pa.DECODE_STAGES is not None else {}))
-    prefill = dict(block_n=pa.BLOCK_N, num_warps=pa.ATTENTION_WARPS)
+    prefill = dict(block_n=pa.PREFILL_BLOCK_N, num_warps=pa.PREFILL_WARPS,
+                   **({"num_stages": pa.PREFILL_STAGES} if pa.PREFILL_STAGES is not None else {}))
     for label, block_q, splits, launch in (("decode", pa.decode_block_q(group), 1, decode),
                                            ("prefill", pa.PREFILL_ROWS // group, 1, prefill),
                                            ("decode, split keys", pa.decode_block_q(group), 4, decode)):

@@ -36,6 +36,8 @@
 #   bash scripts/gpu_session.sh prefill-bench  after a launch_config change found by prefill-lora: the bench kernels
 #                                            grid, then bench batch 0,8,64 (~9 min)
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
+#   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
+#                                            bench batch 0,8,64 (~7 min)
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
@@ -86,7 +88,7 @@ case "${1:-quick}" in
   attention-warps)  # paged attention spills at 4 warps on sm_90 (compile_kernels.py); A/B with 8 (about 4 min)
     timeout 100 python -m pytest -q tests/test_batch_attention.py 2>&1 | tail -1  # incl. both warp counts
     for w in 4 8; do
-      run="import sys, mlora.batch.paged_attention as pa; pa.ATTENTION_WARPS = $w; from mlora.cli.app import app; app()"
+      run="import sys, mlora.batch.paged_attention as pa; pa.DECODE_WARPS = pa.PREFILL_WARPS = $w; from mlora.cli.app import app; app()"
       rm -rf "/tmp/demo-w$w"
       timeout 90 python -c "$run" batch-run examples/demo/prompts.parquet "/tmp/demo-w$w" --base examples/demo/base \
         --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype bfloat16 -q >/dev/null
@@ -240,6 +242,16 @@ case "${1:-quick}" in
   prefill-attn)  # eighteenth session: prefill attention took ~12 ms of a ~200 ms 8,192-token chunk (several x its flops)
     timeout 500 python -u scripts/attention_sweep.py --prefill --quick 2>&1 | grep -v -i warn \
       | tee "$OUT/attention-sweep-prefill.txt" | tail -30
+    ;;
+  prefill-attn-bench)  # nineteenth session: the prefill tile prefill-attn found (128 rows, 32 keys, 8 warps, 2 stages):
+    # GPU attention tests, the demo in float32 and bfloat16, then bench batch 0,8,64 (~7 min)
+    timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
+    for dt in float32 bfloat16; do
+      rm -rf "/tmp/demo-pa-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-pa-$dt" \
+        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
+        >/dev/null; echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-pa-$dt" | tail -1)"
+    done
+    timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

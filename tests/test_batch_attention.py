@@ -71,7 +71,7 @@ def reference(q, kv, meta):
         (0, [(1, 9), (5, 12), (1, 1), (17, 17), (1, 70)], 8, 2, 16, 4, torch.float32),
         (1, [(3, 3), (1, 33), (20, 40)], 4, 4, 32, 16, torch.float32),  # MHA, block 16
         (2, [(1, 5), (1, 6), (7, 30)], 6, 2, 24, 8, torch.float32),  # group 3 (padded to 4), head_dim 24
-        (3, [(1, 65), (66, 66), (2, 2)], 8, 1, 16, 4, torch.bfloat16),  # MQA, keys past one BLOCK_N
+        (3, [(1, 65), (66, 66), (2, 2)], 8, 1, 16, 4, torch.bfloat16),  # MQA, keys past one key block
         (4, [(1, 20), (9, 21)], 4, 2, 16, 4, torch.float16),
     ],
 )
@@ -86,12 +86,13 @@ def test_kernel_equals_the_reference(seed, seqs, heads, kv_heads, head_dim, bloc
 
 @pytest.mark.parametrize("warps", [4, 8])
 def test_kernel_equals_the_reference_at_each_warp_count(warps, monkeypatch):
-    """``ATTENTION_WARPS`` candidates (4 spills registers on sm_90, 8 does not): the same
-    results on a decode + prefill mix in bfloat16 (compiled on a GPU; the interpreter ignores
-    warps, so on the CPU this is the kernel's plain check)."""
+    """Decode and prefill launches at 4 and 8 warps (the defaults differ: decode 4, prefill 8):
+    the same results on a decode + prefill mix in bfloat16 (compiled on a GPU; the interpreter
+    ignores warps, so on the CPU this is the kernel's plain check)."""
     from mlora.batch import paged_attention as pa
 
-    monkeypatch.setattr(pa, "ATTENTION_WARPS", warps)
+    monkeypatch.setattr(pa, "DECODE_WARPS", warps)
+    monkeypatch.setattr(pa, "PREFILL_WARPS", warps)
     q, kv, meta = paged_case(6, [(1, 40), (9, 9), (1, 130), (33, 70)], 8, 2, 32, 16, torch.bfloat16)
     want = reference(q, kv, meta).float()
     got = run_kernel(q, kv, meta).float()
@@ -110,7 +111,10 @@ def test_kernel_rows_do_not_depend_on_the_other_sequences():
     torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-6)
 
 
-def test_layout_splits_decode_and_prefill_launches():
+def test_layout_splits_decode_and_prefill_launches(monkeypatch):
+    from mlora.batch import paged_attention as pa
+
+    monkeypatch.setattr(pa, "PREFILL_ROWS", 64)  # 16 new rows x 4 heads: the 20-row prompt takes two tiles
     layout = PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
                                device=torch.device("cpu"))
     by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in layout.launches}
@@ -169,7 +173,7 @@ def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
     """Decode rows whose keys are split over several programs and merged (flash-decoding):
     contexts shorter than one chunk (empty chunks), exactly one BLOCK_N, several, and a
     prefill sequence in the same invocation (never split) all equal the reference."""
-    from mlora.batch.paged_attention import BLOCK_N
+    from mlora.batch.paged_attention import DECODE_BLOCK_N as BLOCK_N
 
     seqs = [(1, 3), (1, BLOCK_N), (1, 3 * BLOCK_N + 5), (9, 20), (1, 130), (1, 1)]
     q, kv, meta = paged_case(7 + splits, seqs, 8, 2, 16, 4, dtype)

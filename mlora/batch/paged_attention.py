@@ -47,16 +47,13 @@ LOG2E = 1.4426950408889634
 # the dots run in IEEE float32; 16-bit inputs on a GPU use tensor cores with
 # float32 accumulation (P is rounded to the input dtype before P @ V).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-PREFILL_ROWS = 64  # query rows x heads of one prefill tile
-BLOCK_N = 64
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
-# Warps per attention program: 4. At 8 the job is slower (H200, tenth session: prefill +30%,
+# Warps per decode program (DECODE_WARPS): 4. At 8 the job was slower (H200, tenth session: prefill +30%,
 # decode +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`). With the
 # alignment and divisibility marks a GPU launch gets, 4 warps do not spill on sm_90 (decode
 # tiles 94 registers, prefill 204; `scripts/compile_kernels.py`). The tenth session's "255
 # registers and a spill at 4 warps" came from compiling without those marks (unvectorised
 # K/V loads), not from what runs (thirteenth session).
-ATTENTION_WARPS = 4
 # Decode launches with fewer than this many programs per SM (tiles x KV heads / SMs) split
 # their keys (flash-decoding). Measured on the H200 (twelfth session, BENCHMARKS.md,
 # `scripts/attention_sweep.py`): one Llama-3-8B decode layer at 64 rows (512 programs,
@@ -72,12 +69,19 @@ MAX_DECODE_SPLITS = 8
 # 74.5 -> 60.0 us per 64-row layer (1.75x -> 1.41x its K/V byte floor), 200.5 -> 182.9 us
 # at 256 rows (1.23x -> 1.12x); decode iterations 7.62 -> 7.17 ms (64 rows) and 14.66 ->
 # 13.84 ms (256 rows) in `bench batch` (twelfth session).
-DECODE_BLOCK_N = BLOCK_N
-DECODE_WARPS = ATTENTION_WARPS
+DECODE_BLOCK_N = 64
+DECODE_WARPS = 4
 DECODE_STAGES: int | None = 2
-# Pipelining stages of prefill launches (None: Triton's default); `scripts/attention_sweep.py
-# --prefill` sweeps them with BLOCK_N and ATTENTION_WARPS. Not yet measured.
-PREFILL_STAGES: int | None = None
+# Launch parameters of prefill launches (several new rows per sequence), swept by
+# `scripts/attention_sweep.py --prefill` (nineteenth session, H200, one Llama-3-8B layer over
+# a 7,555-row chunk of 14 prompts): 128 query rows x heads per tile (32 tokens x 4 heads per
+# KV head: each K/V tile serves twice the queries of 64), 32 keys per step, 8 warps, 2
+# pipelining stages: 209.4 us (4.0x its flop floor) against 253.1 us for the former 64 rows,
+# 64 keys, 4 warps, Triton's default stages. 256-row tiles at 4 warps are 2-6x slower.
+PREFILL_ROWS = 128  # query rows x heads of one prefill tile
+PREFILL_BLOCK_N = 32
+PREFILL_WARPS = 8
+PREFILL_STAGES: int | None = 2
 
 
 @triton.jit
@@ -293,7 +297,7 @@ class PagedLayout:
               device: torch.device) -> PagedLayout:
         """Tile lists from the host metadata: sequences with one new row go to a
         decode launch (``BLOCK_Q * pow2(group) = 16``, or ``BLOCK_Q = 1``), the
-        others to a prefill launch (``BLOCK_Q * pow2(group) = 64``); one
+        others to a prefill launch (``BLOCK_Q * pow2(group) = PREFILL_ROWS``); one
         host-to-device copy for everything."""
         decode_q = decode_block_q(group)
         prefill_q = max(1, PREFILL_ROWS // _pow2(group))
@@ -349,7 +353,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             splits = decode_splits(tiles * Hkv, q.device) if splits_override is None else splits_override
         rows = tl_.block_q * _pow2(group)
-        block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if tl_.decode else (BLOCK_N, ATTENTION_WARPS)
+        block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if tl_.decode else (PREFILL_BLOCK_N, PREFILL_WARPS)
         stage_count = DECODE_STAGES if tl_.decode else PREFILL_STAGES
         stages = {} if stage_count is None else {"num_stages": stage_count}
         part = stat = out  # unused unless the keys are split
