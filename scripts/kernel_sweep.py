@@ -104,7 +104,15 @@ if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, 
         "waves1": dict(waves=1), "waves4": dict(waves=4), "waves8": dict(waves=8),
         "sum_chunk4": dict(sum_chunk=4), "sum_chunk16": dict(sum_chunk=16),
         "waves8_chunk16": dict(waves=8, sum_chunk=16), "shrink_warps2": dict(shrink_warps=2),
-        "shrink_warps8": dict(shrink_warps=8)}.items()}
+        "shrink_warps8": dict(shrink_warps=8),
+        # nineteenth session: more bytes in flight per program (512-wide K blocks: 32 KiB of A and
+        # x per stage), with the split-K chain (partials, arrival atomic, last program's sum) or
+        # without it (split 1: one program per tile and slice streams the whole of A)
+        "block_k512": dict(block_k=512), "block_k512_warps4": dict(block_k=512, shrink_warps=4),
+        "split1_block_k512": dict(split=1, block_k=512),
+        "split1_block_k512_warps4": dict(split=1, block_k=512, shrink_warps=4),
+        "split1_block_k256_warps4": dict(split=1, block_k=256, shrink_warps=4),
+        "block_k256_stages6": dict(block_k=256, shrink_stages=6)}.items()}
     VARIANTS["default_full"] = {}
 if PREFILL:  # one decoder layer's four LoRA launches in an 8,192-token prefill chunk over few adapters
     CASES = [(o, 16, 8192, A) for A in (8, 2) for o in ("qkv", "4096", "gateup", "down")]
