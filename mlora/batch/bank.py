@@ -368,8 +368,9 @@ class BankContext:
         product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps the base values;
         otherwise :meth:`apply`, then ``ops.silu_mul``. Large batches only (prefill chunks,
         mixed iterations): on the H200 the fusion took 0.4 s off the prefill of `bench batch`
-        at 8 and 64 adapters, but made a 256-row decode iteration with 64 adapters 0.5 ms
-        slower (BENCHMARKS.md, eighteenth session)."""
+        at 8 and 64 adapters, but made a 256-row decode iteration with 64 adapters 0.3 ms
+        slower even with column groups (0.15 ms faster at 8; BENCHMARKS.md, eighteenth and
+        nineteenth sessions)."""
         group = "gate_up"
         bank = self.bank
         if ((layer, group) in self.targeted and bank.fuse_silu and getattr(ops, "fused", False)
