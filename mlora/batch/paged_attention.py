@@ -16,7 +16,7 @@ times the ``GROUP = H / H_kv`` query heads that share the KV head into one
 ``BLOCK_N`` steps up to the tile's last position with an online softmax
 (float32 statistics and accumulator, base-2 exponentials). Decode rows (one
 per sequence) and prefill chunks get separate launches with different
-``BLOCK_Q`` (16 stacked rows for decode, 64 for prefill), so a decode row
+``BLOCK_Q`` (16 stacked rows for decode, ``PREFILL_ROWS`` = 128 for prefill), so a decode row
 never pays for a prefill-sized tile. Host work per invocation: one tile list per launch, built once
 and shared by every layer (``PagedLayout``).
 
