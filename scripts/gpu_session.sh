@@ -38,6 +38,7 @@
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
 #   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
 #                                            bench batch 0,8,64 (~7 min)
+#   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
 #   bash scripts/gpu_session.sh silu-sweep  the fused gate/up SiLU product against the plain path at decode and prefill
@@ -252,6 +253,23 @@ case "${1:-quick}" in
         >/dev/null; echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-pa-$dt" | tail -1)"
     done
     timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    ;;
+  ncu-lora)  # nineteenth session: Nsight Compute counters of one decode layer's LoRA launches (256 rows, rank 16),
+    # 64 adapters then 8 (scripts/ncu_decode_lora.py: the second round of each; ~4 min)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    for spec in 64:16 8:40; do
+      A=${spec%%:*}; skip=${spec##*:}
+      PYTHONPATH=. timeout 240 "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters -k regex:"_shrink_kernel|_expand_kernel" --launch-skip "$skip" --launch-count 8 \
+        -o "$OUT/lora-$A" python scripts/ncu_decode_lora.py > "$OUT/ncu-run-$A.txt" 2>&1; tail -3 "$OUT/ncu-run-$A.txt"
+      "$NCU" -i "$OUT/lora-$A.ncu-rep" --page details > "$OUT/ncu-details-$A.txt" 2>&1
+      "$NCU" -i "$OUT/lora-$A.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,\
+smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_membar \
+        > "$OUT/ncu-raw-$A.csv" 2>&1
+      grep -E "_kernel|Duration|DRAM Throughput|Memory Throughput" "$OUT/ncu-details-$A.txt" | head -40
+    done
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

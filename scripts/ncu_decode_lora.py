@@ -1,0 +1,63 @@
+"""One decoder layer's decode-size LoRA launches (the four shrink + expand pairs of
+``kernel_sweep.py --decode``: q/k/v, o, gate/up from d_in 4096, down from 14336; rank 16;
+256 rows over 64 and over 8 adapters; rank-pitched B as the engine reads it), run eagerly
+so Nsight Compute can read each kernel's hardware counters (issue step 7: where a decode
+shrink's ~10 us of fixed cost goes). Needs a CUDA GPU. Under ncu::
+
+    ncu --clock-control none --set full -k regex:"_shrink_kernel|_expand_kernel" \\
+        --launch-skip 8 --launch-count 16 -o /tmp/lora python scripts/ncu_decode_lora.py
+    ncu -i /tmp/lora.ncu-rep --page details --print-units base > details.txt
+
+``--launch-skip 8`` passes over the first round of every case (compiles, warm-up);
+kernels run in the order: per adapter count (64, then 8), per module (qkv, o, gate/up,
+down), shrink then expand; each round is run twice, so the profiled launches are the
+second rounds. Without ncu the script times each pair (CUDA events, eager, no L2 flush) as
+a sanity check that it runs.
+"""
+import sys
+
+import torch
+
+from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
+from mlora.kernels.bench import OUTPUTS, make_case
+from mlora.kernels.triton_sgmv import add_lora_slices_triton
+
+MODULES = {"qkv": (OUTPUTS["qkv"], 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
+           "down": ((4096,), 14336)}
+
+
+def cases(adapters: int):
+    """The layer's four (name, y, call) of one adapter count (cases built once)."""
+    out = []
+    for name, (widths, d_in) in MODULES.items():
+        y0, x, a, b, rs, ranks, scales = make_case(256, adapters, widths, [16] * adapters, 16, d_in=d_in)
+        lp = make_launch_plan(build_plan(rs))
+        static = empty_launch_plan(256, tile_capacity(256, adapters, lp.block_m), lp.block_m, "cuda")
+        static.copy_from(lp)
+        bank = to_rank_pitched(b, ranks, widths)
+        y = y0.clone()
+        out.append((name, lambda y=y, x=x, a=a, bank=bank, static=static, ranks=ranks, scales=scales, widths=widths:
+                    add_lora_slices_triton(y, x, a, bank, static, ranks, scales, widths, b_pitched=True)))
+    return out
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("ncu_decode_lora.py needs a CUDA GPU")
+    for adapters in (64, 8):
+        layer = cases(adapters)
+        for _ in range(2):  # the first round compiles; ncu's --launch-skip passes over it
+            for _, call in layer:
+                call()
+        torch.cuda.synchronize()
+        for name, call in layer:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"{adapters} adapters {name}: {start.elapsed_time(end) * 1e3:.1f} us (eager pair)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
