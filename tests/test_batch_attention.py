@@ -202,6 +202,25 @@ def test_decode_splits_rule(monkeypatch):
     assert pa.decode_splits(1, cpu) == pa.MAX_DECODE_SPLITS
     monkeypatch.setenv("MLORA_DECODE_SPLITS", "3")
     assert pa.decode_splits(10_000, cpu) == 3
+    for bad in ("two", "0", "-2", "1.5"):  # refused naming the variable, never read as another count
+        monkeypatch.setenv("MLORA_DECODE_SPLITS", bad)
+        with pytest.raises(ValueError, match="MLORA_DECODE_SPLITS="):
+            pa.decode_splits(10_000, cpu)
+
+
+def test_kv_layout_from_the_environment_is_checked(monkeypatch):
+    """MLORA_KV_LAYOUT picks the layout when the caller names none; an unknown value is refused
+    naming the variable (an explicit argument wins over it)."""
+    from mlora.batch.kvcache import KVCache
+
+    monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
+    assert KVCache(2, 4, 16, 2, 8).layout == "page-major"
+    assert KVCache(2, 4, 16, 2, 8, layout="layer-major").layout == "layer-major"
+    monkeypatch.setenv("MLORA_KV_LAYOUT", "pagemajor")
+    with pytest.raises(ValueError, match="MLORA_KV_LAYOUT='pagemajor'"):
+        KVCache(2, 4, 16, 2, 8)
+    with pytest.raises(ValueError, match="KV cache layout 'sideways'"):
+        KVCache(2, 4, 16, 2, 8, layout="sideways")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

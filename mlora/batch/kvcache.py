@@ -50,9 +50,11 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", layout: str | None = None):
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("KVCache dimensions must be positive")
+        from_env = layout is None and bool(os.environ.get("MLORA_KV_LAYOUT"))
         layout = layout or os.environ.get("MLORA_KV_LAYOUT") or "layer-major"
         if layout not in LAYOUTS:
-            raise ValueError(f"KV cache layout {layout!r}; expected one of {LAYOUTS}")
+            where = "MLORA_KV_LAYOUT=" if from_env else "KV cache layout "
+            raise ValueError(f"{where}{layout!r}: expected one of {LAYOUTS}")
         self.layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks

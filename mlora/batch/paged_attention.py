@@ -217,7 +217,10 @@ def decode_splits(programs: int, device: torch.device) -> int:
     a count (benchmarks). Depends only on static shapes: a captured graph keeps its count."""
     forced = os.environ.get("MLORA_DECODE_SPLITS")
     if forced:
-        return max(1, int(forced))
+        if not forced.strip().isdigit() or int(forced) < 1:
+            raise ValueError(f"MLORA_DECODE_SPLITS={forced!r}: expected a whole number of key splits >= 1 "
+                             "(unset it for the automatic count)")
+        return int(forced)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     splits = 1
     while splits < MAX_DECODE_SPLITS and programs * splits < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
