@@ -5,14 +5,15 @@ so Nsight Compute can read each kernel's hardware counters (issue step 7: where 
 shrink's ~10 us of fixed cost goes). Needs a CUDA GPU. Under ncu::
 
     ncu --clock-control none --set full -k regex:"_shrink_kernel|_expand_kernel" \\
-        --launch-skip 8 --launch-count 16 -o /tmp/lora python scripts/ncu_decode_lora.py
-    ncu -i /tmp/lora.ncu-rep --page details --print-units base > details.txt
+        --launch-skip 16 --launch-count 8 -o /tmp/lora python scripts/ncu_decode_lora.py
+    ncu -i /tmp/lora.ncu-rep --page details > details.txt
 
-``--launch-skip 8`` passes over the first round of every case (compiles, warm-up);
-kernels run in the order: per adapter count (64, then 8), per module (qkv, o, gate/up,
-down), shrink then expand; each round is run twice, so the profiled launches are the
-second rounds. Without ncu the script times each pair (CUDA events, eager, no L2 flush) as
-a sanity check that it runs.
+Per adapter count (64, then 8) the layer's eight kernels (per module: q/k/v, o, gate/up,
+down; shrink then expand) run three times: two warm-up rounds (compiles), then a timed one.
+``--launch-skip 16 --launch-count 8`` profiles the third round at 64 adapters, ``--launch-skip
+40`` the third at 8 (``bash scripts/gpu_session.sh ncu-lora`` runs both). Without ncu the
+script prints each pair's eager time (CUDA events, no L2 flush): a check that it runs, not a
+benchmark (under ncu these times include the profiler's replays).
 """
 import sys
 
