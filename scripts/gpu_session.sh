@@ -38,7 +38,6 @@
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
 #   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
 #                                            bench batch 0,8,64 (~7 min)
-#   bash scripts/gpu_session.sh tma          the shrink's A tiles by TMA: GPU kernel tests, decode shrink and layer sweeps
 #   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
@@ -271,14 +270,6 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
         > "$OUT/ncu-raw-$A.csv" 2>&1
       grep -E "_kernel|Duration|DRAM Throughput|Memory Throughput" "$OUT/ncu-details-$A.txt" | head -40
     done
-    ;;
-  tma)  # nineteenth session: the shrink's A tiles by TMA (a_tma, off by default): GPU kernel tests, then the decode
-    # shrinks alone and whole decode layers with it (outputs checked against the float64 reference) (~3 min)
-    timeout 120 python -m pytest -q tests/test_kernels_tma.py tests/test_kernels_triton.py 2>&1 | tail -2
-    PYTHONPATH=. timeout 120 python -u scripts/kernel_sweep.py --decode --shrink 2>&1 | grep "decode layer" \
-      | tee "$OUT/kernel-sweep-decode-shrink-tma.txt"
-    PYTHONPATH=. timeout 150 python -u scripts/kernel_sweep.py --decode 2>&1 | grep -v -i warn | grep -v capture_end \
-      | tee "$OUT/kernel-sweep-decode-tma.txt" | grep -E "decode layer|WRONG"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

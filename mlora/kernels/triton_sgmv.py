@@ -132,14 +132,10 @@ def _shrink_kernel(
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr, a_desc=None, A_TMA: tl.constexpr = False,
+    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr,
 ):
     """z partials of one (tile, slice, rank tile, split) program. With ``BANK_ROWS`` the A row
-    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself. With
-    ``A_TMA`` (``launch_config``'s ``a_tma``; experimental, off by default) ``a_desc`` is a
-    tensor descriptor of the A bank ``[S, n, R, d_in]`` and the A tiles of whole rank tiles
-    (``rank >= r0 + BLOCK_R``, so no rank tail is read) come by TMA, one copy per tile
-    instead of per-thread copies and their address arithmetic (:func:`_shrink_acc_tma`)."""
+    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -158,15 +154,15 @@ def _shrink_kernel(
         if rank <= RANK_CLASS:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK, a_desc, False)
+                         split, BLOCK_M, RANK_CLASS, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
         else:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                          stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                         split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK, a_desc, A_TMA)
+                         split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
     else:
         _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
                      stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
-                     split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK, a_desc, A_TMA)
+                     split, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT, SPLIT_K, SUM_CHUNK)
 
 
 @triton.jit
@@ -174,7 +170,7 @@ def _shrink_rows(
     x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu, split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, a_desc, A_TMA: tl.constexpr,
+    SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr,
 ):
     """z partial of one tile, rank columns [r0, r0 + BLOCK_R) clipped to the true rank, from
     row ``a_row`` of the A bank (the tile's slot, or its bank row).
@@ -191,16 +187,8 @@ def _shrink_rows(
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
     a_base = a_ptr + a_row.to(tl.int64) * stride_as + j * stride_aj
-    if A_TMA:
-        if rank >= r0 + BLOCK_R:  # a whole rank tile: every row of the TMA box is a real rank row
-            acc = _shrink_acc_tma(x_ptr, a_desc, a_row, j, r0, m_ok, rows, k_lo, k_lo + k_per_split, d_in, stride_xt,
-                                  BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
-        else:
-            acc = _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_lo + k_per_split, d_in, stride_xt,
-                              stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
-    else:
-        acc = _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_lo + k_per_split, d_in, stride_xt,
-                          stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
+    acc = _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_lo + k_per_split, d_in, stride_xt, stride_ar,
+                      BLOCK_M, BLOCK_R, BLOCK_K, NATIVE_DOT)
     zmask = m_ok[:, None] & r_ok[None, :]
     z0 = zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :]
     tl.store(z0 + tl.program_id(2) * stride_zk, acc, mask=zmask)
@@ -239,25 +227,6 @@ def _shrink_acc(x_ptr, a_base, m_ok, rows, offs_r, r_ok, k_lo, k_hi, d_in, strid
         if NATIVE_DOT:  # x and A share a 16-bit dtype: tensor-core dot, fp32 accumulation
             acc += tl.dot(xt, tl.trans(at))
         else:  # fp32 (or mixed) inputs: exact fp32 products, no TF32 rounding
-            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _shrink_acc_tma(x_ptr, a_desc, a_row, j, r0, m_ok, rows, k_lo, k_hi, d_in, stride_xt,
-                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr):
-    """:func:`_shrink_acc` of a whole rank tile ``[r0, r0 + BLOCK_R)`` with the A tiles read
-    through the descriptor ``a_desc`` (box ``[1, 1, BLOCK_R, BLOCK_K]`` of the ``[S, n, R,
-    d_in]`` bank; columns past ``d_in`` come back as zeros). x rows are gathered as before."""
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < d_in
-        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        at = a_desc.load([a_row, j, r0, k0]).reshape(BLOCK_R, BLOCK_K)
-        if NATIVE_DOT:
-            acc += tl.dot(xt, tl.trans(at))
-        else:
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
     return acc
 
@@ -565,9 +534,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
         pdl=override.get("pdl", True),
-        # A tiles of whole rank tiles by TMA (nineteenth session, experimental: Nsight Compute
-        # showed the decode shrink bound by its loop's instruction count, not by bytes)
-        a_tma=False,
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
@@ -595,8 +561,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk",
-                "a_tma")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -749,8 +714,6 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
     _, n, R, d_in = lora_a.shape
     zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
-    tma = _a_descriptor(lora_a, cfg) if cfg.get("a_tma") and bank_rows is None else None
-    extra = {} if tma is None else dict(a_desc=tma, A_TMA=True)
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         rows_map,
@@ -759,21 +722,9 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=lp.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
         SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"], **extra,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     return zp
-
-
-def _a_descriptor(lora_a: torch.Tensor, cfg: dict):
-    """A tensor descriptor of the A bank ``[S, n, R, d_in]`` (any slot, slice and rank strides,
-    d_in contiguous) with boxes of one rank tile x one K block, or None where TMA cannot read
-    it (strides or base not 16-byte aligned)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    item = lora_a.element_size()
-    if lora_a.stride(-1) != 1 or lora_a.data_ptr() % 16 or any((st * item) % 16 for st in lora_a.stride()[:-1]):
-        return None
-    return TensorDescriptor(lora_a, list(lora_a.shape), list(lora_a.stride()), [1, 1, cfg["block_r"], cfg["block_k"]])
 
 
 def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict, native_b: bool, pdl: bool,
