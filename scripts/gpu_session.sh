@@ -38,6 +38,7 @@
 #   bash scripts/gpu_session.sh prefill-ab    bench batch 8,64 with 64- and 128-wide expand column tiles at 32-row tiles (~5 min)
 #   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
 #                                            bench batch 0,8,64 (~7 min)
+#   bash scripts/gpu_session.sh split-rule   decode sweeps with a floor on the K-blocks per shrink program (min_k_blocks)
 #   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
@@ -270,6 +271,13 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
         > "$OUT/ncu-raw-$A.csv" 2>&1
       grep -E "_kernel|Duration|DRAM Throughput|Memory Throughput" "$OUT/ncu-details-$A.txt" | head -40
     done
+    ;;
+  split-rule)  # nineteenth session (built, not measured): a floor on the K-blocks each split-K shrink program walks
+    # (launch_config min_k_blocks) with more programs per SM, at decode size: whole layers, then the shrinks alone (~2 min)
+    PYTHONPATH=. timeout 150 python -u scripts/kernel_sweep.py --decode 2>&1 | grep -v -i warn | grep -v capture_end \
+      | tee "$OUT/kernel-sweep-decode-split-rule.txt" | grep -E "decode layer|WRONG"
+    PYTHONPATH=. timeout 120 python -u scripts/kernel_sweep.py --decode --shrink 2>&1 | grep "decode layer" \
+      | tee "$OUT/kernel-sweep-decode-shrink-split-rule.txt"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

@@ -95,7 +95,11 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
                 "split1": dict(split=1), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
-                "no_pdl": dict(pdl=False)}
+                "no_pdl": dict(pdl=False),
+                # nineteenth session: waves4 won at 64 adapters and lost at 8, where its programs
+                # walk 4 K-blocks; a floor on the K-blocks per program may keep both sides
+                "waves4_min8": dict(waves=4, min_k_blocks=8), "waves4_min12": dict(waves=4, min_k_blocks=12),
+                "waves3_min8": dict(waves=3, min_k_blocks=8)}
 SHRINK = "--shrink" in sys.argv
 if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
     VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {
@@ -112,7 +116,8 @@ if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, 
         "split1_block_k512": dict(split=1, block_k=512),
         "split1_block_k512_warps4": dict(split=1, block_k=512, shrink_warps=4),
         "split1_block_k256_warps4": dict(split=1, block_k=256, shrink_warps=4),
-        "block_k256_stages6": dict(block_k=256, shrink_stages=6)}.items()}
+        "block_k256_stages6": dict(block_k=256, shrink_stages=6),
+        "waves4_min8": dict(waves=4, min_k_blocks=8), "waves4_min12": dict(waves=4, min_k_blocks=12)}.items()}
     VARIANTS["default_full"] = {}
 if PREFILL:  # one decoder layer's four LoRA launches in an 8,192-token prefill chunk over few adapters
     CASES = [(o, 16, 8192, A) for A in (8, 2) for o in ("qkv", "4096", "gateup", "down")]
