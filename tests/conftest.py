@@ -18,6 +18,45 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "examples", "demo")
 
 
+DEMO_MAX_NEW_TOKENS = 40  # the scale-out tests' reference job (demo_job_options)
+
+
+def demo_job_options(out, **kw):
+    """``JobOptions`` of the demo job on the CPU in float32 (40 new tokens, 7-row shards, the
+    prompt column kept), written to ``out``: the configuration the scale-out tests (worker
+    processes, Ray) compare with one process; ``kw`` overrides any field."""
+    from mlora.batch.job import JobOptions
+
+    base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=os.path.join(DEMO, "base"),
+                adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=DEMO_MAX_NEW_TOKENS, device="cpu", dtype="float32",
+                shard_rows=7, keep_columns=("prompt",))
+    base.update(kw)
+    return JobOptions(**base)
+
+
+def shard_digests(out) -> list[str]:
+    """The SHA-256 of every shard a batch-run output's manifest lists, in order."""
+    with open(os.path.join(out, "_manifest.json")) as f:
+        return [s["sha256"] for s in json.load(f)["shards"]]
+
+
+@pytest.fixture(scope="session")
+def single_process_output(tmp_path_factory):
+    """The demo job's output from one process (:func:`demo_job_options`), run once per session
+    and only read by the tests (one torch thread: a busy 2-core host slows multi-threaded
+    tiny CPU ops by an order of magnitude)."""
+    from mlora.batch.job import run_job
+
+    out = tmp_path_factory.mktemp("single") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_job(demo_job_options(out))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 @pytest.fixture(scope="session")
 def base_dir(tmp_path_factory):
     """A tiny Llama base checkpoint (single safetensors file)."""

@@ -14,15 +14,12 @@ import random
 
 import pytest
 import torch
-from conftest import DEMO
+from conftest import DEMO, DEMO_MAX_NEW_TOKENS, demo_job_options as _opts, shard_digests as _shards
 
 from mlora.batch.assign import Dispatcher
 from mlora.batch.job import JobError, JobOptions, run_job
 from mlora.batch.output import read_output
 from mlora.batch.placement import gpu_places, plan_workers
-
-MAX_NEW = 40
-
 
 # -- assignment (pure) ---------------------------------------------------------
 
@@ -84,44 +81,17 @@ def test_dispatcher_choice_order():
 # -- the coordinator on CPU workers --------------------------------------------
 
 
-def _opts(out, **kw):
-    base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=os.path.join(DEMO, "base"),
-                adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=MAX_NEW, device="cpu", dtype="float32",
-                shard_rows=7, keep_columns=("prompt",))
-    base.update(kw)
-    return JobOptions(**base)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The single-process reference output (one torch thread: a busy 2-core host slows
-    multi-threaded tiny CPU ops by an order of magnitude)."""
-    out = tmp_path_factory.mktemp("single") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_job(_opts(out))
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-def _shards(out) -> list[str]:
-    with open(os.path.join(out, "_manifest.json")) as f:
-        return [s["sha256"] for s in json.load(f)["shards"]]
-
-
-def _same_output(out, single, same_shards: bool = True) -> None:
-    assert read_output(str(out)).equals(read_output(str(single)))
+def _same_output(out, single_process_output, same_shards: bool = True) -> None:
+    assert read_output(str(out)).equals(read_output(str(single_process_output)))
     if same_shards:  # (an interrupted job commits its contiguous prefix as a shorter shard)
-        assert _shards(out) == _shards(single)  # the same shard files, byte for byte
+        assert _shards(out) == _shards(single_process_output)  # the same shard files, byte for byte
     assert os.path.exists(os.path.join(out, "_SUCCESS"))
 
 
-def test_two_cpu_workers_write_exactly_the_single_process_output(tmp_path, single):
+def test_two_cpu_workers_write_exactly_the_single_process_output(tmp_path, single_process_output):
     seen = []
     summary = run_job(_opts(tmp_path / "out", num_workers=2), progress=lambda s, p: seen.append(p))
-    _same_output(tmp_path / "out", single)
+    _same_output(tmp_path / "out", single_process_output)
     assert [w["status"] for w in summary.workers] == ["ok", "ok"]
     assert sum(w["rows"] for w in summary.workers) == 40 and summary.device == "cpu x2"
     assert seen and seen[-1].workers == 2 and seen[-1].rows_done == 40
@@ -133,21 +103,21 @@ def test_two_cpu_workers_write_exactly_the_single_process_output(tmp_path, singl
     assert len([f for f in os.listdir(tmp_path / "out") if f == "_manifest.json"]) == 1
 
 
-def test_a_killed_worker_loses_and_duplicates_no_row(tmp_path, single, monkeypatch):
+def test_a_killed_worker_loses_and_duplicates_no_row(tmp_path, single_process_output, monkeypatch):
     """Worker 0 kills itself (SIGKILL) after sending 2 rows; its unfinished rows go to
     worker 1. Small chunks (max_num_seqs 2) and segments (schedule_window 8) so it holds some."""
     monkeypatch.setenv("MLORA_TEST_KILL_WORKER", "0:2")
     notes = []
     summary = run_job(_opts(tmp_path / "out", num_workers=2, max_num_seqs=2, schedule_window=8), note=notes.append)
-    _same_output(tmp_path / "out", single)
+    _same_output(tmp_path / "out", single_process_output)
     assert [w["status"] for w in summary.workers] == ["died", "ok"]
     assert summary.workers[0]["rows"] >= 2 and sum(w["rows"] for w in summary.workers) == 40
     assert summary.rows_this_run == 40 and any("worker 0 (cpu) died" in n for n in notes)
 
 
-def test_no_worker_left_stops_with_exit_3_and_resume_completes(tmp_path, single, monkeypatch, run_cli):
+def test_no_worker_left_stops_with_exit_3_and_resume_completes(tmp_path, single_process_output, monkeypatch, run_cli):
     args = ["batch-run", os.path.join(DEMO, "prompts.parquet"), tmp_path / "out", "--base", os.path.join(DEMO, "base"),
-            "--adapters", os.path.join(DEMO, "adapters"), "--max-new-tokens", MAX_NEW, "--device", "cpu",
+            "--adapters", os.path.join(DEMO, "adapters"), "--max-new-tokens", DEMO_MAX_NEW_TOKENS, "--device", "cpu",
             "--shard-rows", 7, "--keep-columns", "prompt", "--max-num-seqs", 4, "--quiet"]
     monkeypatch.setenv("MLORA_TEST_KILL_WORKER", "0:9")
     code, _, err = run_cli(*args, "--num-workers", 1)
@@ -158,7 +128,7 @@ def test_no_worker_left_stops_with_exit_3_and_resume_completes(tmp_path, single,
     code, out, err = run_cli(*args, "--num-workers", 2, "--resume", "--json")
     assert code == 0, err
     assert json.loads(out)["resumed_from_row"] == manifest["rows_committed"]
-    _same_output(tmp_path / "out", single, same_shards=False)
+    _same_output(tmp_path / "out", single_process_output, same_shards=False)
 
 
 @pytest.mark.parametrize("extra, code", [

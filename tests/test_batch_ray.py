@@ -14,10 +14,9 @@ import sys
 
 import pyarrow as pa
 import pytest
-import torch
-from conftest import DEMO
+from conftest import DEMO, demo_job_options as _opts, shard_digests as _shards
 
-from mlora.batch.job import JobError, JobOptions, run_job
+from mlora.batch.job import JobError, run_job
 from mlora.batch.output import read_output
 
 try:
@@ -29,29 +28,7 @@ except ImportError:
     HAVE_RAY = False
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'mlora[ray]'); CI installs it")
 
-MAX_NEW = 40
 BASE, ADAPTERS = os.path.join(DEMO, "base"), os.path.join(DEMO, "adapters")
-
-
-def _opts(out, **kw):
-    base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=BASE, adapters_dir=ADAPTERS,
-                max_new_tokens=MAX_NEW, device="cpu", dtype="float32", shard_rows=7, keep_columns=("prompt",))
-    base.update(kw)
-    return JobOptions(**base)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The single-process reference output (one torch thread: a busy 2-core host slows
-    multi-threaded tiny CPU ops by an order of magnitude)."""
-    out = tmp_path_factory.mktemp("single") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_job(_opts(out))
-    finally:
-        torch.set_num_threads(threads)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +41,12 @@ def local_ray():
     ray.shutdown()
 
 
-def _shards(out) -> list[str]:
-    return [s["sha256"] for s in json.loads((out / "_manifest.json").read_text())["shards"]]
-
-
 @needs_ray
-def test_two_ray_actors_write_exactly_the_single_process_output(tmp_path, single, local_ray):
+def test_two_ray_actors_write_exactly_the_single_process_output(tmp_path, single_process_output, local_ray):
     # --schedule-window 8: batches of 8 rows, windows of 16 (3 windows, 5 batches over 2 actors)
     summary = run_job(_opts(tmp_path / "out", engine="ray", num_workers=2, device="auto", schedule_window=8))
-    assert read_output(str(tmp_path / "out")).equals(read_output(str(single)))
-    assert _shards(tmp_path / "out") == _shards(single)  # the same shard files, byte for byte
+    assert read_output(str(tmp_path / "out")).equals(read_output(str(single_process_output)))
+    assert _shards(tmp_path / "out") == _shards(single_process_output)  # the same shard files, byte for byte
     assert (tmp_path / "out" / "_SUCCESS").exists() and summary.device == "ray: cpu x2"
     m = json.loads((tmp_path / "out" / "_metrics.json").read_text())["metrics"]
     assert m["rows_finished"] == 40 and m["completion_tokens"] == summary.generated_tokens > 0
@@ -81,7 +54,7 @@ def test_two_ray_actors_write_exactly_the_single_process_output(tmp_path, single
 
 
 @needs_ray
-def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single, local_ray):
+def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single_process_output, local_ray):
     out = tmp_path / "out"
     committed = []
 
@@ -98,7 +71,7 @@ def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single, loc
     summary = run_job(_opts(out, engine="ray", num_workers=1, schedule_window=8, resume=True))
     assert summary.resumed_from_row == manifest["rows_committed"]
     assert summary.rows_this_run == 40 - manifest["rows_committed"]
-    assert read_output(str(out)).equals(read_output(str(single)))
+    assert read_output(str(out)).equals(read_output(str(single_process_output)))
 
 
 def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli, monkeypatch):
