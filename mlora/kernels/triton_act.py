@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .launch import LaunchPlan
 from .pitch import check_pitched
-from .triton_sgmv import _b_tile, _config, _kernel_operands, _pdl_supported, _rank_cols, _rank_round8, _shrink, _tile
+from .triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile
 
 #: Column tiles of gate (and of up) each program of the fused launch covers (H200,
 #: ``kernel_sweep.py --silu``, nineteenth session: 256 rows x 64 adapters 68.4 -> 60.6 us from 1
@@ -52,13 +52,9 @@ def _slice_b(b_ptr, slot, rank, R, n_lo, stride_bs, stride_bn, B_PITCHED: tl.con
 @triton.jit
 def _slice_z(zp_ptr, b_ptr, u, m_ok, j, rank, scale, R, stride_zu, BLOCK_R: tl.constexpr,
              NATIVE_DOT: tl.constexpr):
-    """``scale * z_j`` of the tile's rows (zero past ``rank``), in the dot's input type (B's
-    with ``NATIVE_DOT``, else fp32)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_load, r_ok = _rank_cols(offs_r, rank, R)
-    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
-                other=0.0)
-    z = tl.where(r_ok[None, :], z, 0.0) * scale
+    """``scale * z_j`` of the tile's rows (zero past ``rank``: ``triton_sgmv._load_z``), in the
+    dot's input type (B's with ``NATIVE_DOT``, else fp32)."""
+    z = _load_z(zp_ptr, u, m_ok, j, rank, R, stride_zu, BLOCK_R) * scale
     if NATIVE_DOT:
         z = z.to(b_ptr.dtype.element_ty)
     return z

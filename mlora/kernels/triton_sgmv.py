@@ -353,12 +353,7 @@ def _expand_columns(
         core = _load_core(core_base, offs_r, rank, R, stride_cr, stride_ck, CORE)
     if USE_PDL:  # z is the shrink's output: wait for the shrink grid to finish and flush
         tl.extra.cuda.gdc_wait()
-    # z's columns past the rank were never written by the shrink: loaded only within the
-    # rank's 16-byte vectors and zeroed (_rank_cols)
-    r_load, r_ok = _rank_cols(offs_r, rank, R)
-    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
-                other=0.0)
-    z = tl.where(r_ok[None, :], z, 0.0)
+    z = _load_z(zp_ptr, u, m_ok, j, rank, R, stride_zu, BLOCK_R)
     if CORE == 0:
         z = z * scale
     else:
@@ -397,6 +392,18 @@ def _expand_group(z, b_base, y_ptr, m_ok, rows, rank, R, n_first, n_hi, group_ti
         old = tl.load(yp, mask=mask, other=0.0, eviction_policy="evict_first")
         bt = _b_tile(b_base, offs_n, n_ok, offs_r, rank, R, stride_bn)
         _add_tile(yp, old, z, bt, mask, NATIVE_B)
+
+
+@triton.jit
+def _load_z(zp_ptr, u, m_ok, j, rank, R, stride_zu, BLOCK_R: tl.constexpr):
+    """fp32 z of slice ``j`` for the tile's grouped rows ``u`` (rows outside ``m_ok`` zero),
+    ``[BLOCK_M, BLOCK_R]``: its columns past the rank were never written by the shrink, so they
+    are loaded only within the rank's 16-byte vectors and zeroed (:func:`_rank_cols`)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_load, r_ok = _rank_cols(offs_r, rank, R)
+    z = tl.load(zp_ptr + u[:, None] * stride_zu + (j * R + offs_r)[None, :], mask=m_ok[:, None] & r_load[None, :],
+                other=0.0)
+    return tl.where(r_ok[None, :], z, 0.0)
 
 
 @triton.jit
