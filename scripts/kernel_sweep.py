@@ -50,10 +50,10 @@ import sys
 
 import torch
 
-from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
+from mlora.kernels import build_plan, to_rank_pitched
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, _events_median, case_floor,
+from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, _events_median, captured_plan, case_floor,
                                  make_case, measure_ceilings, reference_f64)
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
@@ -192,9 +192,7 @@ def main():
         widths, d_in = SWEEP_OUTPUTS[o], SWEEP_D_IN.get(o, D_IN)
         ranks_per_slot = [(8, 16, 64)[i % 3] for i in range(A)] if r == "mixed" else [r] * A
         y0, x, a, b, rs, ranks, scales = make_case(T, A, widths, ranks_per_slot, max(ranks_per_slot), d_in=d_in)
-        lp = make_launch_plan(build_plan(rs))
-        static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
-        static.copy_from(lp)
+        static = captured_plan(build_plan(rs), A)
         floor = case_floor(T, widths, ranks_per_slot, torch.unique(rs).tolist(), ceil, d_in=d_in)["floor_s"] * 1e6
         if FUSED and floor >= LAUNCH_BOUND_S * 1e6:
             continue
@@ -220,8 +218,7 @@ def main():
                 bank = to_rank_pitched(b, ranks, widths) if pitched else b
                 plan = static
                 if block_m is not None:  # the same rows in tiles of another height
-                    plan = empty_launch_plan(T, tile_capacity(T, A, block_m), block_m, "cuda")
-                    plan.copy_from(make_launch_plan(build_plan(rs), block_m))
+                    plan = captured_plan(build_plan(rs), A, block_m)
                 row[name] = _time_variant(y0, x, a, bank, plan, ranks, scales, widths, cfg, ref, flush,
                                           check=not skip, pitched=pitched)
             finally:
@@ -308,9 +305,7 @@ def silu_main():
     for T, A in ((256, 64), (256, 8), (8192, 8)):
         y0, x, a, b, rs, ranks, scales = make_case(T, A, (inter, inter), [16] * A, 16)
         b = to_rank_pitched(b, ranks, [inter, inter])
-        lp = make_launch_plan(build_plan(rs))
-        static = empty_launch_plan(T, tile_capacity(T, A, lp.block_m), lp.block_m, "cuda")
-        static.copy_from(lp)
+        static = captured_plan(build_plan(rs), A)
         gu = y0.clone()
         outs = {}
         calls = {"plain": lambda: outs.__setitem__("plain", silu_mul_triton(add_lora_slices_triton(

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels import build_plan, empty_launch_plan
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import _events_median, make_case
+from mlora.kernels.bench import _events_median, captured_plan, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 OUTPUTS = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
@@ -68,10 +68,8 @@ def main():
     for A in (8, 64):
         for name, (widths, d_in) in OUTPUTS.items():
             y0, x, a, b, rs, ranks, scales = make_case(256, A, widths, [16] * A, 16, d_in=d_in)
-            lp = make_launch_plan(build_plan(rs))
-            static = empty_launch_plan(256, tile_capacity(256, A, lp.block_m), lp.block_m, "cuda")
-            static.copy_from(lp)
-            empty = empty_launch_plan(256, static.tile_capacity, lp.block_m, "cuda")  # num_tiles 0
+            static = captured_plan(build_plan(rs), A)
+            empty = empty_launch_plan(256, static.tile_capacity, static.block_m, "cuda")  # num_tiles 0
             y = y0.clone()
             row = {"case": f"{name}/r16/T256/A{A}"}
 

@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from mlora.kernels import build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
-from mlora.kernels.bench import OUTPUTS, make_case
+from mlora.kernels import build_plan, to_rank_pitched
+from mlora.kernels.bench import OUTPUTS, captured_plan, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 MODULES = {"qkv": (OUTPUTS["qkv"], 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
@@ -32,9 +32,7 @@ def cases(adapters: int):
     out = []
     for name, (widths, d_in) in MODULES.items():
         y0, x, a, b, rs, ranks, scales = make_case(256, adapters, widths, [16] * adapters, 16, d_in=d_in)
-        lp = make_launch_plan(build_plan(rs))
-        static = empty_launch_plan(256, tile_capacity(256, adapters, lp.block_m), lp.block_m, "cuda")
-        static.copy_from(lp)
+        static = captured_plan(build_plan(rs), adapters)
         bank = to_rank_pitched(b, ranks, widths)
         y = y0.clone()
         out.append((name, lambda y=y, x=x, a=a, bank=bank, static=static, ranks=ranks, scales=scales, widths=widths:

@@ -28,8 +28,8 @@ def demo_job_options(out, **kw):
     from mlora.batch.job import JobOptions
 
     base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=os.path.join(DEMO, "base"),
-                adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=DEMO_MAX_NEW_TOKENS, device="cpu", dtype="float32",
-                shard_rows=7, keep_columns=("prompt",))
+                adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=DEMO_MAX_NEW_TOKENS, device="cpu",
+                dtype="float32", shard_rows=7, keep_columns=("prompt",))
     base.update(kw)
     return JobOptions(**base)
 

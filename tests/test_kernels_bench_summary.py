@@ -1,10 +1,12 @@
 """``mlora bench kernels``' verdicts (``mlora.kernels.bench.summarize``): which cases each of
 issue step 2's targets is judged on. Pure bookkeeping over timed cases, so it runs on the CPU
-with made-up times."""
+with made-up times. Also the static plan every timed case replays (``captured_plan``)."""
 
 import pytest
+import torch
 
-from mlora.kernels.bench import MIXED_CASES, summarize
+from mlora.kernels import build_plan, make_launch_plan, tile_capacity
+from mlora.kernels.bench import MIXED_CASES, captured_plan, summarize
 
 
 def case(T, adapters, floor_us, graph_us, loop_us=None):
@@ -54,3 +56,19 @@ def test_the_mixed_grid_has_factor_bound_cases():
     """At least one mixed case with many adapters of the wide output, where the factors' bytes
     dominate (the cases the attainable verdict is judged on)."""
     assert (256, 256, "14336") in MIXED_CASES and (1024, 256, "14336") in MIXED_CASES
+
+
+@pytest.mark.parametrize("T, A, block_m", [(256, 64, None), (300, 8, 32), (5, 2, None)])
+def test_captured_plan_holds_the_plan_in_buffers_sized_for_the_batch(T, A, block_m):
+    """The plan's tiles and base rows, copied into buffers of the capacity the engine gives a
+    captured batch of T rows over A slots (more tiles than the plan has: the rest invalid)."""
+    rs = torch.randint(-1, A, (T,), dtype=torch.int32, generator=torch.Generator().manual_seed(T))
+    lp = make_launch_plan(build_plan(rs), block_m)
+    got = captured_plan(build_plan(rs), A, block_m)
+    assert (got.block_m, got.row_capacity) == (lp.block_m, T)
+    assert got.tile_capacity == tile_capacity(T, A, lp.block_m) >= lp.tile_capacity
+    n = lp.tile_capacity
+    for f in ("tile_slot", "tile_start", "tile_end"):
+        assert torch.equal(getattr(got, f)[:n], getattr(lp, f)), f
+    for f in ("sorted_rows", "num_tiles", "base_rows", "num_base"):
+        assert torch.equal(getattr(got, f)[: getattr(lp, f).numel()], getattr(lp, f)), f

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
+from . import (LaunchPlan, SegmentPlan, add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity,
+                to_rank_pitched)
 from .reference import lora_gather_bmm, lora_loop
 from .triton_fused import fused_config
 
@@ -103,6 +104,17 @@ def make_case(T: int, n_adapters: int, widths, ranks_per_slot, R: int, seed: int
     return y, x, a, b, rs, ranks, scales
 
 
+def captured_plan(plan: SegmentPlan, n_adapters: int, block_m: int | None = None) -> LaunchPlan:
+    """``plan``'s tiles in static buffers sized as the engine sizes a captured batch of its rows
+    over ``n_adapters`` slots (``tile_capacity``), so a timed call sees the tile count a CUDA
+    graph replays; ``block_m``: the row tile (default: the plan's own choice)."""
+    lp = make_launch_plan(plan, block_m)
+    T = plan.num_rows
+    static = empty_launch_plan(T, tile_capacity(T, n_adapters, lp.block_m), lp.block_m, plan.starts.device)
+    static.copy_from(lp)
+    return static
+
+
 def reference_f64(y, x, a, b, rs, ranks, scales, widths) -> torch.Tensor:
     """y + delta in float64, one exact-rank product per (slot, slice): the oracle's formula."""
     out = y.double().clone()
@@ -142,9 +154,7 @@ def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, 
     res = dict(T=T, adapters=n_adapters, d_out=out_name, R=R, ranks=sorted(set(ranks_per_slot)),
                distinct_used=len(used), **case_floor(T, widths, ranks_per_slot, used, ceil))
     seg = build_plan(rs)
-    lp = make_launch_plan(seg)
-    static = empty_launch_plan(T, tile_capacity(T, n_adapters, lp.block_m), lp.block_m, "cuda")
-    static.copy_from(lp)
+    static = captured_plan(seg, n_adapters)
     res["fused"] = fused_config(static.tile_capacity, static.row_capacity, R, D_IN, widths, a.element_size(),
                                 a.device)["fused"]  # the path timed (off by default until calibrated)
     y = y0.clone()
