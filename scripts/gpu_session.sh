@@ -54,6 +54,18 @@ set -u
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
+
+# The demo job on the GPU checked against expected.json: demo_gpu LABEL DTYPE [batch-run options...];
+# environment assignments before the call (MLORA_X=1 demo_gpu ...) apply to the job
+demo_gpu() {
+  local label=$1 dt=$2
+  shift 2
+  rm -rf "/tmp/demo-$label"
+  timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-$label" --base examples/demo/base \
+    --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q "$@" >/dev/null
+  echo "demo $label ($dt): $(python scripts/check_demo_outputs.py "/tmp/demo-$label" | tail -1)"
+}
+
 case "${1:-quick}" in
   quick)
     timeout 300 python -m pytest -q tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py \
@@ -78,10 +90,7 @@ case "${1:-quick}" in
   lookahead)  # batch-run --lookahead on the GPU: graph tests, the demo check, then the batch bench A/B part
     timeout 150 python -m pytest -q tests/test_batch_lookahead.py tests/test_batch_graphs.py 2>&1 | tail -3
     for dt in float32 bfloat16; do
-      rm -rf "/tmp/demo-la-$dt"
-      timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-la-$dt" --base examples/demo/base \
-        --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" --lookahead -q >/dev/null
-      echo "demo --lookahead $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-la-$dt" | tail -1)"
+      demo_gpu "lookahead-$dt" "$dt" --lookahead
     done
     timeout 240 python -m mlora bench batch --rows 1024 --adapters 0,8 --lookahead --out "$OUT/batch-lookahead.json" 2>&1 \
       | grep adapters
@@ -129,9 +138,7 @@ case "${1:-quick}" in
     ;;
   split-kv)  # flash-decoding for decode launches of few programs (64 rows: 512 programs on 132 SMs), A/B (~5 min)
     timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
-    rm -rf /tmp/demo-split; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-split \
-      --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype float32 -q \
-      >/dev/null; echo "demo float32 (decode splits auto): $(python scripts/check_demo_outputs.py /tmp/demo-split | tail -1)"
+    demo_gpu split-auto float32  # decode key splits automatic
     for n in 1 2 auto; do
       echo "decode splits $n:"
       MLORA_DECODE_SPLITS=$([ $n = auto ] && echo "" || echo $n) timeout 150 python -m mlora bench batch --rows 512 \
@@ -167,9 +174,7 @@ case "${1:-quick}" in
   pitched)  # sixteenth session: the engine's B banks rank-pitched (mlora.kernels.pitch); issue step 2's mixed-rank target
     timeout 200 python -m pytest -q tests/test_kernels_pitch.py tests/test_kernels_slices.py tests/test_batch_catalog.py \
       tests/test_residency.py tests/test_batch_graphs.py tests/test_batch_fused.py 2>&1 | tail -2
-    rm -rf /tmp/demo-pitch; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-pitch \
-      --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype bfloat16 -q \
-      >/dev/null; echo "demo bf16 (ranks 8 and 16 in a rank-16 bank): $(python scripts/check_demo_outputs.py /tmp/demo-pitch | tail -1)"
+    demo_gpu pitched bfloat16  # ranks 8 and 16 in a rank-16 bank
     timeout 120 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed.txt" | tail -16
     # the decode layer's fixed cost per launch pair: shrinks alone and the empty graph (issue step 7's 64-adapter gap)
     timeout 100 python -u scripts/kernel_sweep.py --decode --split 2>&1 | grep -v Warn | tee "$OUT/kernel-sweep-decode-split.txt" | tail -2
@@ -212,9 +217,7 @@ case "${1:-quick}" in
     timeout 120 python -m pytest -q tests/test_kernels_act.py tests/test_batch_graphs.py tests/test_batch_catalog.py \
       -k "act or silu or graph or gate_up" 2>&1 | tail -1
     for dt in float32 bfloat16; do
-      rm -rf "/tmp/demo-sf-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-sf-$dt" \
-        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
-        >/dev/null; echo "demo $dt (fused SiLU): $(python scripts/check_demo_outputs.py "/tmp/demo-sf-$dt" | tail -1)"
+      demo_gpu "fused-silu-$dt" "$dt"
     done
     for f in 0 1; do
       echo "MLORA_LORA_SILU_FUSED=$f:"
@@ -227,9 +230,7 @@ case "${1:-quick}" in
     # demo with the fused SiLU product in every invocation, graphs included)
     timeout 120 python -m pytest -q tests/test_batch_run.py -k "fused_everywhere" 2>&1 | tail -1
     for dt in float32 bfloat16; do
-      rm -rf "/tmp/demo-fold-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-fold-$dt" \
-        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
-        >/dev/null; echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-fold-$dt" | tail -1)"
+      demo_gpu "fold-$dt" "$dt"
     done
     timeout 90 python scripts/profile_batch.py --rows 256 --adapters 0 --graphs --iters 10 2>&1 | grep -v USDT | head -24 \
       | tee "$OUT/profile-decode-0.txt"
@@ -249,9 +250,7 @@ case "${1:-quick}" in
     # GPU attention tests, the demo in float32 and bfloat16, then bench batch 0,8,64 (~7 min)
     timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
     for dt in float32 bfloat16; do
-      rm -rf "/tmp/demo-pa-$dt"; timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-pa-$dt" \
-        --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q \
-        >/dev/null; echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-pa-$dt" | tail -1)"
+      demo_gpu "prefill-tile-$dt" "$dt"
     done
     timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
     ;;
@@ -282,9 +281,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \
       tests/test_batch_catalog.py -k "ahead or graph" 2>&1 | tail -2
-    rm -rf /tmp/demo-ov; MLORA_LORA_OVERLAP=1 timeout 90 python -m mlora batch-run examples/demo/prompts.parquet \
-      /tmp/demo-ov --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda \
-      --dtype bfloat16 -q >/dev/null; echo "demo bf16 overlap: $(python scripts/check_demo_outputs.py /tmp/demo-ov | tail -1)"
+    MLORA_LORA_OVERLAP=1 demo_gpu overlap bfloat16
     for ov in 0 1; do
       echo "MLORA_LORA_OVERLAP=$ov:"
       MLORA_LORA_OVERLAP=$ov timeout 170 python -m mlora bench batch --rows 1024 --adapters 8,64 --out "$OUT/batch-overlap$ov.json" \
@@ -293,9 +290,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     ;;
   kv-layout)  # MLORA_KV_LAYOUT=page-major (docs/sizing.md's arena, step one) against the default, base only (~6 min)
     MLORA_KV_LAYOUT=page-major timeout 100 python -m pytest -q tests/test_batch_attention.py tests/test_batch_graphs.py 2>&1 | tail -1
-    rm -rf /tmp/demo-pm; MLORA_KV_LAYOUT=page-major timeout 90 python -m mlora batch-run examples/demo/prompts.parquet \
-      /tmp/demo-pm --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --device cuda \
-      --dtype bfloat16 -q >/dev/null; echo "demo bf16 page-major: $(python scripts/check_demo_outputs.py /tmp/demo-pm | tail -1)"
+    MLORA_KV_LAYOUT=page-major demo_gpu page-major bfloat16
     for lay in layer-major page-major; do
       echo "$lay:"
       MLORA_KV_LAYOUT=$lay timeout 120 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
