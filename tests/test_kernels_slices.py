@@ -178,8 +178,9 @@ def test_tile_list_covers_every_active_row_once():
 @pytest.mark.parametrize("lora_path", ["two_launch"], indirect=True)
 def test_split_k_path_matches_the_oracle(lora_path):
     # decode-like: few rows per slot and a d_in long enough to split
-    case = sliced_case(6, T=3, S=3, R=16, d_in=1024, widths=(16,), base_frac=0.0)
-    cfg = launch_config(make_launch_plan(build_plan(case[4])).tile_capacity, 1, 16, 1024, [16], torch.device(DEVICE), False)
+    # (2,048: on a GPU each split walks at least 8 K-blocks of 128)
+    case = sliced_case(6, T=3, S=3, R=16, d_in=2048, widths=(16,), base_frac=0.0)
+    cfg = launch_config(make_launch_plan(build_plan(case[4])).tile_capacity, 1, 16, 2048, [16], torch.device(DEVICE), False)
     assert cfg["split"] > 1  # this test must keep covering split-K
     ref = sliced_oracle(*case)
     y, x, a, b, rs, ranks, scales, widths = _dev(*case)
@@ -387,16 +388,21 @@ def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
     monkeypatch.setattr(ts, "_INTERPRET", False)
     shapes = {"qkv": (3, 4096, (4096, 1024, 1024)), "o": (1, 4096, (4096,)), "gate_up": (2, 4096, (14336, 14336)),
               "down": (1, 14336, (4096,))}
+    varying = 0
     for slots in (8, 64):
         for name, (n, d_in, widths) in shapes.items():
-            seen, splits = set(), set()
+            seen, splits, groups = set(), set(), set()
             for b in buckets_for(256):
                 cfg = ts.launch_config(tile_capacity(b, slots, BLOCK_M), n, 16, d_in, widths, torch.device("cuda"),
                                        True, BLOCK_M)
                 seen.add(tuple(cfg[k] for k in ts.COMPILE_KEYS) + (cfg["split"] > 1,))
                 splits.add(cfg["split"])
+                groups.add(cfg["group_tiles"])
             assert len(seen) <= 2, (slots, name, seen)
-            assert len(splits) >= 2  # the runtime split really varies: the constants above are what stays fixed
+            varying += len(splits) >= 2 or len(groups) >= 2
+    # the runtime arguments really vary across buckets for most shapes (with 8 slots the split
+    # is the same 4 or 14 at every bucket): the constants above are what stays fixed
+    assert varying >= 4, varying
 
 
 @pytest.mark.parametrize("seed, dtype, config", [
