@@ -39,7 +39,7 @@
 #   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
 #                                            bench batch 0,8,64 (~7 min)
 #   bash scripts/gpu_session.sh split-rule   decode sweeps with a floor on the K-blocks per shrink program (min_k_blocks)
-#   bash scripts/gpu_session.sh split-rule-bench  the rule it found as the default: kernel tests, demo, grid, bench batch 8,64
+#   bash scripts/gpu_session.sh split-rule-bench  with a rule it found made the default: kernel tests, demo, grid, bench batch 8,64
 #   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
 #                                            bench batch 8,64 with MLORA_LORA_SILU_FUSED=0 and =1 (~8 min)
@@ -279,8 +279,8 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     PYTHONPATH=. timeout 120 python -u scripts/kernel_sweep.py --decode --shrink 2>&1 | grep "decode layer" \
       | tee "$OUT/kernel-sweep-decode-shrink-split-rule.txt"
     ;;
-  split-rule-bench)  # twentieth session: the split rule split-rule found (4 programs per SM, at least 8 K-blocks each)
-    # as the default: GPU kernel tests, the demo in bfloat16, the bench kernels grid, bench batch 8,64 (~9 min)
+  split-rule-bench)  # twentieth session: run with a split rule made the default in launch_config (measured: 4 programs
+    # per SM, at least 8 K-blocks each; not adopted): GPU kernel tests, the demo in bfloat16, the grid, bench batch 8,64 (~9 min)
     timeout 100 python -m pytest -q tests/test_kernels_slices.py tests/test_kernels_fused.py 2>&1 | tail -1
     demo_gpu split-rule bfloat16
     timeout 230 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"

@@ -63,7 +63,7 @@ CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 
          ("14336", 16, 256, 64), ("14336", 64, 256, 1), ("14336", 64, 1024, 1), ("14336", 64, 4096, 256),
          ("qkv", 16, 256, 64), ("qkv", 64, 64, 64), ("qkv", 64, 1024, 1), ("qkv", 16, 1024, 64),
          ("4096", "mixed", 256, 64)]
-VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves2": dict(waves=2), "waves8": dict(waves=8),
+VARIANTS = {"default": {}, "no_pdl": dict(pdl=False), "waves4": dict(waves=4), "waves8": dict(waves=8),
             "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "block_n64": dict(block_n=64),
             "block_n32": dict(block_n=32),  # 60 expand registers at rank 16 against 158 at 128 (8 programs/SM, not 3)
             "block_n128": dict(block_n=128),
@@ -93,13 +93,14 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "expand_warps2": dict(expand_warps=2), "expand_warps8": dict(expand_warps=8),
                 "expand_stages1": dict(expand_stages=1), "expand_stages3": dict(expand_stages=3),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
-                "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves2": dict(waves=2),
+                "block_n32": dict(block_n=32), "block_n128": dict(block_n=128), "waves4": dict(waves=4),
                 "split1": dict(split=1), "shrink_warps4": dict(shrink_warps=4), "shrink_warps8": dict(shrink_warps=8),
                 "no_pdl": dict(pdl=False),
-                # the split rule (twentieth session: 4 programs per SM with at least 8 K-blocks
-                # each became the default) against the former one and its neighbours
-                "waves2_min2": dict(waves=2, min_k_blocks=2), "waves4_min2": dict(waves=4, min_k_blocks=2),
-                "waves4_min12": dict(waves=4, min_k_blocks=12), "waves3_min8": dict(waves=3, min_k_blocks=8)}
+                # nineteenth session: waves4 won at 64 adapters and lost at 8, where its programs
+                # walk 4 K-blocks; a floor on the K-blocks per program kept both sides here
+                # (twentieth session) but not in bench batch or the grid (BENCHMARKS.md)
+                "waves4_min8": dict(waves=4, min_k_blocks=8), "waves4_min12": dict(waves=4, min_k_blocks=12),
+                "waves3_min8": dict(waves=3, min_k_blocks=8)}
 SHRINK = "--shrink" in sys.argv
 if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
     VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {
@@ -117,7 +118,7 @@ if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, 
         "split1_block_k512_warps4": dict(split=1, block_k=512, shrink_warps=4),
         "split1_block_k256_warps4": dict(split=1, block_k=256, shrink_warps=4),
         "block_k256_stages6": dict(block_k=256, shrink_stages=6),
-        "waves2_min2": dict(waves=2, min_k_blocks=2), "waves4_min12": dict(waves=4, min_k_blocks=12)}.items()}
+        "waves4_min8": dict(waves=4, min_k_blocks=8), "waves4_min12": dict(waves=4, min_k_blocks=12)}.items()}
     VARIANTS["default_full"] = {}
 if PREFILL:  # one decoder layer's four LoRA launches in an 8,192-token prefill chunk over few adapters
     CASES = [(o, 16, 8192, A) for A in (8, 2) for o in ("qkv", "4096", "gateup", "down")]
@@ -136,7 +137,7 @@ if MIXED and not SPLIT:  # with --split: the default's time split into shrink al
                 "block_r16": dict(block_r=16), "block_r32": dict(block_r=32),
                 "group1": dict(group_tiles=1), "group2": dict(group_tiles=2), "group4": dict(group_tiles=4),
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
-                "waves2": dict(waves=2), "split1": dict(split=1), "block_n64": dict(block_n=64),
+                "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
                 "block_n32": dict(block_n=32), "expand_warps8": dict(expand_warps=8),
                 "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2)}
 if FUSED:

@@ -507,15 +507,19 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
     rank_tiles = _cdiv(R, block_r)
     block_r_expand = _pow2(R, 16, 1 << 20)
-    # split d_in until the shrink launch has about ``waves`` programs per SM, keeping
-    # chunks of at least ``min_k_blocks`` K-blocks. 4 per SM with at least 8 blocks
-    # (twentieth session, H200, `kernel_sweep.py --decode`): decode layers at 256 rows,
-    # rank 16, 114.5 against 117.8 us at 64 adapters and 68.9 against 69.7 at 8 over the
-    # former 2 per SM with at least 2 blocks (4 per SM alone: -3 us at 64, +2 at 8, where
-    # its programs walked only 4 blocks). Both stay sweep knobs.
-    want = override.get("waves", 4) * _num_sms(device)
+    # split d_in until the shrink launch has about ``waves`` programs per SM,
+    # keeping chunks of at least ``min_k_blocks`` K-blocks (2 per SM and 2 blocks: measured
+    # on the H200, BENCHMARKS.md; more splits cost more partial traffic than they hide).
+    # Both are sweep knobs: at decode size 4 per SM was 3 us per layer faster at 64
+    # adapters and 3 us slower at 8 (nineteenth session), where programs then walk only
+    # 4 K-blocks. 4 per SM with at least 8 blocks was faster at both in the decode sweep
+    # (114.5 / 68.9 against 117.8 / 69.7 us) but not in bench batch (16.92 / 15.50 ms
+    # against 16.90 / 15.53) and slower in the bench grid's launch-bound cases (+1.1%
+    # geomean, 25 of 87 within 12 us against 29: single-tile launches split 4 ways, not
+    # 16); not adopted (twentieth session, BENCHMARKS.md)
+    want = override.get("waves", 2) * _num_sms(device)
     have = tiles * n_slices * rank_tiles
-    max_split = max(1, d_in // (override.get("min_k_blocks", 8) * block_k))
+    max_split = max(1, d_in // (override.get("min_k_blocks", 2) * block_k))
     split = override.get("split") or max(1, min(max_split, _cdiv(want, have)))
     k_per_split = _cdiv(_cdiv(d_in, split), block_k) * block_k
     split = _cdiv(d_in, k_per_split)
