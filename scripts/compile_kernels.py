@@ -197,9 +197,10 @@ def main() -> int:
                    BLOCK_K=cfg["block_k"], NATIVE_A=True, NATIVE_B=True),
               f"fused block_m=16 slices={slices} block_r={cfg['block_r']}",
               num_warps=cfg["warps"], num_stages=cfg["stages"])
-    build(wordstats._word_partials_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
-                                             TILES=wordstats.TILES),
-          "residency word stats")
+    for unroll in (1, 4):
+        build(wordstats._word_partials_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
+                                                 TILES=wordstats.TILES, UNROLL=unroll),
+              f"residency word stats{'' if unroll == 1 else f', {unroll} blocks per step'}")
     group = 4  # 32 query heads over 8 KV heads, head_dim 128
     decode = dict(block_n=pa.DECODE_BLOCK_N, num_warps=pa.DECODE_WARPS,
                   **({"num_stages": pa.DECODE_STAGES} if pa.DECODE_STAGES is not None else {}))

@@ -39,6 +39,7 @@
 #   bash scripts/gpu_session.sh prefill-attn-bench  the adopted prefill attention tile: GPU attention tests, demo fp32/bf16,
 #                                            bench batch 0,8,64 (~7 min)
 #   bash scripts/gpu_session.sh split-rule   decode sweeps with a floor on the K-blocks per shrink program (min_k_blocks)
+#   bash scripts/gpu_session.sh probe-busy   cold loads beside a decode-like graph, per launch of the validation kernel
 #   bash scripts/gpu_session.sh split-rule-bench  with a rule it found made the default: kernel tests, demo, grid, bench batch 8,64
 #   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
@@ -285,6 +286,15 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     demo_gpu split-rule bfloat16
     timeout 230 python -m mlora bench kernels --json > "$OUT/kernels-h200.json" 2>"$OUT/kernels.err"; tail -3 "$OUT/kernels.err"
     timeout 250 python -m mlora bench batch --rows 1024 --adapters 8,64 --out "$OUT/batch-h200.json" 2>&1 | grep adapters
+    ;;
+  probe-busy)  # twentieth session: a load's validation kernel waiting for SMs behind a running job (issue 5's cold
+    # load): residency validation tests, one load on an idle GPU, then loads beside a decode-like graph per launch of
+    # the word-stats kernel (programs x blocks per step) (~3 min)
+    timeout 120 python -m pytest -q tests/test_residency_validate.py tests/test_residency.py 2>&1 | tail -1
+    timeout 60 python scripts/load_breakdown.py --loads 48 2>&1 | tail -10
+    timeout 300 python scripts/load_breakdown.py --loads 160 --busy-gpu \
+      --probe-variants default,u4,p132,p64u4,p32u4,p16u4,default 2>&1 | tee "$OUT/load-breakdown-busy.txt" \
+      | grep -E "busy GPU|^probe|copy stream|ensure"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

@@ -10,11 +10,24 @@ the copy, and validation of what landed. ``--busy-threads N`` runs N threads
 doing GIL-holding Python work meanwhile (what the prefetch builders do to the
 engine thread).
 
+``--busy-gpu``: a decode-like load runs on the compute stream meanwhile (a
+captured graph of 32 layers of an 8B model's GEMMs at 256 rows and its paged
+decode attention over ~640-token contexts, replayed back to back by a thread),
+as a running job does in ``bench residency``: the copy stream's validation
+kernel waits for SMs behind it. Loads start at random points of the iterations
+and the script reports the copy-stream time per load from the same events as
+the run. ``--probe-variants`` times the loads once per way of launching the
+word-stats kernel (``wordstats.PROGRAMS`` / ``UNROLL``: ``default``, ``pN``,
+``uN``, ``pNuM``), on the same busy GPU.
+
     PYTHONPATH=. python scripts/load_breakdown.py --loads 64
+    PYTHONPATH=. python scripts/load_breakdown.py --loads 96 --busy-gpu --probe-variants default,p16u4,p32u4
 """
 
 import argparse
 import collections
+import random
+import re
 import sys
 import threading
 import time
@@ -28,6 +41,7 @@ from mlora.batch.lora import group_shapes
 from mlora.batch.residency import bank as bank_mod
 from mlora.batch.residency import manager as manager_mod
 from mlora.batch.residency import storage as storage_mod
+from mlora.batch.residency import wordstats
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -56,6 +70,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--loads", type=int, default=64)
     ap.add_argument("--busy-threads", type=int, default=0)
+    ap.add_argument("--busy-gpu", action="store_true", help="a decode-like graph replayed on the compute stream meanwhile")
+    ap.add_argument("--probe-variants", default="default",
+                    help="comma-separated launches of the word-stats kernel: default, pN (N programs), uN (N blocks "
+                         "per step), pNuM")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the run (batch-run sets 0.5 while prefetch threads run)")
     args = ap.parse_args()
@@ -103,30 +121,107 @@ def main() -> None:
                 x += i * i
 
     threads = [threading.Thread(target=busy, daemon=True) for _ in range(args.busy_threads)]
+    if args.busy_gpu:
+        if dev.type != "cuda":
+            raise SystemExit("--busy-gpu needs a GPU")
+        threads.append(threading.Thread(target=busy_gpu, args=(p, stop), daemon=True))
     for t in threads:
         t.start()
-    total = []
-    for a in pinned:
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        bank.ensure([a], pinned)
-        if sync:
-            sync()
-        total.append(time.perf_counter() - t0)
-    stop.set()
+    if args.busy_gpu:
+        BUSY_READY.wait()
     nbytes = bank.residency.host.get(pinned["a0"].semantic_sha256).nbytes
     print(f"{dev}, {args.preset} q/v rank {r}: {nbytes / 1e6:.1f} MB per adapter, host build "
           f"{build * 1e3:.1f} ms (built before timing), {args.busy_threads} busy threads, GIL switch interval "
-          f"{sys.getswitchinterval() * 1e3:g} ms")
+          f"{sys.getswitchinterval() * 1e3:g} ms{', busy GPU (decode-like graph, ' + f'{BUSY_MS[0]:.1f} ms per replay)' if args.busy_gpu else ''}")
     med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
-    print(f"  {'ensure (one cold load)':34s} median {med(total):7.2f} ms")
-    for k, v in TIMES.items():
-        print(f"  {k:34s} median {med(v):7.2f} ms  ({len(v)} calls)")
-    st = bank.residency.stats  # event-timed on the copy stream, as bench residency reports them in a run
-    if st.load_device_seconds:
-        print(f"  {'copy stream (start to probe end)':34s} median {med(st.load_device_seconds):7.2f} ms  "
-              f"(copies alone {med(st.load_copy_seconds):.2f} ms; an idle GPU: compare the run's p50)")
+    pct = lambda v, q: sorted(v)[min(len(v) - 1, int(q * len(v)))] * 1e3  # noqa: E731
+    rng = random.Random(0)
+    for variant in args.probe_variants.split(","):
+        m = re.fullmatch(r"(?:p(\d+))?(?:u(\d+))?", "" if variant == "default" else variant)
+        if m is None:
+            raise SystemExit(f"--probe-variants: {variant!r} is not default, pN, uN or pNuM")
+        wordstats.PROGRAMS, wordstats.UNROLL = (int(m[1]) if m[1] else None), (int(m[2]) if m[2] else 1)
+        TIMES.clear()
+        st = bank.residency.stats
+        st.load_device_seconds.clear()
+        st.load_copy_seconds.clear()
+        total = []
+        for a in pinned:
+            if args.busy_gpu:
+                time.sleep(rng.uniform(0, BUSY_MS[0] / 1e3))  # start at a random point of an iteration
+            elif sync:
+                sync()
+            t0 = time.perf_counter()
+            bank.ensure([a], pinned)
+            if sync and not args.busy_gpu:
+                sync()
+            total.append(time.perf_counter() - t0)
+        print(f"probe {variant} (programs {wordstats.PROGRAMS or 'one per chunk'}, {wordstats.UNROLL} blocks per step):")
+        print(f"  {'ensure (one cold load)':34s} median {med(total):7.2f} ms")
+        for k, v in TIMES.items():
+            print(f"  {k:34s} median {med(v):7.2f} ms  ({len(v)} calls)")
+        if st.load_device_seconds:  # event-timed on the copy stream, as bench residency reports them in a run
+            v = st.load_device_seconds
+            print(f"  {'copy stream (start to probe end)':34s} median {med(v):7.2f} ms, p90 {pct(v, 0.9):.2f}  "
+                  f"(copies alone {med(st.load_copy_seconds):.2f} ms)")
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+
+
+BUSY_READY = threading.Event()
+BUSY_MS = [0.0]
+
+
+def busy_gpu(p: dict, stop: threading.Event) -> None:
+    """Replay a decode-like graph on this thread's own stream until ``stop``: per layer the
+    q/k/v, o, gate/up and down GEMMs of 256 rows and a paged decode attention over contexts
+    uniform in [128, 1152] (one cache for every layer, so each layer reads it from HBM)."""
+    from mlora.batch.paged_attention import PagedLayout, paged_attention
+
+    torch.manual_seed(0)
+    d, f = p["hidden_size"], p["intermediate_size"]
+    H, Hkv, D, L = p["num_heads"], p["num_kv_heads"], p["head_dim"], p["num_layers"]
+    rows, block = 256, 16
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    w_qkv, w_o = torch.randn(d, (H + 2 * Hkv) * D, **bf) / 64, torch.randn(H * D, d, **bf) / 64
+    w_up, w_down = torch.randn(d, 2 * f, **bf) / 64, torch.randn(f, d, **bf) / 64
+    lens = [random.Random(1).randint(128, 1152) for _ in range(rows)]
+    tables, nxt = [], 0
+    for n in lens:
+        k = -(-n // block)
+        tables.append(list(range(nxt, nxt + k)))
+        nxt += k
+    k_cache = torch.randn(nxt, block, Hkv, D, **bf)
+    v_cache = torch.randn(nxt, block, Hkv, D, **bf)
+    layout = PagedLayout.build(list(range(rows + 1)), lens, tables, H // Hkv, torch.device("cuda"))
+    x = torch.randn(rows, d, **bf)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        def step():
+            h = x
+            for _ in range(L):
+                qkv = h @ w_qkv
+                att = paged_attention(qkv[:, : H * D].reshape(rows, H, D), k_cache, v_cache, layout, D**-0.5)
+                h = att.reshape(rows, H * D) @ w_o
+                up = h @ w_up
+                h = up[:, :f] @ w_down
+        step()  # compile, warm
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+        graph.replay()
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            graph.replay()
+        stream.synchronize()
+        BUSY_MS[0] = (time.perf_counter() - t0) / 5 * 1e3
+        BUSY_READY.set()
+        while not stop.is_set():
+            graph.replay()
+            stream.synchronize()
 
 
 if __name__ == "__main__":

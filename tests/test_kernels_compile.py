@@ -27,7 +27,7 @@ def test_kernels_compile_for_sm90(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ok  ")]
-    assert len(lines) == 34, out.stdout
+    assert len(lines) == 35, out.stdout
     # no values spilled to local memory in the kernels that run per layer and per load (the
     # wheel's cuobjdump reports it); paged attention spills at 4 warps (known, BENCHMARKS.md)
     stacks = {ln.split(":")[0][4:]: ln for ln in lines if "stack" in ln}

@@ -110,6 +110,33 @@ def test_view_stats_of_a_strided_one_element_column():
     assert view_stats(t[:1]).tolist()[:3] == [0, 0, 0]
 
 
+def test_word_partials_rows_do_not_depend_on_how_chunks_are_launched(monkeypatch):
+    """wordstats.PROGRAMS / UNROLL (fewer programs walking several chunks, several blocks loaded
+    per step) change only the launch: the rows of partials are the same numbers, and each
+    view's sum equals the host reference. Two views of 3 and 2 chunks, neither a whole number
+    of chunks or of unrolled steps; a NaN in the second."""
+    from mlora.batch.residency import host as host_mod
+    from mlora.batch.residency import wordstats
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(70001, generator=g) * 2).to(torch.bfloat16)
+    b = (torch.randn(40003, generator=g) * 2).to(torch.bfloat16)
+    b[39000] = float("nan")
+    exp, mag = 0x7F80, 0x7FFF
+    words = [t.to(dev).view(torch.int16) for t in (a, b)]
+    want = [host_mod._view_stats_host(t).tolist() for t in (a, b)]
+    rows = []
+    for programs, unroll in ((None, 1), (2, 1), (1, 4), (3, 2), (64, 8)):
+        monkeypatch.setattr(wordstats, "PROGRAMS", programs)
+        monkeypatch.setattr(wordstats, "UNROLL", unroll)
+        got = wordstats.word_partials(words, exp, mag, host_mod.CHECK_MODULUS).cpu()
+        assert got.shape == (5, 4)  # a row per chunk: a chunk not walked leaves its row unwritten
+        assert wordstats.split_sums(got, [a.numel(), b.numel()]) == want, (programs, unroll)
+        rows.append(got)
+    assert all(torch.equal(r, rows[0]) for r in rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_word_stats_equal_the_reference(dtype):
     """host._view_stats_fused (the one-pass Triton kernel large 16-bit views take on a GPU; here
