@@ -111,7 +111,7 @@ def main() -> None:
     timed(storage_mod, "validate_landed", "validate landed")
     manager_mod.validate_landed = storage_mod.validate_landed
     timed(res, "wait", "wait (copy + validate + publish)")
-    timed(manager_mod, "probe_landed", "probe enqueue (host, no sync)")  # kernel launch + read-backs issued
+    timed(res.prober, "probe", "probe enqueue (host, no sync)")  # kernel launch + read-backs issued
     stop = threading.Event()
 
     def busy():

@@ -213,7 +213,7 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
 
     monkeypatch.setattr(wordstats, "word_partials", broken)
     monkeypatch.setattr(host_mod, "_WORDSTATS_FAILED", None)
-    monkeypatch.setattr(host_mod, "_takes_word_stats", lambda flat: True)  # as a GPU's large 16-bit view would
+    monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: True)  # as a GPU's large 16-bit view would
     x = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
     want = view_stats(x).tolist()
     with pytest.warns(RuntimeWarning, match="no such instruction"):
@@ -241,7 +241,7 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     from mlora.batch.residency import host as host_mod
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(host_mod, "_takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
+    monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
     A = torch.zeros(3, 2, 16, 160, dtype=torch.bfloat16, device=dev)  # 5120 elements per slot view
     B = torch.zeros(3, 2, 160, 16, dtype=torch.bfloat16, device=dev)
     storage = SlotStorage({"A": (A, 0), "B": (B, 0)})
@@ -253,10 +253,57 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     views = _land(storage, art)
     probe = storage_mod.probe_landed(views)
     assert [p.names for p in probe.parts] == [["A", "B"]] and probe.parts[0].counts == [5120, 5120]
+    # the residency manager's probe, from buffers prepared for the slot: the same numbers
+    monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
+    prober = storage_mod.SlotProber()
+    prepared = prober.probe(0, views)
+    assert prober.prepared == 1 and prepared.all_stats() == probe.all_stats()
     if poke is None:
         validate_landed(storage, views, art, probe)
+        validate_landed(storage, views, art, prepared)
         return
+    del prepared
     poke(views)
-    with pytest.raises(ValidationError) as e:
-        validate_landed(storage, views, art, storage_mod.probe_landed(views))
-    assert e.value.code == code
+    for make in (storage_mod.probe_landed, lambda v: prober.probe(0, v)):
+        with pytest.raises(ValidationError) as e:
+            validate_landed(storage, views, art, make(views))
+        assert e.value.code == code
+    assert prober.prepared == 2
+
+
+def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropped(monkeypatch):
+    """SlotProber: one slot's probes share buffers, so a probe issued while the slot's last one
+    is alive takes the plain path (the first one's numbers are not overwritten); once it is
+    dropped the buffers are used again; other views for the slot (another bank) get new
+    buffers; every probe's numbers equal the plain probe's of the same bytes."""
+    from mlora.batch.residency import host as host_mod
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
+    monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
+    g = torch.Generator().manual_seed(9)
+
+    def views_of(n_a):
+        return {"A": (torch.randn(2, n_a, generator=g) * 3).to(torch.bfloat16).to(dev),
+                "B": (torch.randn(5000, 3, generator=g)).to(torch.bfloat16).to(dev),
+                "ranks": torch.tensor([3, 1, 2, 3], dtype=torch.int32, device=dev),
+                "scales": torch.rand(4, generator=g).to(dev)}
+
+    prober = storage_mod.SlotProber()
+    views = views_of(40000)
+    first = prober.probe(7, views)
+    want = storage_mod.probe_landed(views).all_stats()
+    views["A"][1, 5:9] = 1.5  # the slot loaded again while the first probe is alive
+    views["ranks"][0] = 2
+    second = prober.probe(7, views)
+    assert prober.prepared == 1  # the plain path: the first probe's buffers are its own
+    assert first.all_stats() == want
+    assert second.all_stats() == storage_mod.probe_landed(views).all_stats() != want
+    del first, second
+    views["B"][100, 2] = -4.0
+    third = prober.probe(7, views)
+    assert prober.prepared == 2 and third.all_stats() == storage_mod.probe_landed(views).all_stats()
+    del third
+    other = views_of(33000)  # another bank's views for the same slot id: new buffers
+    fourth = prober.probe(7, other)
+    assert prober.prepared == 3 and fourth.all_stats() == storage_mod.probe_landed(other).all_stats()

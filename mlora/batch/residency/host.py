@@ -225,7 +225,7 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
     global _WORDSTATS_FAILED
     flats = {n: _flat(v) for n, v in views.items()}
     take = [n for n, f in flats.items()
-            if (fused if fused is not None else (_WORDSTATS_FAILED is None and _takes_word_stats(f)))]
+            if (fused if fused is not None else (_WORDSTATS_FAILED is None and takes_word_stats(f)))]
     parts: list[StatsPart] = []
     by_dtype: dict[torch.dtype, list[str]] = {}
     for n in take:
@@ -236,7 +236,7 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
             break
         from .wordstats import word_partials
 
-        _, exp, mag = _FLOAT_BITS[dtype]
+        exp, mag = float_masks(dtype)
         for i in range(0, len(names), 2):
             pair = names[i : i + 2]
             try:
@@ -277,8 +277,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _takes_word_stats(flat: torch.Tensor) -> bool:
-    """view_stats_parts' default: the word-stats kernel for a GPU's large 16-bit views."""
+def wordstats_failed() -> bool:
+    """Whether the word-stats kernel could not run in this process (the torch reductions stand in)."""
+    return _WORDSTATS_FAILED is not None
+
+
+def float_masks(dtype: torch.dtype) -> tuple[int, int]:
+    """(exponent mask, magnitude mask) of a 16-bit float dtype's words: the word-stats kernel's EXP and MAG."""
+    _, exp, mag = _FLOAT_BITS[dtype]
+    return exp, mag
+
+
+def takes_word_stats(flat: torch.Tensor) -> bool:
+    """view_stats_parts' default: the word-stats kernel for a GPU's large 16-bit views (contiguous 1-D)."""
     return flat.device.type != "cpu" and _fused_eligible(flat)
 
 
@@ -295,7 +306,7 @@ def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     int32 temporaries twice the view's size."""
     from .wordstats import word_stats
 
-    _, exp, mag = _FLOAT_BITS[flat.dtype]
+    exp, mag = float_masks(flat.dtype)
     return word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
 
 

@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .host import HostArtifact, HostCache
 from .pool import Owner, PagePool
 from .states import BINDABLE, EVICTABLE_STATES, State, check_transition
-from .storage import Probe, Storage, probe_landed, validate_landed
+from .storage import Probe, SlotProber, Storage, validate_landed
 
 S = State
 
@@ -250,6 +250,7 @@ class Residency:
         self.storage, self.pool = storage, pool
         self.host = host if host is not None else HostCache()
         self.copier = copier if copier is not None else CpuCopier()
+        self.prober = SlotProber()  # a slot's probe buffers, prepared once (storage.SlotProber)
         self.faults = faults if faults is not None else FaultInjector()
         self.max_load_attempts, self.guard_pages = max_load_attempts, guard_pages
         self.slots = [Slot(i) for i in range(storage.num_slots)]
@@ -972,7 +973,7 @@ class Residency:
         copied = self.copier.mark()
         with self.copier.side():  # ordered after the copies: injected corruption, then validation's reads
             self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
-            e.probe = probe_landed(views, non_blocking=True)  # queued behind the copies: nothing waits at validation
+            e.probe = self.prober.probe(slot.id, views)  # queued behind the copies: nothing waits at validation
         e.timing = (start, copied, self.copier.mark())
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())

@@ -76,17 +76,22 @@ def chunks_for(n: int) -> int:
     return -(-n // (BLOCK * TILES))
 
 
-def word_partials(words: list[torch.Tensor], exp_mask: int, mag_mask: int, modulus: int) -> torch.Tensor:
+def word_partials(words: list[torch.Tensor], exp_mask: int, mag_mask: int, modulus: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [sum of chunks_for(n), 4] on the words' device, one launch: each row the
     (non-finite count, non-zero count, sum, weighted sum) of one chunk's words of one or
     two contiguous 1-D int16 tensors holding 16-bit floats of one dtype, the first view's
-    rows first. A view's numbers are the sum of its rows (:func:`split_sums`)."""
+    rows first. A view's numbers are the sum of its rows (:func:`split_sums`). ``out``: written
+    instead of a new tensor (int64, exactly that shape, contiguous)."""
     if not 1 <= len(words) <= 2 or any(w.numel() == 0 for w in words):
         raise ValueError("word_partials takes one or two non-empty views")
     p0 = chunks_for(words[0].numel())
     second = words[1] if len(words) == 2 else words[0]
     p1 = chunks_for(second.numel()) if len(words) == 2 else 0
-    out = torch.empty((p0 + p1, 4), dtype=torch.int64, device=words[0].device)
+    if out is None:
+        out = torch.empty((p0 + p1, 4), dtype=torch.int64, device=words[0].device)
+    elif out.shape != (p0 + p1, 4) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"word_partials: out must be contiguous int64 [{p0 + p1}, 4], got {out.dtype} {tuple(out.shape)}")
     grid = (min(p0 + p1, PROGRAMS or p0 + p1),)
     _word_partials_kernel[grid](words[0], words[0].numel(), second, second.numel() if p1 else 0, p0, p0 + p1, out,
                                 EXP=exp_mask, MAG=mag_mask, MOD=modulus, BLOCK=BLOCK, TILES=TILES, UNROLL=UNROLL)
