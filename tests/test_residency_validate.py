@@ -257,6 +257,7 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
     prober = storage_mod.SlotProber()
     prepared = prober.probe(0, views)
+    _sync(dev)  # a probe is read once the stream has reached its read-backs (the manager: after the copy event)
     assert prober.prepared == 1 and prepared.all_stats() == probe.all_stats()
     if poke is None:
         validate_landed(storage, views, art, probe)
@@ -265,10 +266,17 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     del prepared
     poke(views)
     for make in (storage_mod.probe_landed, lambda v: prober.probe(0, v)):
+        issued = make(views)
+        _sync(dev)
         with pytest.raises(ValidationError) as e:
-            validate_landed(storage, views, art, make(views))
+            validate_landed(storage, views, art, issued)
         assert e.value.code == code
     assert prober.prepared == 2
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
 
 
 def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropped(monkeypatch):
@@ -292,18 +300,22 @@ def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropp
     prober = storage_mod.SlotProber()
     views = views_of(40000)
     first = prober.probe(7, views)
+    _sync(dev)
     want = storage_mod.probe_landed(views).all_stats()
     views["A"][1, 5:9] = 1.5  # the slot loaded again while the first probe is alive
     views["ranks"][0] = 2
     second = prober.probe(7, views)
+    _sync(dev)
     assert prober.prepared == 1  # the plain path: the first probe's buffers are its own
     assert first.all_stats() == want
     assert second.all_stats() == storage_mod.probe_landed(views).all_stats() != want
     del first, second
     views["B"][100, 2] = -4.0
     third = prober.probe(7, views)
+    _sync(dev)
     assert prober.prepared == 2 and third.all_stats() == storage_mod.probe_landed(views).all_stats()
     del third
     other = views_of(33000)  # another bank's views for the same slot id: new buffers
     fourth = prober.probe(7, other)
+    _sync(dev)
     assert prober.prepared == 3 and fourth.all_stats() == storage_mod.probe_landed(other).all_stats()
