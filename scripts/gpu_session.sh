@@ -40,7 +40,7 @@
 #                                            bench batch 0,8,64 (~7 min)
 #   bash scripts/gpu_session.sh split-rule   decode sweeps with a floor on the K-blocks per shrink program (min_k_blocks)
 #   bash scripts/gpu_session.sh probe-busy   cold loads beside a decode-like graph, per launch of the validation kernel
-#   bash scripts/gpu_session.sh probe-job    prepared per-slot probes: residency tests, idle/busy loads, the 2,000-row limited run
+#   bash scripts/gpu_session.sh probe-job    prepared per-slot probes against per-load ones: idle and busy-GPU loads, A/B
 #   bash scripts/gpu_session.sh split-rule-bench  with a rule it found made the default: kernel tests, demo, grid, bench batch 8,64
 #   bash scripts/gpu_session.sh ncu-lora     Nsight Compute counters of one decode layer's LoRA launches, 64 and 8 adapters
 #   bash scripts/gpu_session.sh silu-fused  the gate/up expand fused into the SiLU product: GPU tests, demo bf16/fp32,
@@ -299,15 +299,14 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
       --probe-variants default,u4,p132,p64u4,p32u4,p16u4,default 2>&1 | tee "$OUT/load-breakdown-busy.txt" \
       | grep -E "busy GPU|^probe|copy stream|ensure"
     ;;
-  probe-job)  # twentieth session: prepared per-slot probes (storage.SlotProber): residency tests, loads on an idle
-    # and a busy GPU (probe enqueue host time, copy stream per load), then the 2,000-row residency job's limited run
+  probe-job)  # twentieth session: prepared per-slot probes (storage.SlotProber) against probes issued per load as before
+    # ("plain"), alternated on one machine: loads on an idle GPU, then beside a decode-like graph (~2 min); the
+    # 8,000-row job is `residency`
     timeout 60 python -m pytest -q tests/test_residency_validate.py 2>&1 | tail -1
-    timeout 60 python scripts/load_breakdown.py --loads 48 2>&1 | grep -E "^probe|copy stream|ensure|enqueue|issue"
-    timeout 120 python scripts/load_breakdown.py --loads 128 --busy-gpu --probe-variants default,u4,default 2>&1 \
-      | tee "$OUT/load-breakdown-busy.txt" | grep -E "busy GPU|^probe|copy stream|ensure|enqueue|issue"
-    rm -rf /tmp/bb
-    timeout 240 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 2000 --slots 64 --runs limited \
-      --out "$OUT/residency-2k-limited.json" 2>&1 | tail -6
+    timeout 60 python scripts/load_breakdown.py --loads 48 --probe-variants plain,default,plain,default 2>&1 \
+      | grep -E "^probe|copy stream|ensure|enqueue|issue"
+    timeout 150 python scripts/load_breakdown.py --loads 128 --busy-gpu --probe-variants plain,default,plain,default \
+      2>&1 | tee "$OUT/load-breakdown-busy.txt" | grep -E "busy GPU|^probe|copy stream|ensure|enqueue|issue"
     ;;
   overlap)  # thirteenth session: shrink ahead on a side stream (opt-in), correctness on the GPU then A/B at 8 and 64 adapters
     MLORA_LORA_OVERLAP=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_batch_graphs.py \

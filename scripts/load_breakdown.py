@@ -18,7 +18,9 @@ kernel waits for SMs behind it. Loads start at random points of the iterations
 and the script reports the copy-stream time per load from the same events as
 the run. ``--probe-variants`` times the loads once per way of launching the
 word-stats kernel (``wordstats.PROGRAMS`` / ``UNROLL``: ``default``, ``pN``,
-``uN``, ``pNuM``), on the same busy GPU.
+``uN``, ``pNuM``; ``plain``: the probe issued without the slot's prepared
+buffers, ``storage.probe_landed`` per load, as before the twentieth session),
+on the same GPU.
 
     PYTHONPATH=. python scripts/load_breakdown.py --loads 64
     PYTHONPATH=. python scripts/load_breakdown.py --loads 96 --busy-gpu --probe-variants default,p16u4,p32u4
@@ -111,6 +113,9 @@ def main() -> None:
     timed(storage_mod, "validate_landed", "validate landed")
     manager_mod.validate_landed = storage_mod.validate_landed
     timed(res, "wait", "wait (copy + validate + publish)")
+    prepared_probe = res.prober.probe
+    res.prober.probe = lambda slot, views: (storage_mod.probe_landed(views, non_blocking=True) if PLAIN[0]
+                                            else prepared_probe(slot, views))
     timed(res.prober, "probe", "probe enqueue (host, no sync)")  # kernel launch + read-backs issued
     stop = threading.Event()
 
@@ -137,9 +142,10 @@ def main() -> None:
     pct = lambda v, q: sorted(v)[min(len(v) - 1, int(q * len(v)))] * 1e3  # noqa: E731
     rng = random.Random(0)
     for variant in args.probe_variants.split(","):
-        m = re.fullmatch(r"(?:p(\d+))?(?:u(\d+))?", "" if variant == "default" else variant)
+        PLAIN[0] = variant == "plain"
+        m = re.fullmatch(r"(?:p(\d+))?(?:u(\d+))?", "" if variant in ("default", "plain") else variant)
         if m is None:
-            raise SystemExit(f"--probe-variants: {variant!r} is not default, pN, uN or pNuM")
+            raise SystemExit(f"--probe-variants: {variant!r} is not default, plain, pN, uN or pNuM")
         wordstats.PROGRAMS, wordstats.UNROLL = (int(m[1]) if m[1] else None), (int(m[2]) if m[2] else 1)
         TIMES.clear()
         st = bank.residency.stats
@@ -156,7 +162,8 @@ def main() -> None:
             if sync and not args.busy_gpu:
                 sync()
             total.append(time.perf_counter() - t0)
-        print(f"probe {variant} (programs {wordstats.PROGRAMS or 'one per chunk'}, {wordstats.UNROLL} blocks per step):")
+        print(f"probe {variant} (programs {wordstats.PROGRAMS or 'one per chunk'}, {wordstats.UNROLL} blocks per step"
+              f"{', issued per load without prepared buffers' if PLAIN[0] else ''}):")
         print(f"  {'ensure (one cold load)':34s} median {med(total):7.2f} ms")
         for k, v in TIMES.items():
             print(f"  {k:34s} median {med(v):7.2f} ms  ({len(v)} calls)")
@@ -169,6 +176,7 @@ def main() -> None:
         t.join(timeout=10)
 
 
+PLAIN = [False]  # the "plain" variant: each probe allocated and issued per load (storage.probe_landed), as before
 BUSY_READY = threading.Event()
 BUSY_MS = [0.0]
 
