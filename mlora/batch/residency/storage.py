@@ -150,8 +150,10 @@ class _ProbePlan:
                 pair = names[i : i + 2]
                 counts = [views[n].numel() for n in pair]
                 chunks = sum(chunks_for(c) for c in counts)
+                words = [views[n].detach().reshape(-1).view(torch.int16) for n in pair]  # the slot's memory itself
                 dev_rows = torch.empty((chunks, 4), dtype=torch.int64, device=views[pair[0]].device)
-                pairs.append((pair, counts, dev_rows, torch.empty((chunks, 4), dtype=torch.int64, pin_memory=pin)))
+                pairs.append((pair, counts, words, host_mod.float_masks(views[pair[0]].dtype), dev_rows,
+                              torch.empty((chunks, 4), dtype=torch.int64, pin_memory=pin)))
         return cls(list(views), cls._key(views), small, pairs)
 
     def matches(self, views) -> bool:
@@ -166,11 +168,9 @@ class _ProbePlan:
         for n, buf in self.small.items():
             buf.copy_(views[n], non_blocking=True)
         parts = []
-        for pair, counts, dev_rows, host_rows in self.pairs:
-            dtype = views[pair[0]].dtype
-            try:
-                word_partials([views[n].reshape(-1).view(torch.int16) for n in pair], *host_mod.float_masks(dtype),
-                              host_mod.CHECK_MODULUS, out=dev_rows)
+        for pair, counts, words, masks, dev_rows, host_rows in self.pairs:
+            try:  # words alias the views' memory (the plan matches their addresses, shapes and strides)
+                word_partials(words, *masks, host_mod.CHECK_MODULUS, out=dev_rows)
             except Exception:  # noqa: BLE001 - the plain path records why and says it once
                 return None
             host_rows.copy_(dev_rows, non_blocking=True)

@@ -25,8 +25,9 @@ TILES = 32  # blocks of words per chunk (one row of partials): 32K words, so a 9
 # How the chunks are launched (the rows and numbers do not depend on it): at most PROGRAMS
 # programs, each walking chunks pid, pid + PROGRAMS, ... (None: one program per chunk), each
 # step loading UNROLL blocks before using any (more bytes in flight per program). Module
-# constants for the A/B of scripts/load_breakdown.py --busy-gpu (a load's validation waits
-# for SMs behind a running job's kernels; fewer, longer programs need fewer freed SMs).
+# constants for scripts/load_breakdown.py's --probe-variants: beside a decode-like graph on
+# the H200, fewer programs made a load's validation slower (16 x 4 blocks: 1.06 ms per load
+# against 0.64-0.67), 4 blocks per step was within the spread (0.62); twentieth session.
 PROGRAMS: int | None = None
 UNROLL = 1
 
