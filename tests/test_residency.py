@@ -1104,7 +1104,7 @@ def test_every_committed_load_records_its_copy_time(pinned):
     """Residency.stats.load_device_seconds: one figure per committed load or prefetch (the copy
     stream's time between marks around the copies and validation reads; on the CPU the
     synchronous copies' wall time), none for a rolled-back attempt; the job summary reports
-    their mean and 90th percentile."""
+    their mean and 90th percentile. load_issue_seconds: the host's time to issue every attempt."""
     bank = rbank(2, prefetch_workers=0)
     bank.residency.faults.corrupt(adapter="kvup", attempt=1, where="tail")
     for a in ("qv", "kvup", "pattern", "all"):
@@ -1114,3 +1114,6 @@ def test_every_committed_load_records_its_copy_time(pinned):
     assert s.rollbacks == 1 and s.load_attempts == s.loads + 1
     assert len(s.load_device_seconds) == s.loads == 4 and all(t > 0 for t in s.load_device_seconds)
     assert s.as_dict()["load_device_seconds"] == list(s.load_device_seconds)
+    # the host's time to issue a load: one figure per attempt, the rolled-back one included
+    assert len(s.load_issue_seconds) == s.load_attempts == 5 and all(t > 0 for t in s.load_issue_seconds)
+    assert s.as_dict()["load_issue_seconds"] == list(s.load_issue_seconds)

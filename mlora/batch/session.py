@@ -134,10 +134,13 @@ class EngineSession:
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
-        per_load = ("load_seconds", "load_device_seconds", "load_copy_seconds")
-        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in per_load} if self.bank else {}
-        # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's wait
-        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds")):
+        from .residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
+
+        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in PER_LOAD_STATS} if self.bank else {}
+        # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
+        # wait; and the host's time to issue a load (the copy stream cannot finish before it)
+        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
+                            ("load_issue", "load_issue_seconds")):
             times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
             if times:
                 bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),

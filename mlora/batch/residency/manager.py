@@ -207,13 +207,18 @@ class ResidencyStats:
     load_device_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # of which the copies alone (start mark to the mark after the last copy)
     load_copy_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    # host time to issue each load's copies and probe (start mark to end mark): the copy stream
+    # cannot finish a load before the host has issued all of it (twentieth session)
+    load_issue_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
-        out["load_seconds"] = list(self.load_seconds)
-        out["load_device_seconds"] = list(self.load_device_seconds)
-        out["load_copy_seconds"] = list(self.load_copy_seconds)
+        for name in PER_LOAD_STATS:
+            out[name] = list(getattr(self, name))
         return out
+
+
+PER_LOAD_STATS = ("load_seconds", "load_device_seconds", "load_copy_seconds", "load_issue_seconds")
 
 
 class Launch:
@@ -959,6 +964,7 @@ class Residency:
         self._log(f"copy {e.label} -> {e.pages}")
         views = self.storage.views(slot.id, e.pages)
         name = e.artifact.name
+        issued = time.perf_counter()
         start = self.copier.mark()
         whole = {p.view for p in e.artifact.pieces if p.index == ()}
         for view_name, v in views.items():
@@ -975,6 +981,7 @@ class Residency:
             self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
             e.probe = self.prober.probe(slot.id, views)  # queued behind the copies: nothing waits at validation
         e.timing = (start, copied, self.copier.mark())
+        self.stats.load_issue_seconds.append(time.perf_counter() - issued)
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)
