@@ -274,6 +274,19 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     assert prober.prepared == 2
 
 
+def test_a_prepared_probes_host_buffers_share_one_allocation_without_overlap():
+    """_HostBuffers: one allocation (one page-locking call on a GPU), each tensor 64-byte aligned,
+    of its shape and dtype, none overlapping another (written in turn, read back intact)."""
+    specs = [((4, 2), torch.int32), ((3,), torch.float32), ((7, 4), torch.int64), ((0,), torch.int32), ((5,), torch.int64)]
+    hb = storage_mod._HostBuffers(specs, pin=False)
+    assert [(tuple(t.shape), t.dtype) for t in hb.tensors] == specs
+    base = hb.storage.data_ptr()
+    assert all((t.data_ptr() - base) % 64 == 0 and t.untyped_storage().data_ptr() == base for t in hb.tensors)
+    for i, t in enumerate(hb.tensors):
+        t.fill_(i + 1)
+    assert all(bool((t == i + 1).all()) for i, t in enumerate(hb.tensors))
+
+
 def _sync(dev: str) -> None:
     if dev == "cuda":
         torch.cuda.synchronize()

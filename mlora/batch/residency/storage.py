@@ -16,6 +16,7 @@ Must not know states, leases or the page ledger's rules.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -82,8 +83,9 @@ PREPARED_DEVICES = ("cuda",)  # devices whose views take prepared probes (tests 
 
 class SlotProber:
     """Issues :func:`probe_landed`'s device work for a slot's views from buffers prepared once
-    per slot (a GPU's views: page-locked host buffers for every read-back, the word-stats
-    launches' output rows, the 16-bit word views): on the copy stream a load's probe is then
+    per slot (a GPU's views: page-locked host buffers for every read-back, carved from one
+    allocation per slot, the word-stats launches' output rows, the 16-bit word views): on the
+    copy stream a load's probe is then
     one word-stats launch and a few asynchronous copies, with none of the per-load host
     allocation and view bookkeeping. The host enqueues a load's probe after its copies, and
     the copy stream cannot finish before the host has enqueued it, so this host time was on
@@ -132,11 +134,10 @@ class _ProbePlan:
         if (not views or any(v.device.type not in PREPARED_DEVICES for v in views.values())
                 or host_mod.wordstats_failed()):
             return None
-        pin = next(iter(views.values())).device.type == "cuda"
-        small, large = {}, {}
+        small, large = [], {}
         for n, v in views.items():
             if v.numel() <= SMALL_VIEW:
-                small[n] = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+                small.append(n)
                 continue
             flat = v.detach().reshape(-1)
             if flat.stride(0) != 1 or not host_mod.takes_word_stats(flat):
@@ -144,17 +145,20 @@ class _ProbePlan:
             large.setdefault(flat.dtype, []).append(n)
         from .wordstats import chunks_for
 
+        groups = [names[i : i + 2] for names in large.values() for i in range(0, len(names), 2)]
+        chunks = [sum(chunks_for(views[n].numel()) for n in pair) for pair in groups]
+        # every host buffer of the plan carved from one page-locked allocation: pinning takes a
+        # process-wide driver lock that the engine thread's CUDA calls wait behind (pinned.py)
+        host = _HostBuffers([(tuple(views[n].shape), views[n].dtype) for n in small]
+                            + [((c, 4), torch.int64) for c in chunks],
+                            pin=next(iter(views.values())).device.type == "cuda")
         pairs = []
-        for names in large.values():
-            for i in range(0, len(names), 2):
-                pair = names[i : i + 2]
-                counts = [views[n].numel() for n in pair]
-                chunks = sum(chunks_for(c) for c in counts)
-                words = [views[n].detach().reshape(-1).view(torch.int16) for n in pair]  # the slot's memory itself
-                dev_rows = torch.empty((chunks, 4), dtype=torch.int64, device=views[pair[0]].device)
-                pairs.append((pair, counts, words, host_mod.float_masks(views[pair[0]].dtype), dev_rows,
-                              torch.empty((chunks, 4), dtype=torch.int64, pin_memory=pin)))
-        return cls(list(views), cls._key(views), small, pairs)
+        for k, (pair, c) in enumerate(zip(groups, chunks)):
+            words = [views[n].detach().reshape(-1).view(torch.int16) for n in pair]  # the slot's memory itself
+            dev_rows = torch.empty((c, 4), dtype=torch.int64, device=views[pair[0]].device)
+            pairs.append((pair, [views[n].numel() for n in pair], words, host_mod.float_masks(views[pair[0]].dtype),
+                          dev_rows, host.tensors[len(small) + k]))
+        return cls(list(views), cls._key(views), dict(zip(small, host.tensors)), pairs)
 
     def matches(self, views) -> bool:
         return self._key(views) == self.keys
@@ -178,6 +182,21 @@ class _ProbePlan:
         probe = Probe(self.names, parts, dict(self.small))
         self._owner = weakref.ref(probe)
         return probe
+
+
+class _HostBuffers:
+    """Host tensors of the given shapes and dtypes carved from one allocation (page-locked
+    with ``pin``), each starting at a multiple of 64 bytes."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool):
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        starts, end = [], 0
+        for n in sizes:
+            starts.append(end)
+            end += -(-max(n, 1) // 64) * 64
+        self.storage = torch.empty(max(end, 64), dtype=torch.uint8, pin_memory=pin)
+        self.tensors = [self.storage[a : a + n].view(dtype).view(shape)
+                        for a, n, (shape, dtype) in zip(starts, sizes, specs)]
 
 
 def validate_landed(storage: Storage, views: dict[str, torch.Tensor], artifact: HostArtifact,
