@@ -215,10 +215,19 @@ class StatsPart:
         return dict(zip(self.names, split_sums(self.rows, self.counts)))
 
 
+def word_stats_pairs(flats: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The word-stats launches of these views: names grouped by dtype (in first-seen order),
+    two to a launch, in order."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n, f in flats.items():
+        by_dtype.setdefault(f.dtype, []).append(n)
+    return [names[i : i + 2] for names in by_dtype.values() for i in range(0, len(names), 2)]
+
+
 def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) -> list[StatsPart]:
     """:func:`view_stats` of every view, issued on the current stream without waiting: a GPU's
-    large 16-bit views two at a time (same dtype) in one word-stats launch each, writing
-    per-program partials (no zeroed buffer, no atomics: ``wordstats.py``), any other view
+    large 16-bit views two at a time (same dtype: :func:`word_stats_pairs`) in one word-stats
+    launch each, writing per-chunk partials (no zeroed buffer, no atomics: ``wordstats.py``), any other view
     through view_stats into a row of its own. ``fused``: force the Triton path (tests, under
     the interpreter) or the other one; default: a GPU's large 16-bit views. If the kernel
     cannot run here, the same numbers come from torch reductions, said once per process."""
@@ -227,31 +236,26 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
     take = [n for n, f in flats.items()
             if (fused if fused is not None else (_WORDSTATS_FAILED is None and takes_word_stats(f)))]
     parts: list[StatsPart] = []
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for n in take:
-        by_dtype.setdefault(flats[n].dtype, []).append(n)
     done = set()
-    for dtype, names in by_dtype.items():
+    for pair in word_stats_pairs({n: flats[n] for n in take}):
         if _WORDSTATS_FAILED is not None and not fused:
             break
         from .wordstats import word_partials
 
-        exp, mag = float_masks(dtype)
-        for i in range(0, len(names), 2):
-            pair = names[i : i + 2]
-            try:
-                rows = word_partials([flats[n].view(torch.int16) for n in pair], exp, mag, CHECK_MODULUS)
-            except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
-                if fused:
-                    raise
-                # the same numbers the slower way (view_stats then takes torch reductions), for the
-                # rest of the process; said once
-                _WORDSTATS_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                warnings.warn(f"mlora: the word-stats kernel failed ({_WORDSTATS_FAILED}); load validation uses "
-                              "torch reductions instead (slower, same numbers)", RuntimeWarning)
-                break
-            parts.append(StatsPart(pair, [flats[n].numel() for n in pair], rows))
-            done.update(pair)
+        try:
+            rows = word_partials([flats[n].view(torch.int16) for n in pair], *float_masks(flats[pair[0]].dtype),
+                                 CHECK_MODULUS)
+        except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
+            if fused:
+                raise
+            # the same numbers the slower way (view_stats then takes torch reductions), for the
+            # rest of the process; said once
+            _WORDSTATS_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"mlora: the word-stats kernel failed ({_WORDSTATS_FAILED}); load validation uses "
+                          "torch reductions instead (slower, same numbers)", RuntimeWarning)
+            break
+        parts.append(StatsPart(pair, [flats[n].numel() for n in pair], rows))
+        done.update(pair)
     rest = [n for n in flats if n not in done]
     if rest:
         rows = torch.stack([_view_stats_unfused(flats[n]) for n in rest])

@@ -142,10 +142,10 @@ class _ProbePlan:
             flat = v.detach().reshape(-1)
             if flat.stride(0) != 1 or not host_mod.takes_word_stats(flat):
                 return None  # a copy or another reduction per load: the plain path does that
-            large.setdefault(flat.dtype, []).append(n)
+            large[n] = flat
         from .wordstats import chunks_for
 
-        groups = [names[i : i + 2] for names in large.values() for i in range(0, len(names), 2)]
+        groups = host_mod.word_stats_pairs(large)  # the launches view_stats_parts would make
         chunks = [sum(chunks_for(views[n].numel()) for n in pair) for pair in groups]
         # every host buffer of the plan carved from one page-locked allocation: pinning takes a
         # process-wide driver lock that the engine thread's CUDA calls wait behind (pinned.py)
@@ -154,7 +154,7 @@ class _ProbePlan:
                             pin=next(iter(views.values())).device.type == "cuda")
         pairs = []
         for k, (pair, c) in enumerate(zip(groups, chunks)):
-            words = [views[n].detach().reshape(-1).view(torch.int16) for n in pair]  # the slot's memory itself
+            words = [large[n].view(torch.int16) for n in pair]  # the slot's memory itself
             dev_rows = torch.empty((c, 4), dtype=torch.int64, device=views[pair[0]].device)
             pairs.append((pair, [views[n].numel() for n in pair], words, host_mod.float_masks(views[pair[0]].dtype),
                           dev_rows, host.tensors[len(small) + k]))
