@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh kernels-split  the default config per sweep case, with shrink alone and an empty graph
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh split-kv   decode attention with split keys: tests, bench batch at 64 rows, splits 1/2/auto, load breakdown (~6 min)
+#   bash scripts/gpu_session.sh residency-ab  the limited run alone, unsampled (A/B of env knobs across calls)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -351,6 +352,15 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 560 python scripts/sample_engine.py --out "$OUT/prof-limited.txt" -- bench residency /tmp/rb --adapters 1000 \
       --rows 8000 --slots 64 --runs limited --out "$OUT/residency-limited.json" 2>&1 | tail -12
     cp "$OUT/residency-limited.json" /tmp/residency-limited.json 2>/dev/null  # for `resident`'s --compare
+    ;;
+  residency-ab)  # twenty-first session: the 8,000-row limited run alone, no sampler (its thread takes the
+    # interpreter lock every 5 ms), for A/B of environment knobs in calls back to back on one machine
+    # (e.g. MLORA_SWITCH_INTERVAL_US=50 bash scripts/gpu_session.sh residency-ab); GPU validation tests first
+    rm -rf /tmp/bb
+    timeout 60 python -m pytest -q tests/test_residency_validate.py tests/test_residency_pinned.py 2>&1 | tail -1
+    echo "MLORA_SWITCH_INTERVAL_US=${MLORA_SWITCH_INTERVAL_US:-default}"
+    timeout 540 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
+      --out "$OUT/residency-limited.json" 2>&1 | grep -E "^limited|floor|Error|error"
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)

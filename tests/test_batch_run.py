@@ -309,8 +309,10 @@ def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
     assert rows["short"]["num_completion_tokens"] == 3
 
 
-def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
+def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    from mlora.batch import session as session_mod
 
     from mlora.batch.job import JobOptions, run_job
 
@@ -333,7 +335,16 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path):
                                   prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead,
                                   schedule_window=window))
 
-    few, many = run("few", 3), run("many", None)
+    # the engine's switch interval beside the prefetch threads comes from MLORA_SWITCH_INTERVAL_US
+    # and is restored when the job ends
+    switches = []
+    monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", "123")
+    monkeypatch.setattr(session_mod.sys, "setswitchinterval", switches.append)
+    before = sys.getswitchinterval()
+    few = run("few", 3)
+    assert switches == [123e-6, before]
+    monkeypatch.undo()
+    many = run("many", None)
     run("sync", 3, prefetch=0)
     host_only = run("host-only", 3, gpu=0)
     a, b, c = _rows(tmp_path / "few"), _rows(tmp_path / "many"), _rows(tmp_path / "sync")

@@ -1117,3 +1117,6 @@ def test_every_committed_load_records_its_copy_time(pinned):
     # the host's time to issue a load: one figure per attempt, the rolled-back one included
     assert len(s.load_issue_seconds) == s.load_attempts == 5 and all(t > 0 for t in s.load_issue_seconds)
     assert s.as_dict()["load_issue_seconds"] == list(s.load_issue_seconds)
+    # and the issuing thread's CPU time over the same spans: never more than their wall time
+    assert len(s.load_issue_cpu_seconds) == s.load_attempts
+    assert all(0 <= c <= w + 1e-4 for c, w in zip(s.load_issue_cpu_seconds, s.load_issue_seconds))

@@ -53,6 +53,7 @@ from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mu
                            shrink_ahead)
 
 from .catalog import PinnedAdapter, load_factors
+from .envknobs import env_int
 from .lora import GROUPS, ROLE_SLICE
 
 
@@ -91,16 +92,6 @@ def lru_slot(lru: OrderedDict, num_slots: int, keep, stats: BankStats) -> int:
     victim = next(k for k in lru if k not in keep)
     stats.evictions += 1
     return lru.pop(victim)
-
-
-def _env_rows(name: str, default: int) -> int:
-    """A non-negative row count from the environment variable ``name`` (``default`` when unset)."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if not raw.strip().isdigit():
-        raise ValueError(f"{name}={raw!r}: expected a non-negative whole number of rows (unset it for {default})")
-    return int(raw)
 
 
 class SlotTensors:
@@ -156,7 +147,7 @@ class SlotTensors:
         # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
         # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
-        self.fuse_silu_min_rows = _env_rows("MLORA_LORA_SILU_MIN_ROWS", 1024)
+        self.fuse_silu_min_rows = env_int("MLORA_LORA_SILU_MIN_ROWS", 1024, unit="rows")
         self._side_stream = None
 
     def side_stream(self):

@@ -289,6 +289,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          load_copy_ms_p50=summary.bank.get("load_copy_ms_p50"),
                          load_issue_ms_p50=summary.bank.get("load_issue_ms_p50"),
                          load_issue_ms_p90=summary.bank.get("load_issue_ms_p90"),
+                         load_issue_cpu_ms_p50=summary.bank.get("load_issue_cpu_ms_p50"),
+                         load_issue_cpu_ms_p90=summary.bank.get("load_issue_cpu_ms_p90"),
                          # what a load really copied (the whole-view image: slot views incl. their zeros), against
                          # the adapter's bytes that the amplification metric counts
                          copied_bytes_per_load=(summary.bank["h2d_bytes"] / summary.bank["load_attempts"]
@@ -302,7 +304,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p50']} p50, "
                      f"{r['load_device_ms_p90']} p90; copies alone {r['load_copy_ms_mean']} mean, "
                      f"{r['load_copy_ms_p50']} p50; host issue {r['load_issue_ms_p50']} p50, "
-                     f"{r['load_issue_ms_p90']} p90; "
+                     f"{r['load_issue_ms_p90']} p90, its CPU time {r['load_issue_cpu_ms_p50']} p50, "
+                     f"{r['load_issue_cpu_ms_p90']} p90; "
                      + ("-" if r["copied_bytes_per_load"] is None else f"{r['copied_bytes_per_load'] / 1e6:.1f}")
                      + " MB copied per load), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .envknobs import env_int
+
 LOG2E = 1.4426950408889634
 # The CPU interpreter mis-computes 16-bit tl.dot: there (and for float32 inputs)
 # the dots run in IEEE float32; 16-bit inputs on a GPU use tensor cores with
@@ -215,12 +217,9 @@ def decode_splits(programs: int, device: torch.device) -> int:
     launch has at least ``SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM, else the power of
     two that brings it there (at most ``MAX_DECODE_SPLITS``). ``MLORA_DECODE_SPLITS`` forces
     a count (benchmarks). Depends only on static shapes: a captured graph keeps its count."""
-    forced = os.environ.get("MLORA_DECODE_SPLITS")
-    if forced:
-        if not forced.strip().isdigit() or int(forced) < 1:
-            raise ValueError(f"MLORA_DECODE_SPLITS={forced!r}: expected a whole number of key splits >= 1 "
-                             "(unset it for the automatic count)")
-        return int(forced)
+    forced = env_int("MLORA_DECODE_SPLITS", None, minimum=1, unit="key splits")
+    if forced is not None:
+        return forced
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     splits = 1
     while splits < MAX_DECODE_SPLITS and programs * splits < SPLIT_BELOW_PROGRAMS_PER_SM * sms:

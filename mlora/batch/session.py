@@ -23,6 +23,7 @@ import torch
 
 from .catalog import PinnedAdapter
 from .engine import Engine, Request, Result
+from .envknobs import env_int
 from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
 from .sampling import SamplingParams
 
@@ -87,12 +88,13 @@ class EngineSession:
                                       host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
                                       build_processes=opts.image_build_processes if workers else 0, slices=slices)
         self._switch = None
-        if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        switch = switch_interval_s()
+        if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > switch:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
             # must win it back quickly: at Python's default 5 ms interval each re-acquisition
             # behind a busy builder could cost 5 ms (restored by close())
             self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            sys.setswitchinterval(switch)
         if opts.preload_adapters and self.bank is not None and bundle is None:
             # load the first num_slots adapters before the first row (and before the metrics clock);
             # their host images are built on the prefetch threads meanwhile (ensure waits for each)
@@ -140,7 +142,7 @@ class EngineSession:
         # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
         # wait; and the host's time to issue a load (the copy stream cannot finish before it)
         for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
-                            ("load_issue", "load_issue_seconds")):
+                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds")):
             times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
             if times:
                 bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
@@ -170,7 +172,13 @@ class EngineSession:
 # three-stage-triton: three-stage through the segmented Triton kernels (bundle_bank
 # operator="triton"), CUDA only, opt-in until the H200 serving benchmark compares it
 BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
-SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while prefetch threads run
+SWITCH_INTERVAL_US = 500  # the GIL switch interval while prefetch threads run (MLORA_SWITCH_INTERVAL_US)
+
+
+def switch_interval_s() -> float:
+    """The interpreter's switch interval while prefetch threads run, in seconds:
+    ``MLORA_SWITCH_INTERVAL_US`` (microseconds, >= 1; A/B runs) or ``SWITCH_INTERVAL_US``."""
+    return env_int("MLORA_SWITCH_INTERVAL_US", SWITCH_INTERVAL_US, minimum=1, unit="microseconds") / 1e6
 
 
 def prefetch_workers() -> int:

@@ -157,6 +157,7 @@ class CudaCopier:
         # against a 0.35 ms copy floor; with this priority (and one-launch validation) the
         # ninth measured 1.27 ms mean: no gain on the mean, kept (BENCHMARKS.md, residency).
         self.stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
+        self._inside = False  # within side(): the copy stream is already current
 
     def wait(self, event: Event | None) -> None:
         if event is None:
@@ -167,12 +168,16 @@ class CudaCopier:
             event.synchronize()
 
     def zero(self, dst: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             dst.zero_()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             dst.copy_(src, non_blocking=True)
+
+    def _on_stream(self):
+        """The copy stream's context, or nothing inside :meth:`side` (already on it)."""
+        return contextlib.nullcontext() if self._inside else torch.cuda.stream(self.stream)
 
     def record(self) -> Event:
         event = torch.cuda.Event()
@@ -195,11 +200,19 @@ class CudaCopier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    @contextlib.contextmanager
     def side(self):
         """Context in which device work (load validation) runs on the copy stream: its
         result read-back waits for the copy, never for the compute stream's queued
-        iterations (which would stall the host for about one forward per load)."""
-        return torch.cuda.stream(self.stream)
+        iterations (which would stall the host for about one forward per load). Copies
+        and zeros issued inside it skip their own stream switch. Engine thread only."""
+        outer = self._inside
+        with torch.cuda.stream(self.stream):
+            self._inside = True
+            try:
+                yield
+            finally:
+                self._inside = outer
 
 
 def copier_for(device) -> Copier:

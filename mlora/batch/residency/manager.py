@@ -210,6 +210,9 @@ class ResidencyStats:
     # host time to issue each load's copies and probe (start mark to end mark): the copy stream
     # cannot finish a load before the host has issued all of it (twentieth session)
     load_issue_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    # the issuing thread's CPU time over the same span: wall time well above it is time the
+    # thread waited (for the interpreter lock behind prefetch builders, or a driver lock)
+    load_issue_cpu_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -218,7 +221,8 @@ class ResidencyStats:
         return out
 
 
-PER_LOAD_STATS = ("load_seconds", "load_device_seconds", "load_copy_seconds", "load_issue_seconds")
+PER_LOAD_STATS = ("load_seconds", "load_device_seconds", "load_copy_seconds", "load_issue_seconds",
+                  "load_issue_cpu_seconds")
 
 
 class Launch:
@@ -964,24 +968,26 @@ class Residency:
         self._log(f"copy {e.label} -> {e.pages}")
         views = self.storage.views(slot.id, e.pages)
         name = e.artifact.name
-        issued = time.perf_counter()
+        issued, issued_cpu = time.perf_counter(), time.thread_time()
         start = self.copier.mark()
         whole = {p.view for p in e.artifact.pieces if p.index == ()}
-        for view_name, v in views.items():
-            if view_name not in whole:  # a whole-view piece writes every element of its view
-                self.copier.zero(v)
-        for i, p in enumerate(e.artifact.pieces):
-            self.copier.copy(views[p.view][p.index], p.src)
-            if i == 0:
+        with self.copier.side():  # one stream switch for the whole load (each costs host time)
+            for view_name, v in views.items():
+                if view_name not in whole:  # a whole-view piece writes every element of its view
+                    self.copier.zero(v)
+            for i, p in enumerate(e.artifact.pieces):
+                self.copier.copy(views[p.view][p.index], p.src)
+                if i == 0:
+                    self.faults.check("copy", e.key, name, attempt)
+            if not e.artifact.pieces:
                 self.faults.check("copy", e.key, name, attempt)
-        if not e.artifact.pieces:
-            self.faults.check("copy", e.key, name, attempt)
-        copied = self.copier.mark()
-        with self.copier.side():  # ordered after the copies: injected corruption, then validation's reads
+            copied = self.copier.mark()
+            # ordered after the copies: injected corruption, then validation's reads
             self.faults.corrupt_views(e.key, name, attempt, views, e.artifact.pieces)
             e.probe = self.prober.probe(slot.id, views)  # queued behind the copies: nothing waits at validation
         e.timing = (start, copied, self.copier.mark())
         self.stats.load_issue_seconds.append(time.perf_counter() - issued)
+        self.stats.load_issue_cpu_seconds.append(time.thread_time() - issued_cpu)
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)

@@ -1,0 +1,25 @@
+"""Whole-number tuning knobs read from the environment (benchmarks and A/B runs).
+
+One parser for every ``MLORA_*`` integer knob, so that each refuses a malformed value
+the same way: a ``ValueError`` naming the variable, what it expected and how to get the
+default back. None of these knobs is needed for a correct job (README, Environment
+variables)."""
+
+from __future__ import annotations
+
+import os
+
+
+def env_int(name: str, default: int | None, *, minimum: int = 0, unit: str = "") -> int | None:
+    """The integer in the environment variable ``name``, ``default`` when it is unset or
+    empty. Raises ValueError when it is not a whole number >= ``minimum`` (``unit`` says
+    what it counts, for the message)."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    if not text.isdigit() or int(text) < minimum:
+        what = f"a whole number{' of ' + unit if unit else ''} >= {minimum}"
+        default_text = "the automatic value" if default is None else str(default)
+        raise ValueError(f"{name}={raw!r}: expected {what} (unset it for {default_text})")
+    return int(text)

@@ -1,0 +1,37 @@
+"""The environment's integer knobs: one parser, the same refusal for every variable."""
+
+import pytest
+
+from mlora.batch.envknobs import env_int
+from mlora.batch.session import SWITCH_INTERVAL_US, switch_interval_s
+
+
+def test_env_int_reads_defaults_and_refuses(monkeypatch):
+    monkeypatch.delenv("MLORA_TEST_KNOB", raising=False)
+    assert env_int("MLORA_TEST_KNOB", 7) == 7
+    assert env_int("MLORA_TEST_KNOB", None) is None
+    monkeypatch.setenv("MLORA_TEST_KNOB", "  ")  # empty: as unset
+    assert env_int("MLORA_TEST_KNOB", 7) == 7
+    monkeypatch.setenv("MLORA_TEST_KNOB", " 42 ")
+    assert env_int("MLORA_TEST_KNOB", 7) == 42
+    monkeypatch.setenv("MLORA_TEST_KNOB", "0")
+    assert env_int("MLORA_TEST_KNOB", 7) == 0
+    with pytest.raises(ValueError, match=r"MLORA_TEST_KNOB='0': expected a whole number of rows >= 1 \(unset it for 7\)"):
+        env_int("MLORA_TEST_KNOB", 7, minimum=1, unit="rows")
+    for bad in ("two", "-3", "1.5", "1e3"):  # never read as some other number
+        monkeypatch.setenv("MLORA_TEST_KNOB", bad)
+        with pytest.raises(ValueError, match="MLORA_TEST_KNOB=.*unset it for the automatic value"):
+            env_int("MLORA_TEST_KNOB", None)
+
+
+def test_switch_interval_knob(monkeypatch):
+    """The engine's GIL switch interval beside prefetch threads: 500 us unless
+    MLORA_SWITCH_INTERVAL_US says otherwise; zero or garbage refused."""
+    monkeypatch.delenv("MLORA_SWITCH_INTERVAL_US", raising=False)
+    assert switch_interval_s() == SWITCH_INTERVAL_US / 1e6 == 0.0005
+    monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", "50")
+    assert switch_interval_s() == 50e-6
+    for bad in ("0", "fast"):
+        monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", bad)
+        with pytest.raises(ValueError, match="MLORA_SWITCH_INTERVAL_US="):
+            switch_interval_s()
