@@ -2,6 +2,7 @@
 
     python scripts/attention_sweep.py [--rows 64,256] [--quick]
     python scripts/attention_sweep.py --prefill [--tokens 8192] [--quick]
+    python scripts/attention_sweep.py --order [--rows 64,256]
 
 One Llama-3-8B layer's decode launch (32 query heads, 8 KV heads, head_dim
 128, bf16, 16-token pages in shuffled order), ``rows`` sequences with context
@@ -23,6 +24,11 @@ a taller tile reads each K/V tile for more queries), ``PREFILL_BLOCK_N``,
 larger of the causal flops (QK and PV, 4 x causal pairs x heads x head_dim)
 over the bf16 matmul rate measured in the same run, and the Q/K/V/output
 bytes over the copy bandwidth.
+
+``--order`` (twenty-first session): whether the decode launch's time above its floor
+is load imbalance (contexts from 129 to 1,152 keys, ~4 programs per SM at 64 rows):
+the default launch with its tiles in batch order, longest context first, dispatched
+heads first, both, and a batch of equal contexts with the same total keys.
 """
 import argparse
 import itertools
@@ -115,12 +121,54 @@ def layout_for(rows: int, gen: torch.Generator):
     return layout, ctx, num_pages
 
 
+def sweep_order(rows: int, bw: float, gen: torch.Generator) -> None:
+    """The default decode launch over one batch in four dispatch orders, and over a batch of
+    equal contexts with the same keys (what a perfectly balanced launch would take)."""
+    layout, ctx, num_pages = layout_for(rows, gen)
+    k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(rows, H, D, generator=gen).to("cuda", torch.bfloat16)
+    floor_us = 2 * sum(ctx) * HKV * D * 2 / bw * 1e6
+    ref = pa.paged_attention(q, k, v, layout, D**-0.5, splits_override=1).float()
+    (decode,) = layout.launches
+    seq0, q00 = decode.tile_seq.clone(), decode.tile_q0.clone()
+    longest = torch.argsort(torch.tensor(ctx, device="cuda")[seq0.long()], descending=True, stable=True)
+    print(f"{rows} rows, mean context {sum(ctx) / rows:.0f} (max {max(ctx)}): floor {floor_us:.1f} us")
+    saved = pa.DECODE_HEADS_FIRST
+    for label, sort, heads_first in (("tiles in batch order", False, False), ("longest first", True, False),
+                                     ("heads first", False, True), ("longest first, heads first", True, True)):
+        decode.tile_seq = seq0[longest].contiguous() if sort else seq0
+        decode.tile_q0 = q00[longest].contiguous() if sort else q00
+        pa.DECODE_HEADS_FIRST = heads_first
+        for sp in (1, 2):
+            out = torch.full_like(q, float("nan"))
+            pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp)
+            err = (out.float() - ref).abs().max().item()
+            us = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda: pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp), rep=50)
+            print(f"  {label:28s} splits {sp}: {us:6.1f} us = {us / floor_us:.2f}x floor, max |diff| {err:.1e}")
+    pa.DECODE_HEADS_FIRST = saved
+    mean = round(sum(ctx) / rows)
+    tables, pages = shuffled_tables([mean] * rows, gen)
+    even = pa.PagedLayout.build(list(range(rows + 1)), [mean] * rows, tables, H // HKV, torch.device("cuda"))
+    k = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: pa.paged_attention(q, k, v, even, D**-0.5, out=out,
+                                                                            splits_override=1), rep=50)
+    even_floor = 2 * mean * rows * HKV * D * 2 / bw * 1e6
+    print(f"  equal contexts ({mean} each)      splits 1: {us:6.1f} us = {us / even_floor:.2f}x its floor "
+          f"({even_floor:.1f} us)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--quick", action="store_true", help="fewer combinations")
     ap.add_argument("--prefill", action="store_true", help="sweep a prefill launch instead of decode")
     ap.add_argument("--tokens", type=int, default=8192, help="packed prefill rows (--prefill)")
+    ap.add_argument("--order", action="store_true",
+                    help="decode dispatch orders (batch order, longest context first, heads first) and equal contexts")
     args = ap.parse_args()
     ceil = measure_ceilings()  # the copy bandwidth and bf16 matmul rate of mlora bench kernels
     bw = ceil.copy_bytes_per_s
@@ -128,6 +176,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     if args.prefill:
         sweep_prefill(args.tokens, args.quick, bw, ceil.bf16_flops_per_s, gen)
+        return
+    if args.order:
+        for rows in (int(r) for r in args.rows.split(",")):
+            sweep_order(rows, bw, gen)
         return
     block_ns = [32, 64, 128]
     warps = [4, 8] if args.quick else [2, 4, 8]

@@ -191,6 +191,31 @@ def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
         torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_grid_order_and_tile_order_do_not_change_results(splits, monkeypatch):
+    """Decode launches dispatched heads first (DECODE_HEADS_FIRST) and decode tiles listed in
+    another order (longest context first, as a scheduler might) give every row the numbers
+    of the default grid over the default order; the prefill launch beside them is unchanged."""
+    from mlora.batch import paged_attention as pa
+
+    seqs = [(1, 3), (1, 3 * pa.DECODE_BLOCK_N + 5), (9, 20), (1, 130), (1, 70)]
+    q, kv, meta = paged_case(31 + splits, seqs, 8, 2, 16, 4, torch.float32)
+    meta.backend = "triton"
+    layout = meta.paged_layout(kv.block_size, q.shape[1] // kv.num_kv_heads, q.device)
+    want = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, splits_override=splits)
+    decode = next(t for t in layout.launches if t.decode)
+    ctx = layout.context_lens[decode.tile_seq.long()]
+    order = torch.argsort(ctx, descending=True, stable=True)
+    assert order.tolist() != list(range(len(order)))  # really another order
+    decode.tile_seq, decode.tile_q0 = decode.tile_seq[order].contiguous(), decode.tile_q0[order].contiguous()
+    monkeypatch.setattr(pa, "DECODE_HEADS_FIRST", True)
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(reference(q, kv, meta)).all()
+    torch.testing.assert_close(got, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
+
+
 def test_decode_splits_rule(monkeypatch):
     """Few programs per SM split (powers of two, capped); enough do not; the env var forces."""
     from mlora.batch import paged_attention as pa

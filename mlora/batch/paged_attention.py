@@ -74,6 +74,11 @@ MAX_DECODE_SPLITS = 8
 DECODE_BLOCK_N = 64
 DECODE_WARPS = 4
 DECODE_STAGES: int | None = 2
+# Decode launches' grid order: False = (tiles, KV heads), a KV head's tiles dispatched
+# together; True = (KV heads, tiles), a tile's heads together (with tiles ordered longest
+# context first, the scheduler then fills in short work last). Not measured yet
+# (twenty-first session: `scripts/attention_sweep.py --order`).
+DECODE_HEADS_FIRST = False
 # Launch parameters of prefill launches (several new rows per sequence), swept by
 # `scripts/attention_sweep.py --prefill` (nineteenth session, H200, one Llama-3-8B layer over
 # a 7,555-row chunk of 14 prompts): 128 query rows x heads per tile (32 tokens x 4 heads per
@@ -116,9 +121,16 @@ def _paged_attention_kernel(
     stride_bt, block_size, part_ptr, stat_ptr, splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (KV heads, tiles, splits): a tile's heads are dispatched together
+        kvh = tl.program_id(0)
+        tile = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    else:  # grid (tiles, KV heads, splits)
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kvh = tl.num_programs(1)
     seq, q0, row0, n, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
                                                             GROUP, GROUP_P, BLOCK_Q)
     ctx = tl.load(context_lens_ptr + seq)
@@ -167,7 +179,7 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
     if SPLIT:  # the chunk's partial of the real rows: unnormalised accumulator, running max and sum
-        part = (tile * tl.num_programs(1) + kvh) * splits + tl.program_id(2)
+        part = (tile * num_kvh + kvh) * splits + tl.program_id(2)
         rows = part * (BLOCK_Q * GROUP_P) + offs_m
         tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(stat_ptr + rows * 2, m_i, mask=row_ok)
@@ -362,7 +374,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if splits > 1:
             part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
             stat = torch.empty(tiles * Hkv * splits * rows, 2, dtype=torch.float32, device=q.device)
-        _paged_attention_kernel[(tiles, Hkv, splits)](
+        heads_first = tl_.decode and DECODE_HEADS_FIRST
+        _paged_attention_kernel[(Hkv, tiles, splits) if heads_first else (tiles, Hkv, splits)](
             q, k_cache, v_cache, out,
             bt, layout.context_lens, layout.query_starts, tl_.tile_seq, tl_.tile_q0,
             scale * LOG2E,
@@ -371,7 +384,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             bt.stride(0), block_size, part, stat, splits,
             GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=block_n,
-            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, num_warps=warps, **stages,
+            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, HEADS_FIRST=heads_first,
+            num_warps=warps, **stages,
         )
         if splits > 1:
             _merge_splits_kernel[(tiles, Hkv)](
