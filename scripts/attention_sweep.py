@@ -134,12 +134,11 @@ def sweep_order(rows: int, bw: float, gen: torch.Generator) -> None:
     seq0, q00 = decode.tile_seq.clone(), decode.tile_q0.clone()
     longest = torch.argsort(torch.tensor(ctx, device="cuda")[seq0.long()], descending=True, stable=True)
     print(f"{rows} rows, mean context {sum(ctx) / rows:.0f} (max {max(ctx)}): floor {floor_us:.1f} us")
-    saved = pa.DECODE_HEADS_FIRST
     for label, sort, heads_first in (("tiles in batch order", False, False), ("longest first", True, False),
                                      ("heads first", False, True), ("longest first, heads first", True, True)):
         decode.tile_seq = seq0[longest].contiguous() if sort else seq0
         decode.tile_q0 = q00[longest].contiguous() if sort else q00
-        pa.DECODE_HEADS_FIRST = heads_first
+        decode.heads_first = heads_first
         for sp in (1, 2):
             out = torch.full_like(q, float("nan"))
             pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp)
@@ -147,7 +146,7 @@ def sweep_order(rows: int, bw: float, gen: torch.Generator) -> None:
             us = 1e3 * triton.testing.do_bench_cudagraph(
                 lambda: pa.paged_attention(q, k, v, layout, D**-0.5, out=out, splits_override=sp), rep=50)
             print(f"  {label:28s} splits {sp}: {us:6.1f} us = {us / floor_us:.2f}x floor, max |diff| {err:.1e}")
-    pa.DECODE_HEADS_FIRST = saved
+    decode.heads_first = False
     mean = round(sum(ctx) / rows)
     tables, pages = shuffled_tables([mean] * rows, gen)
     even = pa.PagedLayout.build(list(range(rows + 1)), [mean] * rows, tables, H // HKV, torch.device("cuda"))

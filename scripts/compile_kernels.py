@@ -213,7 +213,7 @@ def main() -> int:
         block_n = opts.pop("block_n")
         build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=block_n,
                                                HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLIT=splits > 1,
-                                               HEADS_FIRST=pa.DECODE_HEADS_FIRST and label != "prefill"),
+                                               HEADS_FIRST=pa.DECODE_ORDER.endswith("heads") and label != "prefill"),
               f"paged attention ({label} tiles)", **opts)
     build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
                                         BLOCK_D=128), "paged attention split merge", num_warps=4)

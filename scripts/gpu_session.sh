@@ -11,7 +11,8 @@
 #   bash scripts/gpu_session.sh residency  the step-4 residency benchmark, limited run (about 8 min)
 #   bash scripts/gpu_session.sh split-kv   decode attention with split keys: tests, bench batch at 64 rows, splits 1/2/auto, load breakdown (~6 min)
 #   bash scripts/gpu_session.sh residency-ab  the limited run alone, unsampled (A/B of env knobs across calls)
-#   bash scripts/gpu_session.sh attention-order  decode attention dispatch orders and equal contexts (~2 min)
+#   bash scripts/gpu_session.sh attention-order  decode attention dispatch orders and equal contexts (~3 min)
+#   bash scripts/gpu_session.sh decode-order     bench batch at 64 rows, A/B of MLORA_DECODE_ORDER (ORDER=... picks)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -364,9 +365,17 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
       --out "$OUT/residency-limited.json" 2>&1 | grep -E "^limited|floor|Error|error"
     ;;
   attention-order)  # twenty-first session: decode attention at 64 and 256 rows in four dispatch orders and with
-    # equal contexts (is its 1.41x floor at 64 rows load imbalance?); the GPU attention tests first (~2 min)
+    # equal contexts (is its 1.41x floor at 64 rows load imbalance?); the GPU attention tests first, and the
+    # decode graphs' tests with tiles longest first and a heads-first grid (~3 min)
     timeout 120 python -m pytest -q tests/test_batch_attention.py 2>&1 | tail -1
+    MLORA_DECODE_ORDER=longest-heads timeout 150 python -m pytest -q tests/test_batch_graphs.py 2>&1 | tail -1
     timeout 200 python scripts/attention_sweep.py --order --rows 64,256 2>&1 | tee "$OUT/attention-order.txt"
+    ;;
+  decode-order)  # after attention-order: bench batch at 64 running rows, base only, A/B of the decode order
+    # (MLORA_DECODE_ORDER=batch against the best order the sweep found, default longest-heads; ~4 min)
+    timeout 500 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
+      --ab "MLORA_DECODE_ORDER=batch,${ORDER:-longest-heads}" --ab-repeats 2 --out "$OUT/batch-64seqs-order.json" \
+      2>&1 | grep -E "adapters|ab"
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)

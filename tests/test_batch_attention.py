@@ -192,28 +192,47 @@ def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_grid_order_and_tile_order_do_not_change_results(splits, monkeypatch):
-    """Decode launches dispatched heads first (DECODE_HEADS_FIRST) and decode tiles listed in
-    another order (longest context first, as a scheduler might) give every row the numbers
-    of the default grid over the default order; the prefill launch beside them is unchanged."""
+def test_decode_orders_do_not_change_results(splits, monkeypatch):
+    """Every MLORA_DECODE_ORDER (decode tiles longest context first, a heads-first grid, both)
+    gives every row the numbers of the batch order; the layout really lists the decode tiles
+    longest first (ties in batch order) and marks the grid; the prefill launch is unchanged;
+    an unknown order is refused naming the variable."""
     from mlora.batch import paged_attention as pa
 
-    seqs = [(1, 3), (1, 3 * pa.DECODE_BLOCK_N + 5), (9, 20), (1, 130), (1, 70)]
+    seqs = [(1, 3), (1, 3 * pa.DECODE_BLOCK_N + 5), (9, 20), (1, 130), (1, 70), (1, 130)]
     q, kv, meta = paged_case(31 + splits, seqs, 8, 2, 16, 4, torch.float32)
-    meta.backend = "triton"
-    layout = meta.paged_layout(kv.block_size, q.shape[1] // kv.num_kv_heads, q.device)
-    want = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, splits_override=splits)
-    decode = next(t for t in layout.launches if t.decode)
-    ctx = layout.context_lens[decode.tile_seq.long()]
-    order = torch.argsort(ctx, descending=True, stable=True)
-    assert order.tolist() != list(range(len(order)))  # really another order
-    decode.tile_seq, decode.tile_q0 = decode.tile_seq[order].contiguous(), decode.tile_q0[order].contiguous()
-    monkeypatch.setattr(pa, "DECODE_HEADS_FIRST", True)
-    out = torch.full_like(q, float("nan"))
-    got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert torch.isfinite(reference(q, kv, meta)).all()
-    torch.testing.assert_close(got, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
+    group = q.shape[1] // kv.num_kv_heads
+
+    def build():
+        return pa.PagedLayout.build(meta.query_starts, meta.context_lens, meta.block_tables, group, q.device)
+
+    monkeypatch.setenv("MLORA_DECODE_ORDER", "batch")
+    want = paged_attention(q, kv.k[0], kv.v[0], build(), q.shape[-1] ** -0.5, splits_override=splits)
+    torch.testing.assert_close(want, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
+    for order in ("longest", "heads", "longest-heads"):
+        monkeypatch.setenv("MLORA_DECODE_ORDER", order)
+        layout = build()
+        decode = next(t for t in layout.launches if t.decode)
+        prefill = next(t for t in layout.launches if not t.decode)
+        assert decode.heads_first == order.endswith("heads") and not prefill.heads_first
+        listed = decode.tile_seq.tolist()
+        assert listed == ([1, 3, 5, 4, 0] if order.startswith("longest") else [0, 1, 3, 4, 5]), (order, listed)
+        assert prefill.tile_seq.tolist() == [2]
+        out = torch.full_like(q, float("nan"))
+        got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    monkeypatch.setenv("MLORA_DECODE_ORDER", "shortest")
+    with pytest.raises(ValueError, match="MLORA_DECODE_ORDER='shortest'"):
+        build()
+
+
+def test_graph_tile_order_is_a_permutation_of_the_bucket():
+    """DecodeGraphs' decode tile order: real rows longest context first (ties in batch order),
+    then the bucket's padding rows, so every replay reads a whole permutation."""
+    from mlora.batch.graphs import DecodeGraphs
+
+    assert DecodeGraphs._tile_order([5, 9, 5, 12], 8).tolist() == [3, 1, 0, 2, 4, 5, 6, 7]
+    assert DecodeGraphs._tile_order([7], 1).tolist() == [0]
 
 
 def test_decode_splits_rule(monkeypatch):

@@ -30,7 +30,7 @@ from mlora.kernels import empty_launch_plan, tile_capacity
 
 from .attention import AttentionMetadata
 from .bank import BankContext
-from .paged_attention import PagedLayout, TileList, decode_block_q, pad_tables
+from .paged_attention import PagedLayout, TileList, decode_block_q, decode_order, pad_tables
 
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
 
@@ -61,7 +61,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(B, self.width, **i32)
         self.context_lens = torch.zeros(B, **i32)
         self.query_starts = torch.arange(B + 1, **i32)
-        self.tile_seq = torch.arange(B, **i32)
+        self.tile_seq = torch.arange(B, **i32)  # a permutation of the bucket's rows (decode_order)
+        self.longest_first, self.heads_first = decode_order()
         self.tile_q0 = torch.zeros(B, **i32)
         self.row_slots = torch.full((B,), -1, **i32)
         group = model.config.num_heads // model.config.num_kv_heads
@@ -100,7 +101,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(query_starts=list(range(b + 1)), context_lens=[0] * b, block_tables=[[]] * b,
                                  slot_mapping=self.slot_mapping[:b], backend="triton")
         layout = PagedLayout(self.block_tables[:b], self.context_lens[:b], self.query_starts[:b + 1],
-                             [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b], decode=True)])
+                             [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b], decode=True,
+                                       heads_first=self.heads_first)])
         meta._views[("paged", self.kv.block_size, self.group, str(self.device))] = layout
         return meta
 
@@ -136,7 +138,7 @@ class DecodeGraphs:
         if not self._staging:
             pin = dict(pin_memory=True)
             self._staging = [(torch.zeros(2, self.max_seqs, dtype=torch.int64, **pin),
-                              torch.zeros(self.max_seqs, dtype=torch.int32, **pin),
+                              torch.zeros(2, self.max_seqs, dtype=torch.int32, **pin),
                               torch.zeros(self.max_seqs * self.width, dtype=torch.int32, **pin), None)
                              for _ in range(2)]
         i64, ctx, tab, done = self._staging[self._turn]
@@ -144,12 +146,16 @@ class DecodeGraphs:
             done.synchronize()  # its copies were queued two stages ago: long finished
         i64[0, :n] = torch.tensor(positions, dtype=torch.int64)
         i64[1, :n] = torch.tensor(slots, dtype=torch.int64)
-        ctx[:n] = torch.tensor(context_lens, dtype=torch.int32)
+        ctx[0, :n] = torch.tensor(context_lens, dtype=torch.int32)
+        if self.longest_first:  # the decode tiles' order (int32, as tile_seq) in the second row
+            b = self.bucket(n)
+            ctx[1, :b] = self._tile_order(context_lens, b)
+            self.tile_seq[:b].copy_(ctx[1, :b], non_blocking=True)
         table = tab[:n * nb].view(n, nb)  # contiguous: a strided pinned source would be staged through pageable memory
         table.copy_(torch.from_numpy(pad_tables(tables, nb)))
         self.positions[:n].copy_(i64[0, :n], non_blocking=True)
         self.slot_mapping[:n].copy_(i64[1, :n], non_blocking=True)
-        self.context_lens[:n].copy_(ctx[:n], non_blocking=True)
+        self.context_lens[:n].copy_(ctx[0, :n], non_blocking=True)
         self.block_tables[:n, :nb].copy_(table, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -178,6 +184,8 @@ class DecodeGraphs:
             self.slot_mapping[:n].copy_(host[2], non_blocking=True)
             self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
             self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
+            if self.longest_first:
+                self.tile_seq[:b].copy_(self._tile_order(context_lens, b), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
             static = self.members if self.members is not None else self.launch[b]
@@ -186,6 +194,15 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return logits[:n]
+
+    @staticmethod
+    def _tile_order(context_lens: list[int], b: int) -> torch.Tensor:
+        """The decode tiles of a ``b``-row bucket whose first ``len(context_lens)`` rows are real:
+        real rows longest context first (ties in batch order), then the padding rows. Always a
+        permutation of the whole bucket, whatever the previous iteration's row count was."""
+        n = len(context_lens)
+        order = sorted(range(n), key=lambda i: -context_lens[i]) + list(range(n, b))
+        return torch.tensor(order, dtype=torch.int32)
 
     def _pad(self, start: int, end: int) -> None:
         """Rows ``start .. end-1`` become padding."""

@@ -74,11 +74,26 @@ MAX_DECODE_SPLITS = 8
 DECODE_BLOCK_N = 64
 DECODE_WARPS = 4
 DECODE_STAGES: int | None = 2
-# Decode launches' grid order: False = (tiles, KV heads), a KV head's tiles dispatched
-# together; True = (KV heads, tiles), a tile's heads together (with tiles ordered longest
-# context first, the scheduler then fills in short work last). Not measured yet
-# (twenty-first session: `scripts/attention_sweep.py --order`).
-DECODE_HEADS_FIRST = False
+# The dispatch order of decode launches (MLORA_DECODE_ORDER overrides; A/B runs):
+# "batch": tiles in batch order, grid (tiles, KV heads): a KV head's tiles dispatched together;
+# "longest": tiles sorted longest context first (the block scheduler then fills the SMs with
+# the short ones last, as longest-processing-time-first scheduling does); "heads": grid (KV
+# heads, tiles), a tile's heads dispatched together; "longest-heads": both. Same numbers in
+# every order (tested). Not measured yet: the question is whether the 64-row launch's 1.41x
+# its floor is load imbalance (contexts of 129-1,152 keys, ~4 programs per SM), which
+# `scripts/attention_sweep.py --order` answers (twenty-first session, device time spent).
+DECODE_ORDERS = ("batch", "longest", "heads", "longest-heads")
+DECODE_ORDER = "batch"
+
+
+def decode_order() -> tuple[bool, bool]:
+    """(tiles longest context first, heads-first grid) of decode launches: ``MLORA_DECODE_ORDER``
+    or ``DECODE_ORDER``. Read when a layout is built or a decode graph captured."""
+    order = os.environ.get("MLORA_DECODE_ORDER") or DECODE_ORDER
+    if order not in DECODE_ORDERS:
+        raise ValueError(f"MLORA_DECODE_ORDER={order!r}: expected one of {DECODE_ORDERS} (unset it for "
+                         f"{DECODE_ORDER!r})")
+    return order.startswith("longest"), order.endswith("heads")
 # Launch parameters of prefill launches (several new rows per sequence), swept by
 # `scripts/attention_sweep.py --prefill` (nineteenth session, H200, one Llama-3-8B layer over
 # a 7,555-row chunk of 14 prompts): 128 query rows x heads per tile (32 tokens x 4 heads per
@@ -289,12 +304,14 @@ def decode_block_q(group: int) -> int:
 class TileList:
     """One launch: query tile ``i`` covers new rows ``[tile_q0[i], tile_q0[i] + block_q)``
     of sequence ``tile_seq[i]`` (rows past the sequence's count are masked). ``decode``:
-    every tile is one sequence's one new row (the launch may split its keys)."""
+    every tile is one sequence's one new row (the launch may split its keys). Any order of
+    the tiles gives the same numbers (the dispatch order: :data:`DECODE_ORDER`)."""
 
     block_q: int
     tile_seq: torch.Tensor  # int32 [tiles]
     tile_q0: torch.Tensor  # int32 [tiles]
     decode: bool = False
+    heads_first: bool = False  # decode: grid (KV heads, tiles) instead of (tiles, KV heads)
 
 
 @dataclass
@@ -312,7 +329,7 @@ class PagedLayout:
         """Tile lists from the host metadata: sequences with one new row go to a
         decode launch (``BLOCK_Q * pow2(group) = 16``, or ``BLOCK_Q = 1``), the
         others to a prefill launch (``BLOCK_Q * pow2(group) = PREFILL_ROWS``); one
-        host-to-device copy for everything."""
+        host-to-device copy for everything. Decode tiles in :func:`decode_order`'s order."""
         decode_q = decode_block_q(group)
         prefill_q = max(1, PREFILL_ROWS // _pow2(group))
         tiles = {prefill_q: ([], []), decode_q: ([], [])}
@@ -322,6 +339,10 @@ class PagedLayout:
             for q0 in range(0, n, bq):
                 tiles[bq][0].append(b)
                 tiles[bq][1].append(q0)
+        longest, heads_first = decode_order()
+        if longest and decode_q != prefill_q:
+            seqs = sorted(tiles[decode_q][0], key=lambda b: -context_lens[b])  # stable: ties keep batch order
+            tiles[decode_q] = (seqs, [0] * len(seqs))
         B = len(context_lens)
         tables = pad_tables(block_tables, _round_up(max((len(t) for t in block_tables), default=1), ALIGN))
         parts = [tables.reshape(-1), np.asarray(context_lens, dtype=np.int32), np.asarray(query_starts, dtype=np.int32)]
@@ -335,7 +356,8 @@ class PagedLayout:
             k = len(seqs)
             if k:
                 lo, hi = at[3 + 2 * i], at[4 + 2 * i]
-                layout.launches.append(TileList(bq, data[lo : lo + k], data[hi : hi + k], bq == decode_q))
+                decode = bq == decode_q
+                layout.launches.append(TileList(bq, data[lo : lo + k], data[hi : hi + k], decode, decode and heads_first))
         return layout
 
 
@@ -374,7 +396,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if splits > 1:
             part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
             stat = torch.empty(tiles * Hkv * splits * rows, 2, dtype=torch.float32, device=q.device)
-        heads_first = tl_.decode and DECODE_HEADS_FIRST
+        heads_first = tl_.decode and tl_.heads_first
         _paged_attention_kernel[(Hkv, tiles, splits) if heads_first else (tiles, Hkv, splits)](
             q, k_cache, v_cache, out,
             bt, layout.context_lens, layout.query_starts, tl_.tile_seq, tl_.tile_q0,
