@@ -132,8 +132,12 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     o = ResidencyBenchOptions(preset="tiny", adapters=6, rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, slots=2,
                               max_num_seqs=6, max_batch_tokens=48, device="cpu", dtype="float32", warmup_rows=5,
                               warmup_new_tokens=2)
-    r = run_residency_bench(str(tmp_path), o)
+    said = []
+    r = run_residency_bench(str(tmp_path), o, progress=said.append)
     limited, full = r["runs"]
+    # each run's line; the all-resident run loads nothing in the job: its load figures are the preload's
+    lines = [m for m in said if m.startswith(("limited:", "all-resident:"))]
+    assert len(lines) == 2 and "(copy stream" in lines[0] and "(preload: copy stream" in lines[1], lines
     assert (limited["slots"], full["slots"]) == (2, 6)
     assert limited["error_rows"] == full["error_rows"] == 0
     assert sum(limited["metrics"]["evictions"].values()) > 0  # 6 adapters really went through 2 slots

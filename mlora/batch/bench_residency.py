@@ -301,7 +301,9 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
             progress(f"{name}: {r['wall_s']:.1f} s, {r['tokens_per_s']:.0f} tok/s, {m['iterations']} iterations taking "
                      f"{m['iteration_seconds']:.1f} of {m['elapsed_s']:.1f} s, {r['loads']} loads, mean load "
                      + ("-" if r["mean_load_s"] is None else f"{r['mean_load_s'] * 1e3:.1f} ms")
-                     + f" (copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p50']} p50, "
+                     # no load in the job: the per-load figures are the preload's (before the metrics clock)
+                     + (" (preload: " if not r["loads"] and r["load_device_ms_p50"] is not None else " (")
+                     + f"copy stream {r['load_device_ms_mean']} ms mean, {r['load_device_ms_p50']} p50, "
                      f"{r['load_device_ms_p90']} p90; copies alone {r['load_copy_ms_mean']} mean, "
                      f"{r['load_copy_ms_p50']} p50; host issue {r['load_issue_ms_p50']} p50, "
                      f"{r['load_issue_ms_p90']} p90, its CPU time {r['load_issue_cpu_ms_p50']} p50, "
