@@ -121,15 +121,22 @@ def layout_for(rows: int, gen: torch.Generator):
     return layout, ctx, num_pages
 
 
-def sweep_order(rows: int, bw: float, gen: torch.Generator) -> None:
-    """The default decode launch over one batch in four dispatch orders, and over a batch of
-    equal contexts with the same keys (what a perfectly balanced launch would take)."""
+def decode_case(rows: int, bw: float, gen: torch.Generator):
+    """One decode batch of ``rows`` sequences: (layout, contexts, q, K, V, K/V byte floor in us,
+    the default launch's output unsplit as the reference)."""
     layout, ctx, num_pages = layout_for(rows, gen)
     k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(rows, H, D, generator=gen).to("cuda", torch.bfloat16)
     floor_us = 2 * sum(ctx) * HKV * D * 2 / bw * 1e6
     ref = pa.paged_attention(q, k, v, layout, D**-0.5, splits_override=1).float()
+    return layout, ctx, q, k, v, floor_us, ref
+
+
+def sweep_order(rows: int, bw: float, gen: torch.Generator) -> None:
+    """The default decode launch over one batch in four dispatch orders, and over a batch of
+    equal contexts with the same keys (what a perfectly balanced launch would take)."""
+    layout, ctx, q, k, v, floor_us, ref = decode_case(rows, bw, gen)
     (decode,) = layout.launches
     seq0, q00 = decode.tile_seq.clone(), decode.tile_q0.clone()
     longest = torch.argsort(torch.tensor(ctx, device="cuda")[seq0.long()], descending=True, stable=True)
@@ -185,12 +192,7 @@ def main() -> None:
     stages = [None, 2, 4] if args.quick else [None, 1, 2, 3, 4]
     splits = [1, 2, 4, 8]
     for rows in (int(r) for r in args.rows.split(",")):
-        layout, ctx, num_pages = layout_for(rows, gen)
-        k = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-        v = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-        q = torch.randn(rows, H, D, generator=gen).to("cuda", torch.bfloat16)
-        floor_us = 2 * sum(ctx) * HKV * D * 2 / bw * 1e6
-        ref = pa.paged_attention(q, k, v, layout, D**-0.5, splits_override=1).float()
+        layout, ctx, q, k, v, floor_us, ref = decode_case(rows, bw, gen)
         print(f"{rows} rows, mean context {sum(ctx) / rows:.0f}: K+V {2 * sum(ctx) * HKV * D * 2 / 1e6:.1f} MB, "
               f"floor {floor_us:.1f} us")
         results = []
