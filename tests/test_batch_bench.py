@@ -169,6 +169,18 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     assert again["runs"][0]["error_rows"] == 0
 
 
+def test_cold_load_against_its_floor():
+    """The copy stream's time per job load over the cold-load floor; nothing for a run with no
+    job load (its figures are a preload's) or without a floor (no CUDA)."""
+    from mlora.batch.bench_residency import cold_load_vs_floor
+
+    run = dict(loads=859, load_device_ms_mean=0.88, load_device_ms_p50=0.42, load_device_ms_p90=2.2)
+    got = cold_load_vs_floor(run, 0.28e-3)
+    assert got == pytest.approx(dict(mean=0.88 / 0.28, p50=1.5, p90=2.2 / 0.28))
+    assert cold_load_vs_floor(dict(run, loads=0), 0.28e-3) is None
+    assert cold_load_vs_floor(run, None) is None
+
+
 def test_residency_runs_of_two_calls_combine_into_one_ratio(tmp_path, run_cli):
     """--compare: the all-resident run of one call and the limited run of an earlier call of
     the same job give the ratio; a different job is refused before running (exit 2)."""

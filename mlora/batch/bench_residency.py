@@ -335,6 +335,23 @@ def throughput_ratio(runs: list[dict]) -> float | None:
     return None
 
 
+COLD_LOAD_TARGET = 2.0  # step 4: a cold load within 2x (adapter bytes / H2D bandwidth)
+
+
+def cold_load_vs_floor(run: dict, floor_s: float | None) -> dict[str, float] | None:
+    """A run's copy-stream time per job load (mean, p50, p90) as multiples of the cold-load
+    floor; None when the run loaded nothing in the job (its figures would be a preload's) or
+    there is no floor (no CUDA)."""
+    if not floor_s or not run.get("loads"):
+        return None
+    out = {}
+    for stat in ("mean", "p50", "p90"):
+        ms = run.get(f"load_device_ms_{stat}")
+        if ms is not None:
+            out[stat] = ms / 1e3 / floor_s
+    return out or None
+
+
 def check_comparable(options: dict, other) -> None:
     """Raise ValueError unless ``other`` (a result) is of the job ``options`` describe."""
     if not isinstance(other, dict) or not isinstance(other.get("options"), dict):

@@ -320,6 +320,14 @@ def bench_residency(
     con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "
               f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
               + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))
+    from ..batch.bench_residency import COLD_LOAD_TARGET, cold_load_vs_floor
+
+    for r in results["runs"]:
+        x = cold_load_vs_floor(r, floor)
+        if x:  # the copy stream's time per job load against the floor (step 4's cold-load target)
+            con.print(f"{r['name']}: cold load (copy stream per load) "
+                      + ", ".join(f"{k} {v:.2f}x" for k, v in x.items())
+                      + f" the floor (target <= {COLD_LOAD_TARGET:g}x)")
     for r in results["runs"]:
         b = r.get("image_builds") or {}
         if b:
