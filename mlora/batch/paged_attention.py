@@ -94,6 +94,8 @@ def decode_order() -> tuple[bool, bool]:
         raise ValueError(f"MLORA_DECODE_ORDER={order!r}: expected one of {DECODE_ORDERS} (unset it for "
                          f"{DECODE_ORDER!r})")
     return order.startswith("longest"), order.endswith("heads")
+
+
 # Launch parameters of prefill launches (several new rows per sequence), swept by
 # `scripts/attention_sweep.py --prefill` (nineteenth session, H200, one Llama-3-8B layer over
 # a 7,555-row chunk of 14 prompts): 128 query rows x heads per tile (32 tokens x 4 heads per
