@@ -495,6 +495,12 @@ class Residency:
         txn_id = txn_id or f"tx{next(self._txn_ids)}"
         if txn_id in self._txns:
             raise ResidencyError("E_RESIDENCY_TXN_ID", f"transaction {txn_id} is already open")
+        # a slot made of fixed pages (one arena): the adapter gets exactly its slot's pages, the
+        # free ones of a free slot or the victim's of a reused one
+        fixed = None
+        if artifact is not None:
+            fixed = self._slot_pages((target or self.slots[victims[0].slot]).id)
+        specific = tuple(p for p in fixed if self.pool.owner(p) is None) if fixed else ()
         # ---- destructive from here: every failure below is rolled back ----
         if artifact is not None:
             self._attempts[key] = attempt
@@ -502,11 +508,15 @@ class Residency:
         for v in victims:
             victim_slots.append(self._retire_victim(v, txn_id))
         victim_pages = sum(len(v.pages) for v in victims)
-        pages = self.pool.take(max(0, total - victim_pages), Owner.reserved(txn_id),
-                               tuple((v.owner, list(v.pages)) for v in victims))
+        pages = self.pool.take(max(0, total - victim_pages - len(specific)), Owner.reserved(txn_id),
+                               tuple((v.owner, list(v.pages)) for v in victims), specific)
         self._log(f"reserve {txn_id} {pages}")
-        txn = Txn(txn_id, key, attempt, request, kv_pages, growth_pages, pages, pages[:need],
-                  pages[need:need + kv_pages + growth_pages], None, None,
+        if fixed:
+            own = set(fixed)
+            adapter_pages, kv = list(fixed), [p for p in pages if p not in own][:kv_pages + growth_pages]
+        else:
+            adapter_pages, kv = pages[:need], pages[need:need + kv_pages + growth_pages]
+        txn = Txn(txn_id, key, attempt, request, kv_pages, growth_pages, pages, adapter_pages, kv, None, None,
                   [(v, s, list(v.pages)) for v, s in zip(victims, victim_slots)], hit, prefetch,
                   started=time.perf_counter())
         self._txns[txn_id] = txn
@@ -936,13 +946,29 @@ class Residency:
         check_transition(e.label, e.state, to)
         e.state = to
 
+    def _slot_pages(self, slot: int) -> list[int] | None:
+        """The fixed ledger pages of ``slot`` (one arena: ``SlotStorage.slot_pages``), else None."""
+        fixed = getattr(self.storage, "slot_pages", None)
+        return fixed(slot) if fixed is not None else None
+
+    def _usable(self, s: Slot) -> bool:
+        """Free: no entry, no open transaction, last use complete, and (fixed pages) every page
+        of the slot free in the ledger (not KV blocks)."""
+        if s.entry is not None or s.txn is not None or not complete(s.last_use):
+            return False
+        pages = self._slot_pages(s.id)
+        return pages is None or all(self.pool.owner(p) is None for p in pages)
+
     def _free_slot(self, wanted: int | None = None) -> Slot | None:
         if wanted is not None:
             s = self.slots[wanted]
-            if s.entry is not None or s.txn is not None or not complete(s.last_use):
-                raise ResidencyError("E_RESIDENCY_SLOT_BUSY", f"slot {wanted} is not free")
+            if not self._usable(s):
+                raise ResidencyError("E_RESIDENCY_SLOT_BUSY", f"slot {wanted} is not free (an adapter, a transaction, "
+                                     "unfinished device work or, in one arena, KV blocks on its pages)")
             return s
-        return next((s for s in self.slots if s.entry is None and s.txn is None and complete(s.last_use)), None)
+        # fixed pages: the top slots first, the ones KV blocks (taken lowest page first) reach last
+        order = reversed(self.slots) if self._slot_pages(0) is not None else self.slots
+        return next((s for s in order if self._usable(s)), None)
 
     def _new_entry(self, key: str, artifact: HostArtifact, generation: int | None = None) -> Entry:
         last = self._last_generation.get(key, 0)

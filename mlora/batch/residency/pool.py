@@ -99,14 +99,24 @@ class PagePool:
 
     # ---- moves (each checks current ownership first; all-or-nothing) ----------------
 
-    def take(self, n: int, owner: Owner, victims: tuple[tuple[Owner, list[int]], ...] = ()) -> list[int]:
-        """Atomically give ``owner`` the ``n`` lowest free pages plus every page of ``victims``
-        (each page checked to belong to its victim owner). Returns the pages, sorted."""
-        if n < 0 or n > self.free_count:
-            raise LedgerError("E_LEDGER_CONSERVATION", f"cannot take {n} free pages, {self.free_count} free")
+    def take(self, n: int, owner: Owner, victims: tuple[tuple[Owner, list[int]], ...] = (),
+             specific: tuple[int, ...] = ()) -> list[int]:
+        """Atomically give ``owner`` the free pages ``specific`` (a slot's fixed pages), the ``n``
+        lowest other free pages and every page of ``victims`` (each page checked to belong to
+        its victim owner). Returns the pages, sorted."""
+        busy = [p for p in specific if not 0 <= p < self.num_pages or self._owner[p] is not None]
+        if busy or len(set(specific)) != len(specific):
+            raise LedgerError("E_LEDGER_OWNER_MISMATCH", f"pages {busy or list(specific)} are not all free")
+        if n < 0 or n + len(specific) > self.free_count:
+            raise LedgerError("E_LEDGER_CONSERVATION", f"cannot take {n} + {len(specific)} free pages, "
+                              f"{self.free_count} free")
         for vo, vpages in victims:
             self._expect(vpages, vo)
-        taken = [heapq.heappop(self._free) for _ in range(n)]
+        if specific:
+            wanted = set(specific)
+            self._free = [p for p in self._free if p not in wanted]
+            heapq.heapify(self._free)
+        taken = list(specific) + [heapq.heappop(self._free) for _ in range(n)]
         for vo, vpages in victims:
             self._unset(vpages, vo)
         pages = sorted(taken + [p for _, vp in victims for p in vp])

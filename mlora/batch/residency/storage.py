@@ -253,18 +253,33 @@ def _diagnose(views: dict[str, torch.Tensor], artifact: HostArtifact, what: str)
 
 
 class SlotStorage:
-    """``tensors``: name -> (device tensor, slot axis). Every tensor has ``num_slots`` along its axis."""
+    """``tensors``: name -> (device tensor, slot axis). Every tensor has ``num_slots`` along its axis.
+
+    ``first_page``: the slots are carved from the ledger's own pages (one arena, ``arena.py``):
+    slot ``s`` is pages ``first_page + s * pages_per_slot`` onwards, and only an adapter in
+    slot ``s`` may own them (:meth:`slot_pages`); a slot whose pages hold anything else (KV
+    blocks) cannot take an adapter until they are free. None: a slot's pages are budget tokens,
+    any free pages will do."""
 
     def __init__(self, tensors: dict[str, tuple[torch.Tensor, int]], pages_per_slot: int = 1,
-                 check_meta: Callable[[dict[str, torch.Tensor], str], None] | None = None):
+                 check_meta: Callable[[dict[str, torch.Tensor], str], None] | None = None,
+                 first_page: int | None = None):
         sizes = {t.shape[d] for t, d in tensors.values()}
         if len(sizes) != 1:
             raise ValueError(f"slot tensors disagree on the number of slots: {sorted(sizes)}")
         self.tensors, self.pages_per_slot, self.check_meta = tensors, pages_per_slot, check_meta
         self.num_slots = sizes.pop()
+        self.first_page = first_page
 
     def pages_for(self, artifact: HostArtifact) -> int:
         return self.pages_per_slot
+
+    def slot_pages(self, slot: int) -> list[int] | None:
+        """The ledger pages slot ``slot`` is made of (None: not fixed)."""
+        if self.first_page is None:
+            return None
+        start = self.first_page + slot * self.pages_per_slot
+        return list(range(start, start + self.pages_per_slot))
 
     def views(self, slot: int, pages: list[int]) -> dict[str, torch.Tensor]:
         return {name: t.select(d, slot) for name, (t, d) in self.tensors.items()}
