@@ -8,6 +8,8 @@ import hashlib
 import pytest
 import torch
 
+from test_residency import pinned  # noqa: F401  (the pinned adapters fixture)
+
 from mlora.batch.residency import (AdmissionError, HostArtifact, HostCache, KVCapacity, PagePool, Piece,
                                    Residency, ResidencyError, SlotStorage)
 
@@ -111,3 +113,79 @@ def test_taking_specific_pages_checks_they_are_free():
         with pytest.raises(LedgerError):
             pool.take(0, Owner.reserved("u"), specific=bad)
     assert pool.free_pages() == [3]
+
+
+# ---- the bank's slots and the KV cache carved from one arena (arena.py) ------------------------
+
+BLOCK = 16  # tokens per KV block: with the tiny model's 2 layers, 2 KV heads of 8, float32, a 4 KiB page
+
+
+def arena_bank(slots: int, pages: int, backend: str = "auto"):
+    from test_residency import LAYERS, rbank
+
+    from mlora.batch.arena import PageArena
+    from mlora.batch.kvcache import KVCache
+
+    arena = PageArena(pages, 2 * LAYERS * BLOCK * 2 * 8 * 4, "cpu", spare_pages=1)
+    bank = rbank(slots, arena=arena, backend=backend)
+    kv = KVCache(LAYERS, pages + 1, BLOCK, 2, 8, torch.float32, "cpu", pages=arena.kv_pages(LAYERS, BLOCK, 2, 8,
+                                                                                         torch.float32))
+    return arena, bank, kv
+
+
+def scribble(kv, blocks, value=float("nan")):
+    """What a running sequence's cache writes do to these blocks: every byte of every layer."""
+    for layer in range(kv.num_layers):
+        kv.k[layer][blocks] = value
+        kv.v[layer][blocks] = value
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # the Triton kernels take the arena's slot stride
+def test_a_bank_over_an_arena_computes_what_its_own_slots_do(pinned, backend):
+    """Slots carved from the arena's top pages: after the pages held other bytes (NaN, as KV
+    blocks would leave them), loads write every element of the slots' views and the deltas
+    equal a bank with its own tensors; KV writes to the pages below the slots change nothing."""
+    from test_residency import _same, rbank
+
+    arena, bank, kv = arena_bank(3, 40, backend)
+    assert bank.backend == backend
+    storage = bank.residency.storage
+    first = storage.first_page
+    assert first == 40 - 3 * storage.pages_per_slot and first > 0
+    assert bank.A["qkv"].data_ptr() == arena.data[first * arena.page_bytes:].data_ptr()  # really in the arena
+    arena.data.fill_(0xFF)  # every slot view NaN before its first load
+    ref = rbank(3)
+    _same(bank, ref, ["qv", "all", "pattern"], pinned, 0)
+    scribble(kv, list(range(first)))  # the KV region, then the spare (scratch) page
+    scribble(kv, [arena.num_pages])
+    _same(bank, ref, ["qv", "all", "pattern"], pinned, 1)
+
+
+def test_kv_growth_takes_an_idle_adapters_pages_and_it_comes_back(pinned):
+    """Adapters in every slot, KV on every other page; growing the KV evicts the least recently
+    used idle adapter and hands its slot's pages to the cache (whose writes land there); the
+    others compute as before, and the evicted one loads again once the KV is released."""
+    from test_residency import _same, rbank
+
+    arena, bank, kv = arena_bank(2, 30)
+    res, ref = bank.residency, rbank(2)
+    first = res.storage.first_page
+    _same(bank, ref, ["qv", "all"], pinned, 0)
+    bank.ensure([], pinned)  # the invocation is over: its launch no longer holds the slots
+    qv, al = (pinned[a].semantic_sha256 for a in ("qv", "all"))
+    res.touch(al)  # qv is the least recently used
+    assert res.reserve_kv("r1", first) == list(range(first))
+    grown = res.grow_kv("r1", res.storage.pages_per_slot)
+    qv_slot = res.storage.slot_pages(1)  # free slots go top first: qv (loaded first) took slot 1
+    assert grown == qv_slot and qv not in res.catalog and al in res.catalog
+    scribble(kv, grown)
+    _same(bank, rbank(2), ["all"], pinned, 2)
+    bank.ensure([], pinned)
+    res.acquire("q", al)  # in use: not evictable, and qv's slot is KV now
+    with pytest.raises(AdmissionError) as info:
+        res.wait(res.begin(qv))
+    assert info.value.reason == "adapter_slot_capacity"
+    res.release_lease("q")
+    res.release_kv("r1")
+    res.audit()
+    _same(bank, rbank(2), ["qv", "all"], pinned, 3)

@@ -104,7 +104,10 @@ class SlotTensors:
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], groups, num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto",
-                 slices: dict[str, tuple[int, ...]] | None = None):
+                 slices: dict[str, tuple[int, ...]] | None = None, alloc=None):
+        """``alloc(shape, dtype)``: where the slot tensors live (a zeroed tensor of that shape with
+        the slot axis first; ``arena.SlotCarver`` carves them from one arena's pages); default
+        their own allocations on ``device``."""
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
         device = torch.device(device)
@@ -132,13 +135,16 @@ class SlotTensors:
         # slot-major too, [S, L, n] (a slot's tables are one plain copy each way: no staging
         # kernel for the load, none for validation's read-back); the kernels get a layer's
         # [n, S] view ``[:, layer].t()`` (``layer_tables``) and take its strides.
-        self.A = {g: torch.zeros(S, L, len(w), R, self.d_in[g], dtype=dtype, device=device) for g, w in self.widths.items()}
-        self.B = {g: torch.zeros(S, L, sum(w), R, dtype=dtype, device=device) for g, w in self.widths.items()}
+        def make(shape, dt):
+            return torch.zeros(shape, dtype=dt, device=device) if alloc is None else alloc(shape, dt)
+
+        self.A = {g: make((S, L, len(w), R, self.d_in[g]), dtype) for g, w in self.widths.items()}
+        self.B = {g: make((S, L, sum(w), R), dtype) for g, w in self.widths.items()}
         # B is rank-pitched (module docstring): the same bytes as the padded layout when every
         # slot's rank is R; contiguous rows for the low-rank slots of a mixed-rank job
         self.b_layout = "rank-pitched"
-        self.ranks = {g: torch.zeros(S, L, len(w), dtype=torch.int32, device=device) for g, w in self.widths.items()}
-        self.scales = {g: torch.zeros(S, L, len(w), dtype=torch.float32, device=device) for g, w in self.widths.items()}
+        self.ranks = {g: make((S, L, len(w)), torch.int32) for g, w in self.widths.items()}
+        self.scales = {g: make((S, L, len(w)), torch.float32) for g, w in self.widths.items()}
         # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
         # (``BankContext.prepare``): opt-in (MLORA_LORA_OVERLAP=1); measured 0.3-0.4 ms slower per
         # 256-row decode iteration on the H200 (fourteenth session), so off by default

@@ -47,9 +47,18 @@ class KVCache:
     one page-major tensor with ``layout="page-major"``; see the module docstring)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", layout: str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", layout: str | None = None,
+                 pages: torch.Tensor | None = None):
+        """``pages``: the page-major storage to use (``arena.PageArena.kv_pages``: the KV blocks
+        share one arena with the adapter slots), ``[num_blocks, layers, 2, block_size, kv_heads,
+        head_dim]``; the layout is then page-major."""
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("KVCache dimensions must be positive")
+        if pages is not None:
+            want = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+            if tuple(pages.shape) != want or pages.dtype != dtype:
+                raise ValueError(f"KV pages {tuple(pages.shape)} {pages.dtype}, expected {want} {dtype}")
+            layout = "page-major"
         from_env = layout is None and bool(os.environ.get("MLORA_KV_LAYOUT"))
         layout = layout or os.environ.get("MLORA_KV_LAYOUT") or "layer-major"
         if layout not in LAYOUTS:
@@ -65,7 +74,9 @@ class KVCache:
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         if layout == "page-major":
-            self.pages = torch.zeros((num_blocks, num_layers, 2) + shape[1:], dtype=dtype, device=self.device)
+            if pages is None:
+                pages = torch.zeros((num_blocks, num_layers, 2) + shape[1:], dtype=dtype, device=self.device)
+            self.pages = pages
             self.k = [self.pages[:, layer, 0] for layer in range(num_layers)]
             self.v = [self.pages[:, layer, 1] for layer in range(num_layers)]
         else:

@@ -40,6 +40,7 @@ import torch
 
 from mlora.kernels import pitched_span
 
+from ..arena import ALIGN as ARENA_ALIGN
 from ..bank import BankContext, SlotTensors
 from ..catalog import AdapterError, PinnedAdapter, load_factors
 from ..lora import GROUPS
@@ -77,12 +78,25 @@ class ResidencyBank(SlotTensors):
                  pool: PagePool | None = None, host_cache_bytes: int | None = None, max_load_attempts: int = 3,
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
                  prefetch_workers: int = 1, build_processes: int = 0, expected_adapters: int | None = None,
-                 pinned_pool: PinnedPool | None = None, slices: dict[str, tuple[int, ...]] | None = None):
+                 pinned_pool: PinnedPool | None = None, slices: dict[str, tuple[int, ...]] | None = None,
+                 arena=None):
+        """``arena`` (an ``arena.PageArena``): the slots are carved from the top of its pages and
+        the residency engine's ledger is its pages (KV blocks and adapters draw from one pool:
+        ``residency.reserve_kv`` / ``grow_kv``); default: slots of their own, a ledger of one
+        page per slot."""
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
-        super().__init__(num_layers, shapes, (g for g in GROUPS if g in shapes), num_slots, max_rank, dtype, device,
-                         backend, slices)
-        self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in self.groups}, max_rank, dtype, slices)
+        groups = tuple(g for g in GROUPS if g in shapes)
+        self.slot_bytes = self.bytes_per_slot(num_layers, {g: shapes[g] for g in groups}, max_rank, dtype, slices)
+        carver = None
+        if arena is not None:
+            if pool is not None:
+                raise ValueError("a bank over an arena keeps the arena's own ledger; pass no pool")
+            # four tensors per group (A, B, ranks, scales), each aligned inside a slot's pages
+            carver = arena.carver(num_slots, self.slot_bytes + ARENA_ALIGN * 4 * len(groups))
+            pool = PagePool(arena.num_pages, arena.page_bytes)
+        super().__init__(num_layers, shapes, groups, num_slots, max_rank, dtype, device, backend, slices, alloc=carver)
+        self.arena = arena
         if pool is None:
             pool = PagePool(num_slots, self.slot_bytes)
         tensors = {}
@@ -90,7 +104,10 @@ class ResidencyBank(SlotTensors):
             # B per slot and layer as one flat run: a rank-pitched slice is a contiguous range of it
             tensors.update({f"A.{g}": (self.A[g], 0), f"B.{g}": (self.B[g].flatten(2), 0),
                             f"ranks.{g}": (self.ranks[g], 0), f"scales.{g}": (self.scales[g], 0)})
-        storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
+        if carver is not None:
+            storage = SlotStorage(tensors, carver.pages_per_slot, self._check_meta, first_page=carver.first_page)
+        else:
+            storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
                                  {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()},
                                  self.slice_index)
