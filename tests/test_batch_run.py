@@ -230,6 +230,30 @@ def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypat
     _demo_job_gives_the_expected_rows(tmp_path)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU run of the joint mode needs a CUDA device (runs on the device)"))])
+def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device):
+    """--memory-ledger joint: the KV cache and the adapter slots carved from one arena give the
+    expected rows (on a GPU with CUDA graphs: the scratch block is the arena's spare page)."""
+    summary = _demo_job_gives_the_expected_rows(tmp_path, device=device, memory_ledger="joint")
+    assert summary.bank["memory_ledger"] == "joint" and summary.engine["kv_blocks"] == summary.bank["arena_pages"]
+
+
+def test_memory_ledger_refusals(tmp_path):
+    """An unknown --memory-ledger, and an arena too small for one slot beside one longest row,
+    are refused before any row runs (E_MEMORY_LEDGER, exit 2)."""
+    from mlora.batch.job import JobError
+
+    for i, (options, words) in enumerate((
+            (dict(memory_ledger="shared"), "must be one of split, joint"),
+            (dict(memory_ledger="joint", kv_cache_gb=8 * 32768 / 2**30), "cannot hold an adapter slot"))):
+        with pytest.raises(JobError) as info:
+            _demo_job_gives_the_expected_rows(tmp_path / str(i), **options)
+        assert info.value.code == "E_MEMORY_LEDGER" and words in str(info.value), str(info.value)
+        assert info.value.exit_code == 2
+    assert not (tmp_path / "0" / "out").exists()  # a usage error: refused before OUTPUT is opened
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the fused gate/up SiLU product runs on a CUDA GPU (runs on the device)")
 def test_demo_workspace_outputs_with_the_gate_up_deltas_fused_everywhere(tmp_path, monkeypatch):
@@ -328,12 +352,12 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
-    def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False, window=2048):
+    def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False, window=2048, **kw):
         return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
                                   max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch,
                                   prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead,
-                                  schedule_window=window))
+                                  schedule_window=window, **kw))
 
     # the engine's switch interval beside the prefetch threads comes from MLORA_SWITCH_INTERVAL_US
     # and is restored when the job ends
@@ -345,6 +369,21 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
     assert switches == [123e-6, before]
     monkeypatch.undo()
     many = run("many", None)
+    # one arena for KV and slots (--memory-ledger joint): the same tokens
+    joint = run("joint", 3, memory_ledger="joint")
+    assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "joint").items()} == \
+        {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "few").items()}
+    assert joint.error_rows == 0 and joint.bank["loads_started_ahead"] > 0  # cold loads reserve pages at admission
+    assert joint.bank["memory_ledger"] == "joint" and joint.engine["kv_blocks"] == joint.bank["arena_pages"]
+    # a tight arena: 18 pages, three slots of 4 and one longest row's 4 beside them; eight running rows
+    # need up to 8 KV pages, so KV takes idle adapters' slot pages (and cold adapters wait for pages)
+    tight = run("tight", 3, memory_ledger="joint", kv_cache_gb=18 * 1024 / 2**30)
+    assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "tight").items()} == \
+        {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "few").items()}
+    pps = tight.bank["pages_per_slot"]
+    assert tight.bank["arena_pages"] == 18 and 3 * pps + 4 <= 18
+    assert tight.bank["kv_pages_peak"] > 18 - 3 * pps  # KV held pages of a slot: the arena is one budget
+    assert tight.error_rows == 0
     run("sync", 3, prefetch=0)
     host_only = run("host-only", 3, gpu=0)
     a, b, c = _rows(tmp_path / "few"), _rows(tmp_path / "many"), _rows(tmp_path / "sync")

@@ -37,6 +37,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .catalog import AdapterError
+from .joint import LedgerBlocks
 from .kvcache import BlockAllocator, KVCache, KVCacheFull
 from .sampling import SamplingParams, row_key, sample
 from .waiting import WaitingQueue
@@ -147,7 +148,12 @@ class Engine:
         prefetch_gpu: int = 4,
         async_loads: bool | None = None,
         lookahead: bool = False,
+        arena=None,
     ):
+        """``arena`` (an ``arena.PageArena`` whose pages ``bank``, a ResidencyBank, was carved
+        from): the joint memory mode, KV blocks from the bank's ledger (``joint.LedgerBlocks``;
+        ``num_blocks`` must be the arena's ledger pages) and cold adapters always loaded
+        asynchronously (a load reserves its slot's pages when the row is admitted)."""
         cfg = model.config
         if stop_strings and detokenize is None:
             raise ValueError("stop strings need a detokenizer")
@@ -158,9 +164,22 @@ class Engine:
         self.eos = set(cfg.eos_token_ids)
         self.max_context = cfg.max_position_embeddings
         # with CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V
-        self.kv = KVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim,
-                          dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.joint = arena is not None
+        self.max_row_blocks = num_blocks  # KV blocks one row may ever hold
+        if self.joint:
+            if getattr(bank, "arena", None) is not arena or arena.num_pages != num_blocks \
+                    or arena.spare_pages != int(cuda_graphs):
+                raise ValueError("the joint memory mode needs a bank carved from this arena, num_blocks = its "
+                                 "ledger pages and one spare page with CUDA graphs")
+            pages = arena.kv_pages(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+            self.kv = KVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype, self.device, pages=pages)
+            self.allocator = LedgerBlocks(bank.residency)
+            self.max_row_blocks = num_blocks - bank.residency.storage.pages_per_slot  # beside one adapter
+        else:
+            self.kv = KVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype, self.device)
+            self.allocator = BlockAllocator(num_blocks)
         self.graphs = None
         if cuda_graphs:
             from .graphs import DecodeGraphs
@@ -178,6 +197,8 @@ class Engine:
         # one. Default: on a GPU (on the CPU copies are synchronous: deferring rows gains nothing)
         if async_loads is None:
             async_loads = self.device.type == "cuda"
+        if self.joint:  # a load must hold its slot's pages from admission on (KV could take them)
+            async_loads = True
         self.async_loads = async_loads and bool(self.prefetch_gpu) and hasattr(bank, "start_load")
         pf = getattr(bank, "prefetcher", None)  # prefetches before this engine (e.g. a preload) are not its own
         self._prefetch_seen = (pf.issued, pf.used) if pf is not None else (0, 0)
@@ -213,9 +234,9 @@ class Engine:
             return ("E_PROMPT_TOO_LONG", f"the prompt has {n} tokens; the model's context is {self.max_context} "
                     "(shorten the prompt)")
         need = -(-min(n + max(req.max_new_tokens, 1), self.max_context) // self.block_size)
-        if need > self.num_blocks:
+        if need > self.max_row_blocks:
             return ("E_PROMPT_TOO_LONG", f"prompt + max_new_tokens need {need} KV blocks, the cache holds "
-                    f"{self.num_blocks} (shorten the prompt, lower --max-new-tokens or give the cache more memory)")
+                    f"{self.max_row_blocks} (shorten the prompt, lower --max-new-tokens or give the cache more memory)")
         if req.adapter is not None:
             p = self.pinned.get(req.adapter)
             if p is None or not p.ok:
@@ -436,28 +457,40 @@ class Engine:
                     if held:
                         break
                     continue
-            if a is not None and a not in active and self.async_loads and (chosen or self.running):
+            # joint memory mode: cold is "not published now" (KV admitted earlier in this pass may
+            # have evicted an idle adapter counted active), and every cold load starts here, so
+            # that it holds its slot's pages before later rows' KV can take them
+            cold = a is not None and (not self._published(a) if self.joint else a not in active)
+            if cold and self.async_loads and (chosen or self.running or self.joint):
                 # a cold adapter: start its load now (the copy overlaps this iteration) and
                 # run its rows once it is published; with nothing else to run, load it the
                 # blocking way instead (in ensure), so every iteration makes progress
                 status = self.bank.start_load(a, self.pinned)
-                if status in ("started", "loading", "building"):
-                    if status != "building":
+                if status in ("started", "loading", "building") or (self.joint and status == "no-room"):
+                    if status in ("started", "loading"):
                         active.add(a)  # its slot is taken
                         busy.add(a)
                         loading.add(a)
                     if held:
                         break
-                    continue
+                    continue  # joint, no room: no slot's pages are free now (KV holds them); wait
             n = min(seq.pending, budget)
             blocks = self._blocks_needed(seq, n)
+            lease = None
+            if self.joint and a is not None and seq.lease is None and self._published(a):
+                # bound first: this row's KV (and later rows') must not evict it as an idle adapter
+                lease = f"row{seq.req.row}"
+                self.bank.acquire(lease, a, self.pinned)
             if blocks > self.allocator.num_free:
+                if lease is not None:
+                    self.bank.release(lease)
                 break
             self._admissions += 1
             seq.admitted = self._admissions
             self.running.append(seq)
             seq.is_running = True
-            seq.blocks += self.allocator.allocate(blocks)
+            seq.lease = seq.lease or lease
+            seq.blocks += self.allocator.allocate(blocks, seq)
             chosen.append((seq, n))
             budget -= n
             admitted.append(seq)
@@ -466,6 +499,10 @@ class Engine:
                 busy.add(a)
         self.waiting.discard(admitted)
         return budget
+
+    def _published(self, adapter: str) -> bool:
+        """Whether the bank has a published generation of ``adapter`` now (joint memory mode)."""
+        return self.pinned[adapter].semantic_sha256 in self.bank.residency.catalog
 
     def _resident_waiting_adapters(self) -> set[str]:
         """Adapters that some waiting row names and whose generation is published in the
@@ -530,7 +567,7 @@ class Engine:
             self._preempt(max(victims, key=lambda s: s.admitted))
         if need:
             try:
-                seq.blocks += self.allocator.allocate(need)
+                seq.blocks += self.allocator.allocate(need, seq)
             except KVCacheFull:
                 return False
         return True
@@ -542,7 +579,7 @@ class Engine:
             seq.lease = None
         self.running.remove(seq)
         seq.is_running = False
-        self.allocator.free(seq.blocks)
+        self.allocator.free(seq.blocks, seq)
         seq.blocks = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -675,7 +712,7 @@ class Engine:
         positions, slots_map, ctx, tables, row_adapters = [], [], [], [], []
         for seq, p in zip(plan.seqs, p0):
             if p // bs >= len(seq.blocks):
-                seq.blocks += self.allocator.allocate(1)
+                seq.blocks += self.allocator.allocate(1, seq)
             positions.append(p)
             slots_map.append(seq.blocks[p // bs] * bs + p % bs)
             ctx.append(p + 1)

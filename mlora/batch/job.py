@@ -92,6 +92,10 @@ class JobOptions:
     image_build_processes: int = 0
     preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
     bundle_operator: str = "auto"  # auto | three-stage | materialized | three-stage-triton (mlora.batch.bundle_bank)
+    # split: KV cache and adapter slots sized once from one budget; joint: both carved from one arena of
+    # pages, KV growth may evict idle adapters and a slot is usable while its pages are free
+    # (docs/sizing.md; not measured on a GPU yet)
+    memory_ledger: str = "split"
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
     # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
     gpus: str | None = None  # "0,1" or "all": one worker process per GPU (placement.py)
@@ -216,6 +220,9 @@ def prepare_job(opts: JobOptions, device: torch.device) -> PreparedJob:
 
     from .catalog import load_catalog
     from .io import InputSpec, open_input
+    from .session import check_memory_ledger
+
+    check_memory_ledger(opts.memory_ledger)  # a usage error, before OUTPUT is touched
     from .model import load_config
     from .output import JobOutput, ResultSink, output_schema
 

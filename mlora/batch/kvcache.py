@@ -155,7 +155,8 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, owner=None) -> list[int]:
+        """``n`` free blocks (``owner``: who gets them, unused here; ``joint.LedgerBlocks`` needs it)."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
@@ -164,7 +165,7 @@ class BlockAllocator:
         self._used.update(blocks)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int], owner=None) -> None:
         blocks = list(blocks)
         bad = [b for b in blocks if b not in self._used]
         if bad or len(set(blocks)) != len(blocks):

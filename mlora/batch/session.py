@@ -49,7 +49,8 @@ class EngineSession:
         config = model.config
         good = {a: p for a, p in pinned.items() if p.ok}
         max_rank = max((p.max_rank for p in good.values()), default=0)
-        self.bank = None
+        self.bank = self.arena = None
+        check_memory_ledger(opts.memory_ledger)
         bundle = served_bundle(opts, good)
         if bundle is not None:
             from .bundle_bank import BundleBank
@@ -81,12 +82,16 @@ class EngineSession:
             slices = held_slices({m.role for p in good.values() for m in p.modules})
             shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
             slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
-            slots = num_slots(opts, len(good), ResidencyBank.bytes_per_slot(config.num_layers, shapes,
-                                                                            max(max_rank, 1), dtype, slices), device)
+            slot_bytes = ResidencyBank.bytes_per_slot(config.num_layers, shapes, max(max_rank, 1), dtype, slices)
+            if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
+                self.arena, slots = joint_arena(opts, config, dtype, device, len(good), slot_bytes, len(shapes))
+            else:
+                slots = num_slots(opts, len(good), slot_bytes, device)
             workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
                                       host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
-                                      build_processes=opts.image_build_processes if workers else 0, slices=slices)
+                                      build_processes=opts.image_build_processes if workers else 0, slices=slices,
+                                      arena=self.arena)
         self._switch = None
         switch = switch_interval_s()
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > switch:
@@ -104,14 +109,15 @@ class EngineSession:
             self.bank.ensure(first, good)
         self.metrics = JobMetrics()
         self.engine = Engine(
-            model, self.bank, pinned, metrics=self.metrics, num_blocks=kv_blocks(opts, config, dtype, device),
+            model, self.bank, pinned, metrics=self.metrics,
+            num_blocks=self.arena.num_pages if self.arena is not None else kv_blocks(opts, config, dtype, device),
             block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
             sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
             stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
             device=device, dtype=dtype, cuda_graphs=opts.cuda_graphs and device.type == "cuda",
             prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
-            lookahead=opts.lookahead,
+            lookahead=opts.lookahead, arena=self.arena,
         )
 
     @property
@@ -148,6 +154,10 @@ class EngineSession:
                 bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
                              f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
                              f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
+        if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
+            bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,
+                        pages_per_slot=self.bank.residency.storage.pages_per_slot,
+                        kv_pages_peak=self.engine.allocator.peak)
         if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
             bank["loads_started_ahead"] = self.bank.loads_started_ahead
         pool = getattr(self.bank, "pinned_pool", None)
@@ -181,6 +191,51 @@ def switch_interval_s() -> float:
     """The interpreter's switch interval while prefetch threads run, in seconds:
     ``MLORA_SWITCH_INTERVAL_US`` (microseconds, >= 1; A/B runs) or ``SWITCH_INTERVAL_US``."""
     return env_int("MLORA_SWITCH_INTERVAL_US", SWITCH_INTERVAL_US, minimum=1, unit="microseconds") / 1e6
+
+
+MEMORY_LEDGERS = ("split", "joint")
+
+
+def check_memory_ledger(mode: str) -> None:
+    if mode not in MEMORY_LEDGERS:
+        from .job import JobError
+
+        raise JobError("E_MEMORY_LEDGER", f"--memory-ledger must be one of {', '.join(MEMORY_LEDGERS)}, got "
+                       f"{mode!r}", 2)
+
+
+def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.device, adapters: int, slot_bytes: int,
+                groups: int):
+    """(arena, adapter slots) of the joint memory mode: one ``PageArena`` of KV-block pages for
+    the whole budget (``--kv-cache-gb`` when given, else the usable GPU memory; on the CPU the
+    split mode's KV blocks plus the slots), with at most one slot per adapter
+    (``--max-gpu-adapters``) and always room for one longest row's KV beside the slots. A
+    slot's pages are KV pages while no adapter holds it."""
+    from .arena import ALIGN, PageArena
+    from .job import JobError, _usable_gpu_bytes
+    from .kvcache import KVCache
+
+    page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
+    spare = int(opts.cuda_graphs and device.type == "cuda")  # the decode graphs' scratch block
+    pps = -(-(slot_bytes + ALIGN * 4 * groups) // page)
+    want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
+    row_pages = -(-config.max_position_embeddings // opts.block_size)
+    if opts.kv_cache_gb:
+        budget = opts.kv_cache_gb * 2**30
+    elif device.type == "cuda":
+        budget = _usable_gpu_bytes(opts, device)
+    else:
+        budget = (kv_blocks(opts, config, dtype, device) + want * pps + spare) * page
+    pages = int(budget // page) - spare
+    slots = min(want, (pages - row_pages) // pps) if pages > row_pages else 0
+    if page % ALIGN:
+        raise JobError("E_MEMORY_LEDGER", f"this model's KV block is {page} bytes, not a multiple of {ALIGN}: one "
+                       "arena cannot carve aligned slots from such pages; use --memory-ledger split", 2)
+    if slots < 1:
+        raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes cannot hold an adapter "
+                       f"slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more memory "
+                       "(--kv-cache-gb, --gpu-memory-utilization) or use --memory-ledger split", 2)
+    return PageArena(pages, page, device, spare), slots
 
 
 def prefetch_workers() -> int:

@@ -68,6 +68,8 @@ def batch_run(
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",
                                         help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, materialized (each member's factors in a slot), or three-stage-triton (three-stage through the segmented Triton kernels; CUDA only, experimental: not yet measured)."),
+    memory_ledger: str = typer.Option("split", "--memory-ledger",
+                                      help="split: the KV cache and the adapter slots get fixed shares of the memory budget; joint: both are carved from one arena of pages (KV growth may evict idle adapters, an idle slot's pages serve as KV; slot banks only; not yet measured on a GPU). docs/sizing.md"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
@@ -102,7 +104,7 @@ def batch_run(
         max_gpu_adapters=max_gpu_adapters, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, host_cache_gb=host_cache_gb,
         shard_rows=shard_rows, schedule_window=schedule_window, cuda_graphs=cuda_graphs, lookahead=lookahead,
         prefetch_adapters=prefetch_adapters, prefetch_gpu_adapters=prefetch_gpu_adapters,
-        preload_adapters=preload_adapters, bundle_operator=bundle_operator,
+        preload_adapters=preload_adapters, bundle_operator=bundle_operator, memory_ledger=memory_ledger,
         gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
     )
     show = not quiet and err.is_terminal

@@ -763,6 +763,10 @@ class Residency:
         """KV pages (initial + growth reserve) for a request without an adapter to load."""
         return list(self.wait(self.begin(None, request=request, kv_pages=kv_pages, growth_pages=growth_pages)).kv_pages)
 
+    def holds_kv(self, request: str) -> bool:
+        """Whether ``request`` holds a KV reservation."""
+        return request in self._kv
+
     def grow_kv(self, request: str, n: int = 1) -> list[int]:
         """``n`` more KV pages for ``request``: its growth reserve first, then free pages, then
         pages of evictable adapters. Raises KVCapacity (nothing changed) rather than over-commit."""
