@@ -112,7 +112,16 @@ def test_taking_specific_pages_checks_they_are_free():
     for bad in ((1,), (3, 3), (9,)):  # a KV page, twice the same page, no such page
         with pytest.raises(LedgerError):
             pool.take(0, Owner.reserved("u"), specific=bad)
-    assert pool.free_pages() == [3]
+    assert pool.free_pages() == [3] and pool.free_count == 1
+    # pages taken by id and given back are free again exactly once; lowest-first stays exact
+    pool.release([4, 5], Owner.reserved("t"))
+    pool.release([2], Owner.reserved("t"))
+    assert pool.free_pages() == [2, 3, 4, 5] and pool.free_count == 4
+    assert pool.take(0, Owner.reserved("v"), specific=(5,)) == [5]
+    assert pool.take(3, Owner.reserved("w")) == [2, 3, 4] and pool.free_count == 0
+    pool.release([5], Owner.reserved("v"))
+    assert pool.take(1, Owner.reserved("x")) == [5]
+    pool.audit({Owner.kv("r"): [0, 1]}, {"w", "x"})
 
 
 # ---- the bank's slots and the KV cache carved from one arena (arena.py) ------------------------

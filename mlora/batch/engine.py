@@ -481,7 +481,7 @@ class Engine:
                 # bound first: this row's KV (and later rows') must not evict it as an idle adapter
                 lease = f"row{seq.req.row}"
                 self.bank.acquire(lease, a, self.pinned)
-            if blocks > self.allocator.num_free:
+            if not self.allocator.has(blocks):
                 if lease is not None:
                     self.bank.release(lease)
                 break
@@ -560,7 +560,7 @@ class Engine:
         need = self._blocks_needed(seq, n)
         if need == 0:  # most decode steps: the last block has room
             return True
-        while need > self.allocator.num_free:
+        while not self.allocator.has(need):
             victims = [s for s in self.running if s is not seq]
             if not victims:
                 return False
@@ -707,7 +707,7 @@ class Engine:
             return None
         bs = self.block_size
         p0 = [s.num_computed + 1 for s in plan.seqs]
-        if sum(p // bs >= len(s.blocks) for s, p in zip(plan.seqs, p0)) > self.allocator.num_free:
+        if not self.allocator.has(sum(p // bs >= len(s.blocks) for s, p in zip(plan.seqs, p0))):
             return None
         positions, slots_map, ctx, tables, row_adapters = [], [], [], [], []
         for seq, p in zip(plan.seqs, p0):

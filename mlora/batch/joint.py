@@ -30,6 +30,13 @@ class LedgerBlocks:
         d = self.res.demand()
         return max(0, d.available - d.guard)
 
+    def has(self, n: int) -> bool:
+        """Whether ``n`` pages could be given now; the eviction candidates are ranked only when
+        the free pages alone do not suffice (every decode step asks)."""
+        if n <= self.res.pool.free_count - self.res.guard_pages:
+            return True
+        return n <= self.num_free
+
     def allocate(self, n: int, owner) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")

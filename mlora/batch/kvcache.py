@@ -155,6 +155,10 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def has(self, n: int) -> bool:
+        """Whether ``n`` blocks are free."""
+        return n <= len(self._free)
+
     def allocate(self, n: int, owner=None) -> list[int]:
         """``n`` free blocks (``owner``: who gets them, unused here; ``joint.LedgerBlocks`` needs it)."""
         if n < 0:

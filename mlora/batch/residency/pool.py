@@ -62,7 +62,8 @@ class PagePool:
             raise ValueError(f"a page pool needs num_pages >= 0 and page_bytes >= 1, got {num_pages}, {page_bytes}")
         self.num_pages, self.page_bytes = int(num_pages), int(page_bytes)
         self._owner: list[Owner | None] = [None] * self.num_pages
-        self._free = list(range(self.num_pages))  # a heap; exactly the free pages
+        self._free = list(range(self.num_pages))  # a heap: the free pages, plus the stale entries of _gone
+        self._gone: set[int] = set()  # taken by id (take(specific=...)) while still in the heap: skipped
         self._pages: dict[Owner, set[int]] = {}
 
     # ---- views -------------------------------------------------------------------
@@ -73,7 +74,7 @@ class PagePool:
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return len(self._free) - len(self._gone)
 
     @property
     def free_bytes(self) -> int:
@@ -95,7 +96,15 @@ class PagePool:
         return out
 
     def free_pages(self) -> list[int]:
-        return sorted(self._free)
+        return sorted(p for p in self._free if p not in self._gone)
+
+    def _pop_lowest(self) -> int:
+        while True:
+            p = heapq.heappop(self._free)
+            if p in self._gone:  # a stale entry of a page taken by id
+                self._gone.discard(p)
+                continue
+            return p
 
     # ---- moves (each checks current ownership first; all-or-nothing) ----------------
 
@@ -112,11 +121,8 @@ class PagePool:
                               f"{self.free_count} free")
         for vo, vpages in victims:
             self._expect(vpages, vo)
-        if specific:
-            wanted = set(specific)
-            self._free = [p for p in self._free if p not in wanted]
-            heapq.heapify(self._free)
-        taken = list(specific) + [heapq.heappop(self._free) for _ in range(n)]
+        self._gone.update(specific)  # left in the heap, skipped when popped (no O(pages) rebuild per load)
+        taken = list(specific) + [self._pop_lowest() for _ in range(n)]
         for vo, vpages in victims:
             self._unset(vpages, vo)
         pages = sorted(taken + [p for _, vp in victims for p in vp])
@@ -133,7 +139,10 @@ class PagePool:
         self._expect(pages, owner)
         self._unset(pages, owner)
         for p in pages:
-            heapq.heappush(self._free, p)
+            if p in self._gone:  # its stale heap entry is valid again
+                self._gone.discard(p)
+            else:
+                heapq.heappush(self._free, p)
 
     def _expect(self, pages: list[int], owner: Owner) -> None:
         wrong = [p for p in pages if self._owner[p] != owner]
@@ -164,7 +173,9 @@ class PagePool:
         free = set()
         for page, o in enumerate(self._owner):
             (free.add(page) if o is None else by_page.setdefault(o, set()).add(page))
-        if free != set(self._free) or len(self._free) != len(free) or by_page != self._pages:
+        listed = [p for p in self._free if p not in self._gone]
+        if free != set(listed) or len(listed) != len(free) or not self._gone <= set(self._free) \
+                or by_page != self._pages:
             raise LedgerError("E_LEDGER_CONSERVATION", "the free list or owner index disagrees with page states")
         counts = self.counts()
         if sum(counts.values()) != self.num_pages:
