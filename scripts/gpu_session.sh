@@ -13,6 +13,7 @@
 #   bash scripts/gpu_session.sh residency-ab  the limited run alone, unsampled (A/B of env knobs across calls)
 #   bash scripts/gpu_session.sh attention-order  decode attention dispatch orders and equal contexts (~3 min)
 #   bash scripts/gpu_session.sh decode-order     bench batch at 64 rows, A/B of MLORA_DECODE_ORDER (ORDER=... picks)
+#   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -376,6 +377,14 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 500 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
       --ab "MLORA_DECODE_ORDER=batch,${ORDER:-longest-heads}" --ab-repeats 2 --out "$OUT/batch-64seqs-order.json" \
       2>&1 | grep -E "adapters|ab"
+    ;;
+  joint)  # twenty-first session: --memory-ledger joint (KV and slots from one arena; built and tested on the CPU):
+    # its GPU test (the demo with CUDA graphs, the scratch block on the arena's spare page), then the issue's
+    # 8,000-row limited run in one arena (~6 min with the workspace written)
+    rm -rf /tmp/bb
+    timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
+    timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
+      --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E "^limited|floor|cold load|Error"
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)

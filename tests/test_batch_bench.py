@@ -167,6 +167,11 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
         assert all(v == got[k][:2] for k, v in warm.items())  # greedy: the same first two tokens
     again = run_residency_bench(str(tmp_path), o)  # the workspace is reused, outputs replaced
     assert again["runs"][0]["error_rows"] == 0
+    # the limited run with KV and slots in one arena (--memory-ledger joint): the same tokens
+    import dataclasses
+
+    joint = run_residency_bench(str(tmp_path), dataclasses.replace(o, memory_ledger="joint", runs=("limited",)))
+    assert joint["runs"][0]["error_rows"] == 0 and tokens("limited") == got
 
 
 def test_cold_load_against_its_floor():

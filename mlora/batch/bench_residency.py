@@ -73,6 +73,7 @@ class ResidencyBenchOptions:
     prefetch_gpu_adapters: int = 4  # batch-run's option (0: loads block the engine)
     image_build_processes: int = 0  # JobOptions.image_build_processes (0: prefetch threads build images)
     warmup_rows: int = 256  # rows of the untimed warm-up job before each run (0: none)
+    memory_ledger: str = "split"  # batch-run's --memory-ledger (joint: KV and slots from one arena)
     warmup_new_tokens: int = 16
 
 
@@ -259,7 +260,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
             max_new_tokens=max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
             max_batch_tokens=o.max_batch_tokens, max_gpu_adapters=slots, preload_adapters=name.endswith("all-resident"),
             gpu_memory_utilization=o.gpu_memory_utilization, prefetch_gpu_adapters=o.prefetch_gpu_adapters,
-            image_build_processes=o.image_build_processes))
+            image_build_processes=o.image_build_processes, memory_ledger=o.memory_ledger))
 
     warm_input = warmup_input(root, "input.parquet", o.warmup_rows) if o.warmup_rows else None
     for name, slots in (("limited", o.slots), ("all-resident", o.adapters)):

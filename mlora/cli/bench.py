@@ -267,6 +267,8 @@ def bench_residency(
                                                    "the prefetch threads (GPU; A/B of residency/build.py)."),
     warmup_rows: int = typer.Option(256, "--warmup-rows", min=0,
                                     help="Rows of an untimed warm-up job before each run (compiles its kernels; 0: none)."),
+    memory_ledger: str = typer.Option("split", "--memory-ledger",
+                                      help="batch-run's option of the same name (joint: KV and slots from one arena)."),
     compare: Optional[Path] = typer.Option(None, "--compare", help="The JSON (--out) of an earlier call of the same job "
                                            "with the other run: its run joins these results and the ratio."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
@@ -283,7 +285,8 @@ def bench_residency(
                                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
                                  seed=seed, runs=tuple(r.strip() for r in runs.split(",") if r.strip()),
                                  prefetch_gpu_adapters=prefetch_gpu_adapters,
-                                 image_build_processes=image_build_processes, warmup_rows=warmup_rows)
+                                 image_build_processes=image_build_processes, warmup_rows=warmup_rows,
+                                 memory_ledger=memory_ledger)
     earlier = None
     if compare is not None:  # read and check before the long run, not after it
         from ..batch.bench_residency import check_comparable, options_record
