@@ -239,6 +239,20 @@ def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device
     assert summary.bank["memory_ledger"] == "joint" and summary.engine["kv_blocks"] == summary.bank["arena_pages"]
 
 
+def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatch):
+    """The rare blocking loads of the joint mode (start_load says "sync") in an arena of two
+    slots and one longest row for the demo's four adapters: rows wait until a slot's pages
+    are free, and every row is the expected one."""
+    from mlora.batch.residency import ResidencyBank
+
+    first = _demo_job_gives_the_expected_rows(tmp_path / "a", memory_ledger="joint")
+    pps = first.bank["pages_per_slot"]
+    monkeypatch.setattr(ResidencyBank, "start_load", lambda self, adapter_id, pinned: "sync")
+    tight = _demo_job_gives_the_expected_rows(tmp_path / "b", memory_ledger="joint",
+                                              kv_cache_gb=(8 + 2 * pps) * 32768 / 2**30)
+    assert tight.bank["arena_pages"] == 8 + 2 * pps and tight.error_rows == 0
+
+
 def test_memory_ledger_refusals(tmp_path):
     """An unknown --memory-ledger, and an arena too small for one slot beside one longest row,
     are refused before any row runs (E_MEMORY_LEDGER, exit 2)."""
@@ -246,7 +260,8 @@ def test_memory_ledger_refusals(tmp_path):
 
     for i, (options, words) in enumerate((
             (dict(memory_ledger="shared"), "must be one of split, joint"),
-            (dict(memory_ledger="joint", kv_cache_gb=8 * 32768 / 2**30), "cannot hold an adapter slot"))):
+            (dict(memory_ledger="joint", kv_cache_gb=8 * 32768 / 2**30), "cannot hold an adapter slot"),
+            (dict(memory_ledger="joint", prefetch_gpu_adapters=0), "needs --prefetch-adapters and"))):
         with pytest.raises(JobError) as info:
             _demo_job_gives_the_expected_rows(tmp_path / str(i), **options)
         assert info.value.code == "E_MEMORY_LEDGER" and words in str(info.value), str(info.value)

@@ -474,6 +474,13 @@ class Engine:
                     if held:
                         break
                     continue  # joint, no room: no slot's pages are free now (KV holds them); wait
+                if self.joint and status == "sync" and not self._load_now(a):
+                    # the rare paths that say "sync" (a build or an earlier asynchronous attempt failed):
+                    # loaded here, the blocking way, so that it holds its slot's pages before this pass's
+                    # KV; no slot's pages to be had now: the row waits
+                    if held:
+                        break
+                    continue
             n = min(seq.pending, budget)
             blocks = self._blocks_needed(seq, n)
             lease = None
@@ -499,6 +506,23 @@ class Engine:
                 busy.add(a)
         self.waiting.discard(admitted)
         return budget
+
+    def _load_now(self, adapter: str) -> bool:
+        """Joint memory mode: load ``adapter`` now, the blocking way; False when no slot's pages
+        can be had now. A load that fails for the adapter's own reasons says True: the row is
+        admitted and the forward's load raises the error where the engine fails its rows."""
+        tier = self.bank.source_tier(adapter, self.pinned)  # host cache or disk, before the load
+        evictions, t0 = self.bank.stats.evictions, time.perf_counter()
+        try:
+            if not self.bank.load_now(adapter, self.pinned):
+                return False
+        except AdapterError:
+            return True
+        if self.metrics:  # as a load started ahead (_commit_loads): the forward's ensure counts the device hit
+            self.metrics.cache(tier == "host", "host")
+            self.metrics.adapter_load(stored_adapter_bytes(self.pinned[adapter]), time.perf_counter() - t0, True, tier)
+            self._count_evictions(evictions)
+        return True
 
     def _published(self, adapter: str) -> bool:
         """Whether the bank has a published generation of ``adapter`` now (joint memory mode)."""

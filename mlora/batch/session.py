@@ -231,6 +231,10 @@ def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.devi
     if page % ALIGN:
         raise JobError("E_MEMORY_LEDGER", f"this model's KV block is {page} bytes, not a multiple of {ALIGN}: one "
                        "arena cannot carve aligned slots from such pages; use --memory-ledger split", 2)
+    if not (opts.prefetch_adapters and opts.prefetch_gpu_adapters):
+        raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint loads cold adapters asynchronously (a load holds its "
+                       "slot's pages from the moment its row is admitted); it needs --prefetch-adapters and "
+                       "--prefetch-gpu-adapters above 0", 2)
     if slots < 1:
         raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes cannot hold an adapter "
                        f"slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more memory "

@@ -302,6 +302,18 @@ class ResidencyBank(SlotTensors):
         self.loads_started_ahead += 1
         return "started"
 
+    def load_now(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> bool:
+        """Make one adapter resident now, the blocking way, outside any invocation (the joint
+        memory mode's admission, where a load must hold its slot's pages before later rows'
+        KV can take them). False when no slot can be had now (AdmissionError: nothing
+        changed); the load's own errors propagate as ``ensure``'s would."""
+        p = self._check(adapter_id, pinned)
+        try:
+            self._make_resident(p.semantic_sha256, p)
+        except AdmissionError:
+            return False
+        return True
+
     def loads_in_flight(self) -> int:
         return len(self._device_loads)
 
