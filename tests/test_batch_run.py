@@ -398,6 +398,7 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
     pps = tight.bank["pages_per_slot"]
     assert tight.bank["arena_pages"] == 18 and 3 * pps + 4 <= 18
     assert tight.bank["kv_pages_peak"] > 18 - 3 * pps  # KV held pages of a slot: the arena is one budget
+    assert tight.bank["kv_pages_peak"] <= 8  # eight rows of one block each at most
     assert tight.error_rows == 0
     run("sync", 3, prefetch=0)
     host_only = run("host-only", 3, gpu=0)

@@ -22,6 +22,7 @@ class LedgerBlocks:
 
     def __init__(self, residency):
         self.res = residency
+        self.held = 0  # pages the KV cache holds now (every sequence's blocks)
         self.peak = 0  # most pages the KV cache held at once
 
     @property
@@ -47,12 +48,16 @@ class LedgerBlocks:
             pages = self.res.grow_kv(name, n) if self.res.holds_kv(name) else self.res.reserve_kv(name, n)
         except (KVCapacity, AdmissionError):
             raise KVCacheFull(n, self.num_free) from None
-        self.peak = max(self.peak, self.res.pool.counts()["kv"])
+        self.held += len(pages)
+        self.peak = max(self.peak, self.held)
         return pages
 
     def free(self, blocks: list[int], owner) -> None:
+        """Give back every block of ``owner`` (``blocks``: all of them, as the engine frees a
+        sequence's blocks at once)."""
         if blocks:
             self.res.release_kv(owner_name(owner))
+            self.held -= len(blocks)
 
 
 def owner_name(owner) -> str:
