@@ -487,7 +487,7 @@ class Engine:
             if self.joint and a is not None and seq.lease is None and self._published(a):
                 # bound first: this row's KV (and later rows') must not evict it as an idle adapter
                 lease = f"row{seq.req.row}"
-                self.bank.acquire(lease, a, self.pinned)
+                self.bank.residency.acquire(lease, self.pinned[a].semantic_sha256)  # published: no load, no count
             if not self.allocator.has(blocks):
                 if lease is not None:
                     self.bank.release(lease)
