@@ -198,3 +198,34 @@ def test_kv_growth_takes_an_idle_adapters_pages_and_it_comes_back(pinned):
     res.release_kv("r1")
     res.audit()
     _same(bank, rbank(2), ["qv", "all"], pinned, 3)
+
+
+def test_the_fused_gate_up_silu_launch_reads_arena_slots(pinned):
+    """The gate/up expand fused into the SiLU product (``lora_silu_mul``, large invocations on a
+    GPU) over slots carved from an arena: the numbers of a bank with its own tensors, its
+    ``apply`` then the SiLU product (NaN on every page before the loads)."""
+    from test_residency import SHAPES, rbank
+
+    from mlora.batch.fused import ElementwiseOps, silu_mul_ref
+
+    arena, bank, _ = arena_bank(3, 40, "triton")
+    arena.data.fill_(0xFF)
+    bank.fuse_silu_min_rows = 1  # a 10-row invocation takes the fused launch
+    ref = rbank(3, backend="torch")
+    inter = SHAPES["gate_up"][1][0]
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(10, 32, generator=g)
+    gu0 = torch.randn(10, 2 * inter, generator=g)
+    ids = ["all", "pattern", "qv"]
+    slots_ref, slots = ref.ensure(ids, pinned), bank.ensure(ids, pinned)
+    pick = [0, -1, 1, 2, 2, 0, -1, 1, 0, 0]
+    gu = gu0.clone()
+    ref.context(torch.tensor([slots_ref[ids[i]] if i >= 0 else -1 for i in pick], dtype=torch.int32)).apply(
+        0, "gate_up", x, gu)
+    want = silu_mul_ref(gu, inter)
+    assert not torch.equal(want, silu_mul_ref(gu0, inter))  # the adapter changes something
+    gu = gu0.clone()
+    got = bank.context(torch.tensor([slots[ids[i]] if i >= 0 else -1 for i in pick], dtype=torch.int32)).apply_silu_mul(
+        0, x, gu, inter, ElementwiseOps(True))
+    assert torch.equal(gu, gu0)  # the fused launch: the deltas never written into gate_up
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
