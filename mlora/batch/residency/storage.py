@@ -9,7 +9,9 @@ Must not know states, leases or the page ledger's rules.
 * :class:`SlotStorage` -- fixed max-rank slots: named device tensors with a
   slot axis (the GPU slot bank's A/B/ranks/scales, ``bank.py``; a tiny
   rank-two slot table in the hotswap fixture). A slot's pages are ledger
-  tokens; its bytes are the slot's sub-tensors.
+  tokens and its bytes the slot's sub-tensors; or, with ``first_page`` (one
+  arena, ``arena.py``), its pages are a fixed run of the ledger's pages and
+  the sub-tensors lie on them.
 * :class:`PagedStorage` -- unified vector pages (0x05B): one device tensor of
   ``num_pages`` pages; an adapter's pages *are* its storage, in page-table order.
 """
