@@ -15,10 +15,12 @@ the page's current owner first, so a double grant or a release by a
 non-owner raises instead of corrupting the ledger. Free pages are handed out
 lowest id first, so allocation is deterministic.
 
-Two uses, one class: in the exact fixture of 0x05B the pages are the adapter
+Three uses, one class: in the exact fixture of 0x05B the pages are the adapter
 and KV storage themselves (``storage.PagedStorage``); in the GPU slot bank a
 page is a budget token of ``page_bytes`` (adapter factors live in slot
-tensors, KV in the KV cache) and the pool is the one byte budget both draw from.
+tensors, KV in the KV cache); with ``--memory-ledger joint`` the pages are one
+arena's (``arena.py``): KV blocks, and slots on fixed runs of pages taken by id
+(``take(specific=...)``).
 """
 
 from __future__ import annotations
