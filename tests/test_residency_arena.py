@@ -229,3 +229,24 @@ def test_the_fused_gate_up_silu_launch_reads_arena_slots(pinned):
         0, x, gu, inter, ElementwiseOps(True))
     assert torch.equal(gu, gu0)  # the fused launch: the deltas never written into gate_up
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_take_kv_without_a_transaction_when_free_pages_suffice():
+    """take_kv: the lowest free pages at once while they cover the request (no transaction id
+    used), else reserve_kv's way (an idle adapter evicted); either way a KV record that
+    grow_kv / release_kv and the audit see."""
+    res, A, _ = arena_residency()
+    for key in "ab":
+        res.load(key)  # a in slot 3 (pages 10-11), b in slot 2 (8-9)
+    before = next(res._txn_ids)
+    assert res.take_kv("r1", 5) == [0, 1, 2, 3, 4] and next(res._txn_ids) == before + 1  # no transaction opened
+    assert res.holds_kv("r1") and res.grow_kv("r1", 1) == [5]
+    res.audit()
+    with pytest.raises(ResidencyError, match="E_RESIDENCY_REQUEST_BOUND"):
+        res.take_kv("r1", 1)  # already holds pages: the transaction path refuses it
+    assert res.take_kv("r2", 4) == [6, 7, 10, 11] and "a" not in res.catalog  # short: a (LRU) evicted
+    check(res, A)
+    res.release_kv("r1")
+    res.release_kv("r2")
+    assert res.pool.counts()["kv"] == 0
+    res.audit()

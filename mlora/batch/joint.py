@@ -45,7 +45,7 @@ class LedgerBlocks:
             return []
         name = owner_name(owner)
         try:
-            pages = self.res.grow_kv(name, n) if self.res.holds_kv(name) else self.res.reserve_kv(name, n)
+            pages = self.res.grow_kv(name, n) if self.res.holds_kv(name) else self.res.take_kv(name, n)
         except (KVCapacity, AdmissionError):
             raise KVCacheFull(n, self.num_free) from None
         self.held += len(pages)

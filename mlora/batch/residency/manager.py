@@ -763,6 +763,20 @@ class Residency:
         """KV pages (initial + growth reserve) for a request without an adapter to load."""
         return list(self.wait(self.begin(None, request=request, kv_pages=kv_pages, growth_pages=growth_pages)).kv_pages)
 
+    def take_kv(self, request: str, n: int) -> list[int]:
+        """``n`` KV pages for a request that holds none: taken at once, lowest first, when free
+        pages cover them beside the guard (one ledger move: nothing to evict, so no
+        transaction), else through :meth:`reserve_kv` (victims chosen, a transaction, rolled
+        back on failure). The engine's joint memory mode calls it for every new row."""
+        if n <= 0 or n + self.guard_pages > self.pool.free_count or request in self._kv \
+                or request in self._leases or any(t.request == request for t in self._txns.values()):
+            return self.reserve_kv(request, n)
+        pages = self.pool.take(n, Owner.kv(request))
+        self._kv[request] = KVRecord(list(pages), n)
+        if self.trace is not None:  # the message lists every page: built only when traced
+            self._log(f"kv {request} {pages}")
+        return pages
+
     def holds_kv(self, request: str) -> bool:
         """Whether ``request`` holds a KV reservation."""
         return request in self._kv
