@@ -332,3 +332,27 @@ def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropp
     fourth = prober.probe(7, other)
     _sync(dev)
     assert prober.prepared == 3 and fourth.all_stats() == storage_mod.probe_landed(other).all_stats()
+
+
+def test_a_bank_prepares_every_slots_probe_when_it_is_made(monkeypatch):
+    """ResidencyBank: each slot's probe buffers are built when the bank is made (the first
+    load into a slot allocates nothing while issuing); a load then probes from them."""
+    from mlora.batch.residency import ResidencyBank
+    from mlora.batch.residency import storage as storage_mod
+
+    from mlora.batch.residency import host as host_mod
+
+    monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
+    built = []
+    real = storage_mod._ProbePlan.build
+    monkeypatch.setattr(storage_mod._ProbePlan, "build", classmethod(lambda cls, views: built.append(1) or real(views)))
+    shapes = {"qkv": (64, (64, 16, 16))}
+    bank = ResidencyBank(2, shapes, 3, 8, torch.bfloat16, "cpu", prefetch_workers=0)
+    prober, storage = bank.residency.prober, bank.residency.storage
+    assert len(built) == 3 and sorted(prober._plans) == [0, 1, 2]
+    assert all(prober._plans[s] is not None and prober._plans[s].matches(storage.views(s, [])) for s in range(3))
+    prober.prepare(1, storage.views(1, []))
+    probe = prober.probe(2, storage.views(2, []))  # a load's probe: from the prepared buffers, nothing built
+    assert len(built) == 3 and prober.prepared == 1
+    assert probe.all_stats() == storage_mod.probe_landed(storage.views(2, [])).all_stats()

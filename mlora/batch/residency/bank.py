@@ -133,6 +133,8 @@ class ResidencyBank(SlotTensors):
         host = HostCache(host_cache_bytes, pin=self.pinned_pool is not None, pool=self.pinned_pool)
         self.residency = Residency(storage, pool, host, copier=copier, faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace)
+        for s in range(num_slots):  # each slot's probe buffers now, not inside its first load (GPU)
+            self.residency.prober.prepare(s, storage.views(s, []))
         self.stats = self.residency.stats
         self.prefetcher = HostPrefetcher(host, prefetch_workers) if prefetch_workers > 0 else None
         # host images built in worker processes: the engine thread shares no interpreter lock with them
