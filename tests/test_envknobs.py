@@ -35,3 +35,18 @@ def test_switch_interval_knob(monkeypatch):
         monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", bad)
         with pytest.raises(ValueError, match="MLORA_SWITCH_INTERVAL_US="):
             switch_interval_s()
+
+
+def test_env_choice_reads_defaults_and_refuses(monkeypatch):
+    from mlora.batch.envknobs import env_choice
+
+    monkeypatch.delenv("MLORA_TEST_CHOICE", raising=False)
+    assert env_choice("MLORA_TEST_CHOICE", ("a", "b"), "a") == "a"
+    monkeypatch.setenv("MLORA_TEST_CHOICE", "")  # empty: as unset
+    assert env_choice("MLORA_TEST_CHOICE", ("a", "b"), "a") == "a"
+    monkeypatch.setenv("MLORA_TEST_CHOICE", "b")
+    assert env_choice("MLORA_TEST_CHOICE", ("a", "b"), "a") == "b"
+    for bad in ("c", " b", "B"):  # never read as another choice
+        monkeypatch.setenv("MLORA_TEST_CHOICE", bad)
+        with pytest.raises(ValueError, match=r"MLORA_TEST_CHOICE=.*expected one of \('a', 'b'\) \(unset it for 'a'\)"):
+            env_choice("MLORA_TEST_CHOICE", ("a", "b"), "a")

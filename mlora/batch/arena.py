@@ -30,6 +30,12 @@ import torch
 ALIGN = 256  # bytes: every slot tensor starts at a multiple (any dtype's alignment, vector loads)
 
 
+def pages_per_slot(slot_bytes: int, tensors: int, page_bytes: int) -> int:
+    """Pages of one slot's run: its ``slot_bytes`` of ``tensors`` slot tensors, each starting at
+    the next ``ALIGN``-byte offset (at most ``ALIGN`` bytes of padding before each)."""
+    return max(1, -(-(slot_bytes + ALIGN * tensors) // page_bytes))
+
+
 class PageArena:
     def __init__(self, num_pages: int, page_bytes: int, device, spare_pages: int = 0):
         if num_pages < 1 or spare_pages < 0 or page_bytes < ALIGN or page_bytes % ALIGN:
@@ -47,17 +53,17 @@ class PageArena:
                  dtype: torch.dtype) -> torch.Tensor:
         """Every page (spare ones last) as one page-major KV block; the page size must be one
         block's K and V of every layer."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        block = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        from .kvcache import KVCache
+
+        block = KVCache.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         if block != self.page_bytes:
             raise ValueError(f"a KV block of this model is {block} bytes, the arena's pages {self.page_bytes}")
         return self.data.view(dtype).view(self.num_pages + self.spare_pages, num_layers, 2, block_size,
                                           num_kv_heads, head_dim)
 
-    def carver(self, num_slots: int, slot_bytes: int) -> "SlotCarver":
-        """Slots of at least ``slot_bytes`` (aligned tensors included) at the top of the ledger's
-        pages: slot ``s`` starts at page ``first_page + s * pages_per_slot``."""
-        pps = max(1, math.ceil(slot_bytes / self.page_bytes))
+    def carver(self, num_slots: int, pps: int) -> "SlotCarver":
+        """Slots of ``pps`` pages each (:func:`pages_per_slot`) at the top of the ledger's pages:
+        slot ``s`` starts at page ``first_page + s * pps``."""
         first = self.num_pages - num_slots * pps
         if num_slots < 1 or first < 0:
             raise ValueError(f"{num_slots} slots of {pps} pages do not fit in an arena of {self.num_pages} pages")

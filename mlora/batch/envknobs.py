@@ -1,8 +1,8 @@
-"""Whole-number tuning knobs read from the environment (benchmarks and A/B runs).
+"""Tuning knobs read from the environment (benchmarks and A/B runs).
 
-One parser for every ``MLORA_*`` integer knob, so that each refuses a malformed value
-the same way: a ``ValueError`` naming the variable, what it expected and how to get the
-default back. None of these knobs is needed for a correct job (README, Environment
+One parser for every ``MLORA_*`` integer knob and one for every choice among names, so
+that each refuses a malformed value the same way: a ``ValueError`` naming the variable,
+what it expected and how to get the default back. None of these knobs is needed for a correct job (README, Environment
 variables)."""
 
 from __future__ import annotations
@@ -23,3 +23,14 @@ def env_int(name: str, default: int | None, *, minimum: int = 0, unit: str = "")
         default_text = "the automatic value" if default is None else str(default)
         raise ValueError(f"{name}={raw!r}: expected {what} (unset it for {default_text})")
     return int(text)
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of the environment variable ``name``, one of ``choices``; ``default`` when it
+    is unset or empty. Raises ValueError for any other value."""
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {choices} (unset it for {default!r})")
+    return raw

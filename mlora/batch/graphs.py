@@ -30,7 +30,7 @@ from mlora.kernels import empty_launch_plan, tile_capacity
 
 from .attention import AttentionMetadata
 from .bank import BankContext
-from .paged_attention import PagedLayout, TileList, decode_block_q, decode_order, pad_tables
+from .paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
 
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
 
@@ -201,7 +201,7 @@ class DecodeGraphs:
         real rows longest context first (ties in batch order), then the padding rows. Always a
         permutation of the whole bucket, whatever the previous iteration's row count was."""
         n = len(context_lens)
-        order = sorted(range(n), key=lambda i: -context_lens[i]) + list(range(n, b))
+        order = longest_first(range(n), context_lens) + list(range(n, b))
         return torch.tensor(order, dtype=torch.int32)
 
     def _pad(self, start: int, end: int) -> None:

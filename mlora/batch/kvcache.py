@@ -25,10 +25,11 @@ block_size, kv_heads, head_dim]) and the same addressing:
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import torch
+
+from .envknobs import env_choice
 
 LAYOUTS = ("layer-major", "page-major")
 
@@ -59,11 +60,9 @@ class KVCache:
             if tuple(pages.shape) != want or pages.dtype != dtype:
                 raise ValueError(f"KV pages {tuple(pages.shape)} {pages.dtype}, expected {want} {dtype}")
             layout = "page-major"
-        from_env = layout is None and bool(os.environ.get("MLORA_KV_LAYOUT"))
-        layout = layout or os.environ.get("MLORA_KV_LAYOUT") or "layer-major"
+        layout = layout or env_choice("MLORA_KV_LAYOUT", LAYOUTS, "layer-major")
         if layout not in LAYOUTS:
-            where = "MLORA_KV_LAYOUT=" if from_env else "KV cache layout "
-            raise ValueError(f"{where}{layout!r}: expected one of {LAYOUTS}")
+            raise ValueError(f"KV cache layout {layout!r}: expected one of {LAYOUTS}")
         self.layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks

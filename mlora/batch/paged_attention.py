@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .envknobs import env_int
+from .envknobs import env_choice, env_int
 
 LOG2E = 1.4426950408889634
 # The CPU interpreter mis-computes 16-bit tl.dot: there (and for float32 inputs)
@@ -89,11 +89,13 @@ DECODE_ORDER = "batch"
 def decode_order() -> tuple[bool, bool]:
     """(tiles longest context first, heads-first grid) of decode launches: ``MLORA_DECODE_ORDER``
     or ``DECODE_ORDER``. Read when a layout is built or a decode graph captured."""
-    order = os.environ.get("MLORA_DECODE_ORDER") or DECODE_ORDER
-    if order not in DECODE_ORDERS:
-        raise ValueError(f"MLORA_DECODE_ORDER={order!r}: expected one of {DECODE_ORDERS} (unset it for "
-                         f"{DECODE_ORDER!r})")
+    order = env_choice("MLORA_DECODE_ORDER", DECODE_ORDERS, DECODE_ORDER)
     return order.startswith("longest"), order.endswith("heads")
+
+
+def longest_first(seqs, context_lens) -> list[int]:
+    """``seqs`` (indices into ``context_lens``) longest context first, ties in their order."""
+    return sorted(seqs, key=lambda b: -context_lens[b])
 
 
 # Launch parameters of prefill launches (several new rows per sequence), swept by
@@ -343,7 +345,7 @@ class PagedLayout:
                 tiles[bq][1].append(q0)
         longest, heads_first = decode_order()
         if longest and decode_q != prefill_q:
-            seqs = sorted(tiles[decode_q][0], key=lambda b: -context_lens[b])  # stable: ties keep batch order
+            seqs = longest_first(tiles[decode_q][0], context_lens)
             tiles[decode_q] = (seqs, [0] * len(seqs))
         B = len(context_lens)
         tables = pad_tables(block_tables, _round_up(max((len(t) for t in block_tables), default=1), ALIGN))

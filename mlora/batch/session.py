@@ -50,7 +50,7 @@ class EngineSession:
         good = {a: p for a, p in pinned.items() if p.ok}
         max_rank = max((p.max_rank for p in good.values()), default=0)
         self.bank = self.arena = None
-        check_memory_ledger(opts.memory_ledger)
+        check_memory_ledger(opts.memory_ledger)  # also here: MloraPredictor actors build sessions without prepare_job
         bundle = served_bundle(opts, good)
         if bundle is not None:
             from .bundle_bank import BundleBank
@@ -214,10 +214,11 @@ def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.devi
     from .arena import ALIGN, PageArena
     from .job import JobError, _usable_gpu_bytes
     from .kvcache import KVCache
+    from .residency import ResidencyBank
 
     page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
     spare = int(opts.cuda_graphs and device.type == "cuda")  # the decode graphs' scratch block
-    pps = -(-(slot_bytes + ALIGN * 4 * groups) // page)
+    pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
     want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
     row_pages = -(-config.max_position_embeddings // opts.block_size)
     if opts.kv_cache_gb:

@@ -40,7 +40,7 @@ import torch
 
 from mlora.kernels import pitched_span
 
-from ..arena import ALIGN as ARENA_ALIGN
+from .. import arena as arena_mod
 from ..bank import BankContext, SlotTensors
 from ..catalog import AdapterError, PinnedAdapter, load_factors
 from ..lora import GROUPS
@@ -92,8 +92,8 @@ class ResidencyBank(SlotTensors):
         if arena is not None:
             if pool is not None:
                 raise ValueError("a bank over an arena keeps the arena's own ledger; pass no pool")
-            # four tensors per group (A, B, ranks, scales), each aligned inside a slot's pages
-            carver = arena.carver(num_slots, self.slot_bytes + ARENA_ALIGN * 4 * len(groups))
+            pps = self.arena_pages_per_slot(self.slot_bytes, len(groups), arena.page_bytes)
+            carver = arena.carver(num_slots, pps)
             pool = PagePool(arena.num_pages, arena.page_bytes)
         super().__init__(num_layers, shapes, groups, num_slots, max_rank, dtype, device, backend, slices, alloc=carver)
         self.arena = arena
@@ -148,6 +148,12 @@ class ResidencyBank(SlotTensors):
         self._async_failed: set[str] = set()  # keys whose asynchronous load failed: load them the blocking way
         self.loads_started_ahead = 0  # by start_load and prefetch_device
         self._builds_requested: set[str] = set()  # host images start_load asked the prefetcher for
+
+    @staticmethod
+    def arena_pages_per_slot(slot_bytes: int, groups: int, page_bytes: int) -> int:
+        """Arena pages of one slot (``--memory-ledger joint``): four tensors per group (A, B,
+        ranks, scales), each aligned inside the slot's pages (``arena.pages_per_slot``)."""
+        return arena_mod.pages_per_slot(slot_bytes, 4 * groups, page_bytes)
 
     @property
     def resident(self) -> dict[str, int]:

@@ -458,8 +458,7 @@ class Residency:
         AdapterError) for an artifact refused before any eviction, LoadError after rolling the
         attempt back, RollbackError when the rollback could not restore a victim."""
         self.collect()
-        if request is not None and (request in self._leases or request in self._kv
-                                    or any(t.request == request for t in self._txns.values())):
+        if request is not None and self._bound(request):
             raise ResidencyError("E_RESIDENCY_REQUEST_BOUND", f"request attempt {request} is already admitted; "
                                  "a retry needs a new attempt id")
         if min(kv_pages, growth_pages) < 0:
@@ -768,14 +767,17 @@ class Residency:
         pages cover them beside the guard (one ledger move: nothing to evict, so no
         transaction), else through :meth:`reserve_kv` (victims chosen, a transaction, rolled
         back on failure). The engine's joint memory mode calls it for every new row."""
-        if n <= 0 or n + self.guard_pages > self.pool.free_count or request in self._kv \
-                or request in self._leases or any(t.request == request for t in self._txns.values()):
-            return self.reserve_kv(request, n)
+        if n <= 0 or n + self.guard_pages > self.pool.free_count or self._bound(request):
+            return self.reserve_kv(request, n)  # (which refuses a bound request)
         pages = self.pool.take(n, Owner.kv(request))
         self._kv[request] = KVRecord(list(pages), n)
         if self.trace is not None:  # the message lists every page: built only when traced
             self._log(f"kv {request} {pages}")
         return pages
+
+    def _bound(self, request: str) -> bool:
+        """Whether a request attempt holds a lease, KV pages or an open transaction."""
+        return request in self._leases or request in self._kv or any(t.request == request for t in self._txns.values())
 
     def holds_kv(self, request: str) -> bool:
         """Whether ``request`` holds a KV reservation."""

@@ -200,11 +200,7 @@ class _HostBuffers:
 
     def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool):
         sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-        starts, end = [], 0
-        for n in sizes:
-            starts.append(end)
-            end += -(-max(n, 1) // 64) * 64
-        self.storage = torch.empty(max(end, 64), dtype=torch.uint8, pin_memory=pin)
+        self.storage, starts, _ = host_mod.image_buffer(sizes, pin)  # a host image's carve, 64-byte offsets
         self.tensors = [self.storage[a : a + n].view(dtype).view(shape)
                         for a, n, (shape, dtype) in zip(starts, sizes, specs)]
 
