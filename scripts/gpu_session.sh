@@ -384,7 +384,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     rm -rf /tmp/bb
     timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
-      --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E "^limited|floor|cold load|Error"
+      --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)

@@ -25,6 +25,7 @@ whole job before any row runs (JobError, exit 1).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -437,7 +438,11 @@ def adapter_share_bytes(opts: JobOptions, device) -> float:
 
 def _usable_gpu_bytes(opts: JobOptions, device) -> float:
     """Free device memory that ``--gpu-memory-utilization`` lets the job take now
-    (blocks cached by the allocator, e.g. load temporaries, count as free)."""
+    (blocks cached by the allocator, e.g. load temporaries, count as free). A job run
+    before in this process (a bench's warm-up, a Ray worker's previous job) may still hold
+    its slot bank or its whole one-arena ledger through reference cycles (the residency
+    engine's bound methods and closures) until the cyclic collector runs: collect first."""
+    gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
