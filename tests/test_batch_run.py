@@ -235,11 +235,19 @@ def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypat
 def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device):
     """--memory-ledger joint: the KV cache and the adapter slots carved from one arena give the
     expected rows (on a GPU with CUDA graphs: the scratch block is the arena's spare page). On
-    the GPU a second job in the same process gets the same arena: the first job's (held by
-    reference cycles after it returned) is collected before the second sizes its own."""
+    the GPU a job returns its device memory to the driver (the arena, held by reference
+    cycles, collected; the allocator's cache emptied), and a second job in the same process
+    gets the same arena."""
+    def cached() -> int:  # device memory the allocator holds but no tensor uses (other tests' graph pools too)
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated() if device == "cuda" else 0
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    before = cached()
     summary = _demo_job_gives_the_expected_rows(tmp_path, device=device, memory_ledger="joint")
     assert summary.bank["memory_ledger"] == "joint" and summary.engine["kv_blocks"] == summary.bank["arena_pages"]
-    if device == "cuda":
+    if device == "cuda":  # the job left no cached device memory behind it (released to the driver)
+        assert cached() <= before + 2**26, (cached(), before)
         again = _demo_job_gives_the_expected_rows(tmp_path / "again", device=device, memory_ledger="joint")
         assert again.bank["arena_pages"] >= 0.95 * summary.bank["arena_pages"], (again.bank, summary.bank)
 
