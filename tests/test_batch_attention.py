@@ -115,10 +115,18 @@ def test_layout_splits_decode_and_prefill_launches(monkeypatch):
     from mlora.batch import paged_attention as pa
 
     monkeypatch.setattr(pa, "PREFILL_ROWS", 64)  # 16 new rows x 4 heads: the 20-row prompt takes two tiles
-    layout = PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
-                               device=torch.device("cpu"))
+
+    def build():
+        return PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
+                                 device=torch.device("cpu"))
+
+    monkeypatch.setenv("MLORA_DECODE_ORDER", "batch")
+    layout = build()
     by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in layout.launches}
     assert by_q == {16: ([1, 1], [0, 16]), 4: ([0, 2], [0, 0])}
+    monkeypatch.delenv("MLORA_DECODE_ORDER")  # the default order: decode tiles longest context first
+    by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in build().launches}
+    assert by_q == {16: ([1, 1], [0, 16]), 4: ([2, 0], [0, 0])}
     pad = [0] * 12  # the tables' row stride is a multiple of 16 whatever the longest table
     assert layout.block_tables.tolist() == [[0, 1, 0, 0] + pad, [2, 3, 4, 0] + pad, [5, 6, 7, 8] + pad]
     assert layout.context_lens.tolist() == [8, 20, 30] and layout.query_starts.tolist() == [0, 1, 21, 22]

@@ -172,6 +172,10 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
 
     joint = run_residency_bench(str(tmp_path), dataclasses.replace(o, memory_ledger="joint", runs=("limited",)))
     assert joint["runs"][0]["error_rows"] == 0 and tokens("limited") == got
+    ledger = joint["runs"][0]["ledger"]
+    assert ledger["memory_ledger"] == "joint" and ledger["arena_pages"] == joint["runs"][0]["kv_blocks"]
+    assert 0 < ledger["kv_pages_peak"] <= ledger["arena_pages"] and ledger["pages_per_slot"] >= 1
+    assert limited["ledger"] == {}  # the split ledger: no arena
 
 
 def test_cold_load_against_its_floor():

@@ -282,6 +282,9 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          errors_by_code=dict(summary.errors_by_code), kv_blocks=summary.engine.get("kv_blocks"),
                          image_builds={k: v for k, v in summary.bank.items() if k.startswith("image")},
                          pinned_pool={k: v for k, v in summary.bank.items() if k.startswith("pinned_pool")},
+                         # --memory-ledger joint: the arena's pages, a slot's pages, the KV's peak pages
+                         ledger={k: summary.bank[k] for k in ("memory_ledger", "arena_pages", "pages_per_slot",
+                                                              "kv_pages_peak") if k in summary.bank},
                          loads=sum(m["adapter_loads"].values()),
                          load_device_ms_mean=summary.bank.get("load_device_ms_mean"),
                          load_device_ms_p50=summary.bank.get("load_device_ms_p50"),
@@ -311,7 +314,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      f"{r['load_issue_cpu_ms_p90']} p90; "
                      + ("-" if r["copied_bytes_per_load"] is None else f"{r['copied_bytes_per_load'] / 1e6:.1f}")
                      + " MB copied per load), amplification "
-                     f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}")
+                     f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}"
+                     + (f", one arena: {r['ledger']}" if r["ledger"] else ""))
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     return dict(options=options_record(o), workspace=ws,
                 adapter_bytes=adapter_bytes, h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None,

@@ -79,11 +79,13 @@ DECODE_STAGES: int | None = 2
 # "longest": tiles sorted longest context first (the block scheduler then fills the SMs with
 # the short ones last, as longest-processing-time-first scheduling does); "heads": grid (KV
 # heads, tiles), a tile's heads dispatched together; "longest-heads": both. Same numbers in
-# every order (tested). Not measured yet: the question is whether the 64-row launch's 1.41x
-# its floor is load imbalance (contexts of 129-1,152 keys, ~4 programs per SM), which
-# `scripts/attention_sweep.py --order` answers (twenty-first session, device time spent).
+# every order (tested). Measured (twenty-second session, BENCHMARKS.md): "longest-heads" takes
+# the 64-row decode launch from 60.8 to 56.9 us (1.44x -> 1.34x its K/V byte floor; equal
+# contexts: 1.16x) and the 256-row one from 177.8 to 165.1 us (1.16x -> 1.07x); decode
+# iterations 6.92/6.99 -> 6.80/6.76 ms (64 rows), 13.78 -> 13.49 ms (256 rows) and 16.93 ->
+# 16.61 ms (256 rows, 64 adapters) in `bench batch`; each order alone gained ~1-2%.
 DECODE_ORDERS = ("batch", "longest", "heads", "longest-heads")
-DECODE_ORDER = "batch"
+DECODE_ORDER = "longest-heads"
 
 
 def decode_order() -> tuple[bool, bool]:
