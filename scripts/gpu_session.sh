@@ -361,7 +361,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     # (e.g. MLORA_SWITCH_INTERVAL_US=50 bash scripts/gpu_session.sh residency-ab); GPU validation tests first
     rm -rf /tmp/bb
     timeout 60 python -m pytest -q tests/test_residency_validate.py tests/test_residency_pinned.py 2>&1 | tail -1
-    echo "MLORA_SWITCH_INTERVAL_US=${MLORA_SWITCH_INTERVAL_US:-default}"
+    echo "MLORA_SWITCH_INTERVAL_US=${MLORA_SWITCH_INTERVAL_US:-default} MLORA_GC=${MLORA_GC:-default}"
     timeout 540 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --out "$OUT/residency-limited.json" 2>&1 | grep -E "^limited|floor|Error|error"
     ;;

@@ -147,6 +147,9 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
     assert limited["load_device_ms_p50"] <= limited["load_device_ms_p90"]
     assert 0 < limited["load_issue_ms_p50"] <= limited["load_issue_ms_p90"]  # the host's time to issue a load
     assert 0 <= limited["load_issue_cpu_ms_p50"] <= limited["load_issue_cpu_ms_p90"]  # its CPU time
+    # the collector's pauses: inside load issues (in at most every load) and over the whole run
+    assert 0 <= limited["load_issues_with_gc"] <= limited["loads"] and limited["load_issue_gc_ms_mean"] >= 0
+    assert limited["gc"]["gc_mode"] == "default" and set(limited["gc"]["gc_collections"]) == {"0", "1", "2"}
     assert full["metrics"]["prefetch_issued"] == 0  # the preload's background builds are not the job's prefetches
     # q/v adapters in slots of q and v only: a load copies the factors and the rank/scale tables (28,704
     # bytes here), about the adapter file's size (factors plus a header); k's zeros would make it 1.38x

@@ -252,6 +252,23 @@ def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device
         assert again.bank["arena_pages"] >= 0.95 * summary.bank["arena_pages"], (again.bank, summary.bank)
 
 
+def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path, monkeypatch):
+    """The summary's engine stats carry the collector's pauses while the job generated
+    (gcpauses.py); MLORA_GC=freeze gives the expected rows and leaves nothing frozen after
+    the job (its reference cycles collectable again)."""
+    import gc
+
+    base = _demo_job_gives_the_expected_rows(tmp_path / "a")
+    assert base.engine["gc_mode"] == "default" and set(base.engine["gc_collections"]) == {"0", "1", "2"}
+    assert sum(base.engine["gc_collections"].values()) > 0  # a job allocates: young collections happen
+    monkeypatch.setenv("MLORA_GC", "freeze")
+    frozen = _demo_job_gives_the_expected_rows(tmp_path / "b")
+    assert frozen.engine["gc_mode"] == "freeze" and gc.get_freeze_count() == 0
+    monkeypatch.setenv("MLORA_GC", "never")
+    with pytest.raises(ValueError, match="MLORA_GC='never'"):
+        _demo_job_gives_the_expected_rows(tmp_path / "c")
+
+
 def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatch):
     """The rare blocking loads of the joint mode (start_load says "sync") in an arena of two
     slots and one longest row for the demo's four adapters: rows wait until a slot's pages

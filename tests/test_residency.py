@@ -1120,3 +1120,35 @@ def test_every_committed_load_records_its_copy_time(pinned):
     # and the issuing thread's CPU time over the same spans: never more than their wall time
     assert len(s.load_issue_cpu_seconds) == s.load_attempts
     assert all(0 <= c <= w + 1e-4 for c, w in zip(s.load_issue_cpu_seconds, s.load_issue_seconds))
+
+
+def test_a_collection_inside_a_load_issue_is_attributed_to_it(pinned):
+    """load_issue_gc_seconds: the collector's pauses inside each load's host issue (from
+    gcpauses.PAUSES while installed): a collection forced at the copy point of one load shows
+    in that load's figure, within its issue time; the other loads' figures are what the
+    collector really did meanwhile (never more than their issue time)."""
+    import gc
+
+    from mlora.batch.gcpauses import PAUSES
+
+    bank = rbank(2, prefetch_workers=0)
+    check = bank.residency.faults.check
+
+    def collect_at_kvup(point, key, name, attempt):
+        if point == "copy" and name == "kvup":
+            gc.collect()
+        return check(point, key, name, attempt)
+
+    bank.residency.faults.check = collect_at_kvup
+    PAUSES.install()
+    try:
+        for a in ("qv", "kvup", "pattern"):
+            bank.ensure([a], pinned)
+            bank.context(torch.zeros(1, dtype=torch.int32)).close()
+    finally:
+        PAUSES.uninstall()
+    s = bank.stats
+    assert len(s.load_issue_gc_seconds) == s.load_attempts == 3
+    assert s.load_issue_gc_seconds[1] > 0  # the forced full collection, inside kvup's issue
+    assert all(0 <= g <= w + 1e-4 for g, w in zip(s.load_issue_gc_seconds, s.load_issue_seconds))
+    assert s.as_dict()["load_issue_gc_seconds"] == list(s.load_issue_gc_seconds)

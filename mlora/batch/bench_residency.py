@@ -295,6 +295,12 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          load_issue_ms_p90=summary.bank.get("load_issue_ms_p90"),
                          load_issue_cpu_ms_p50=summary.bank.get("load_issue_cpu_ms_p50"),
                          load_issue_cpu_ms_p90=summary.bank.get("load_issue_cpu_ms_p90"),
+                         # the collector's pauses inside load issues, and in the whole run (gcpauses.py)
+                         load_issue_gc_ms_mean=summary.bank.get("load_issue_gc_ms_mean"),
+                         load_issue_gc_ms_p90=summary.bank.get("load_issue_gc_ms_p90"),
+                         load_issues_with_gc=summary.bank.get("load_issues_with_gc"),
+                         gc={k: summary.engine[k] for k in ("gc_mode", "gc_collections", "gc_pause_seconds",
+                                                            "gc_pause_max_ms") if k in summary.engine},
                          # what a load really copied (the whole-view image: slot views incl. their zeros), against
                          # the adapter's bytes that the amplification metric counts
                          copied_bytes_per_load=(summary.bank["h2d_bytes"] / summary.bank["load_attempts"]
@@ -311,11 +317,12 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                      f"{r['load_device_ms_p90']} p90; copies alone {r['load_copy_ms_mean']} mean, "
                      f"{r['load_copy_ms_p50']} p50; host issue {r['load_issue_ms_p50']} p50, "
                      f"{r['load_issue_ms_p90']} p90, its CPU time {r['load_issue_cpu_ms_p50']} p50, "
-                     f"{r['load_issue_cpu_ms_p90']} p90; "
+                     f"{r['load_issue_cpu_ms_p90']} p90, collector pauses in {r['load_issues_with_gc']} issues, "
+                     f"{r['load_issue_gc_ms_mean']} ms mean; "
                      + ("-" if r["copied_bytes_per_load"] is None else f"{r['copied_bytes_per_load'] / 1e6:.1f}")
                      + " MB copied per load), amplification "
                      f"{m.get('load_amplification')}, {summary.error_rows} error rows, {r['image_builds']}, {r['pinned_pool']}"
-                     + (f", one arena: {r['ledger']}" if r["ledger"] else ""))
+                     + (f", one arena: {r['ledger']}" if r["ledger"] else "") + f", collector {r['gc']}")
     bw = h2d_bandwidth(max(adapter_bytes, 64 << 20))
     return dict(options=options_record(o), workspace=ws,
                 adapter_bytes=adapter_bytes, h2d_bytes_per_s=bw, cold_load_floor_s=adapter_bytes / bw if bw else None,

@@ -15,6 +15,7 @@ adapters: a session serves exactly the identities the job pinned at start
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import torch
 from .catalog import PinnedAdapter
 from .engine import Engine, Request, Result
 from .envknobs import env_int
+from .gcpauses import PAUSES, gc_mode
 from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
 from .sampling import SamplingParams
 
@@ -44,6 +46,7 @@ class EngineSession:
         from .residency import ResidencyBank
 
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
+        self._gc_mode = gc_mode()  # MLORA_GC (a malformed value refused before the weights load)
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
         self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         config = model.config
@@ -107,6 +110,11 @@ class EngineSession:
             if hasattr(self.bank, "prefetch"):
                 self.bank.prefetch(first, good)
             self.bank.ensure(first, good)
+        # the collector's pauses from the metrics clock on (gcpauses.py), and MLORA_GC=freeze
+        self._gc_frozen, self._gc = False, None
+        PAUSES.install()
+        self._gc_since = PAUSES.snapshot()
+        PAUSES.reset_max()
         self.metrics = JobMetrics()
         self.engine = Engine(
             model, self.bank, pinned, metrics=self.metrics,
@@ -119,6 +127,12 @@ class EngineSession:
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
             lookahead=opts.lookahead, arena=self.arena,
         )
+        if self._gc_mode == "freeze":  # everything alive now is long-lived: full collections skip it
+            gc.freeze()
+            self._gc_frozen = True
+
+    def _gc_stats(self) -> dict:
+        return dict(PAUSES.since(self._gc_since), gc_mode=self._gc_mode)
 
     @property
     def vocab_size(self) -> int:
@@ -139,7 +153,8 @@ class EngineSession:
 
     def stats(self) -> tuple[dict, dict]:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
-        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks)
+        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks,
+                      **(self._gc if self._gc is not None else self._gc_stats()))
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
         from .residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
@@ -148,12 +163,16 @@ class EngineSession:
         # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
         # wait; and the host's time to issue a load (the copy stream cannot finish before it)
         for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
-                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds")):
+                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds"),
+                            ("load_issue_gc", "load_issue_gc_seconds")):
             times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
             if times:
                 bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
                              f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
                              f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
+        gc_in_issue = getattr(self.bank.stats, "load_issue_gc_seconds", ()) if self.bank else ()
+        if gc_in_issue:  # loads whose host issue contained a collection (in this thread or another)
+            bank["load_issues_with_gc"] = sum(1 for t in gc_in_issue if t > 0)
         if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
             bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,
                         pages_per_slot=self.bank.residency.storage.pages_per_slot,
@@ -174,6 +193,12 @@ class EngineSession:
     def close(self) -> None:
         if self.bank is not None:
             self.bank.close()  # prefetch threads
+        if self._gc is None:  # the collector's pauses while the session ran (stats() after close)
+            self._gc = self._gc_stats()
+            PAUSES.uninstall()
+        if self._gc_frozen:  # this session's objects collectable again (a finished job's cycles)
+            gc.unfreeze()
+            self._gc_frozen = False
         if self._switch is not None:
             sys.setswitchinterval(self._switch)
             self._switch = None

@@ -32,6 +32,7 @@ import itertools
 import time
 from dataclasses import dataclass, field, replace
 
+from ..gcpauses import PAUSES
 from .errors import (AdapterLoadError, AdmissionError, ArtifactRefused, KVCapacity, LedgerError, LoadError, NotEvictable,
                      ResidencyError, RollbackError, ValidationError)
 from .events import DONE, Copier, CpuCopier, Event, complete
@@ -213,6 +214,9 @@ class ResidencyStats:
     # the issuing thread's CPU time over the same span: wall time well above it is time the
     # thread waited (for the interpreter lock behind prefetch builders, or a driver lock)
     load_issue_cpu_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    # the garbage collector's pauses inside the same span (any thread's: a collection holds the
+    # interpreter lock), from gcpauses.PAUSES while a session has it installed (else zeros)
+    load_issue_gc_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -222,7 +226,7 @@ class ResidencyStats:
 
 
 PER_LOAD_STATS = ("load_seconds", "load_device_seconds", "load_copy_seconds", "load_issue_seconds",
-                  "load_issue_cpu_seconds")
+                  "load_issue_cpu_seconds", "load_issue_gc_seconds")
 
 
 class Launch:
@@ -1014,7 +1018,7 @@ class Residency:
         self._log(f"copy {e.label} -> {e.pages}")
         views = self.storage.views(slot.id, e.pages)
         name = e.artifact.name
-        issued, issued_cpu = time.perf_counter(), time.thread_time()
+        issued, issued_cpu, issued_gc = time.perf_counter(), time.thread_time(), PAUSES.total()
         start = self.copier.mark()
         whole = {p.view for p in e.artifact.pieces if p.index == ()}
         with self.copier.side():  # one stream switch for the whole load (each costs host time)
@@ -1034,6 +1038,7 @@ class Residency:
         e.timing = (start, copied, self.copier.mark())
         self.stats.load_issue_seconds.append(time.perf_counter() - issued)
         self.stats.load_issue_cpu_seconds.append(time.thread_time() - issued_cpu)
+        self.stats.load_issue_gc_seconds.append(PAUSES.total() - issued_gc)
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)

@@ -1,0 +1,92 @@
+"""The cyclic garbage collector's pauses while a job runs, and an opt-in freeze.
+
+CPython's collector stops whichever thread triggered it (it holds the interpreter
+lock: every other Python thread waits too). A young-generation collection of the
+engine's process takes ~0.2-4 ms on this project's CPU job (session 22, tiny
+residency job; a full one 130 ms with torch and Triton loaded), which is the size
+of the H200 job's unexplained p90 in a cold load's host issue (~1 ms more CPU time
+than the median). :data:`PAUSES` counts every collection by generation and sums
+its wall time, so a timed span can say how much of it was collection
+(``PAUSES.total()`` before and after: the residency engine's load issue does).
+
+``MLORA_GC=freeze`` (A/B runs): once a session is built (weights, slot bank,
+graphs), ``gc.freeze()`` moves every object alive into the permanent generation,
+so full collections no longer walk them; ``close`` unfreezes them, so a finished
+session's reference cycles are collected again (``job.release_device_memory``).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from .envknobs import env_choice
+
+GC_MODES = ("default", "freeze")
+
+
+def gc_mode() -> str:
+    """``MLORA_GC``: ``default`` (the collector as Python sets it) or ``freeze``."""
+    return env_choice("MLORA_GC", GC_MODES, "default")
+
+
+class GcPauses:
+    """Collections and their wall time in this process while at least one holder is installed.
+
+    ``install``/``uninstall`` nest (one callback however many sessions hold it); counts
+    and seconds accumulate over the process's life, so callers take differences."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.max_seconds = 0.0
+        self._holders = 0
+        self._started: float | None = None
+
+    def install(self) -> None:
+        if self._holders == 0:
+            gc.callbacks.append(self._callback)
+        self._holders += 1
+
+    def uninstall(self) -> None:
+        if self._holders == 0:
+            return
+        self._holders -= 1
+        if self._holders == 0:
+            gc.callbacks.remove(self._callback)
+            self._started = None
+
+    def total(self) -> float:
+        """Seconds of collection so far, every generation (0.0 if never installed)."""
+        return sum(self.seconds)
+
+    def snapshot(self) -> tuple[list[int], list[float], float]:
+        return list(self.collections), list(self.seconds), self.max_seconds
+
+    def since(self, snap) -> dict:
+        """Collections, their seconds and the longest pause since ``snapshot()`` ``snap`` (the
+        longest: over the whole process life when it happened before ``snap``; reset
+        with :meth:`reset_max`)."""
+        counts, seconds, _ = snap
+        return {"gc_collections": {str(g): self.collections[g] - counts[g] for g in range(3)},
+                "gc_pause_seconds": {str(g): round(self.seconds[g] - seconds[g], 6) for g in range(3)},
+                "gc_pause_max_ms": round(self.max_seconds * 1e3, 3)}
+
+    def reset_max(self) -> None:
+        self.max_seconds = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:  # installed during a collection
+            return
+        took = time.perf_counter() - self._started
+        self._started = None
+        g = min(int(info.get("generation", 2)), 2)
+        self.collections[g] += 1
+        self.seconds[g] += took
+        self.max_seconds = max(self.max_seconds, took)
+
+
+PAUSES = GcPauses()

@@ -1,0 +1,49 @@
+"""gcpauses.GcPauses: the collector's pauses counted by generation while installed."""
+
+import gc
+
+import pytest
+
+from mlora.batch.gcpauses import GcPauses, gc_mode
+
+
+def _cyclic_garbage(n=2000):
+    for _ in range(n):
+        a = []
+        a.append(a)
+
+
+def test_collections_are_counted_by_generation_while_installed():
+    p = GcPauses()
+    gc.collect()
+    p.install()
+    p.install()  # nested holders: one callback
+    assert gc.callbacks.count(p._callback) == 1
+    try:
+        snap = p.snapshot()
+        gc.collect(0)
+        gc.collect(2)
+        _cyclic_garbage()
+        d = p.since(snap)
+        assert d["gc_collections"]["0"] >= 1 and d["gc_collections"]["2"] >= 1
+        assert d["gc_pause_seconds"]["2"] > 0 and p.total() >= sum(d["gc_pause_seconds"].values()) - 1e-6
+        assert 0 < d["gc_pause_max_ms"] <= 1e3 * p.total() + 1e-3
+        p.uninstall()
+        assert gc.callbacks.count(p._callback) == 1  # one holder left
+    finally:
+        p.uninstall()
+    assert p._callback not in gc.callbacks
+    before = p.snapshot()
+    gc.collect()
+    assert p.snapshot()[:2] == before[:2]  # not installed: nothing counted
+    p.uninstall()  # more uninstalls than installs: harmless
+
+
+def test_gc_mode_knob(monkeypatch):
+    monkeypatch.delenv("MLORA_GC", raising=False)
+    assert gc_mode() == "default"
+    monkeypatch.setenv("MLORA_GC", "freeze")
+    assert gc_mode() == "freeze"
+    monkeypatch.setenv("MLORA_GC", "off")
+    with pytest.raises(ValueError, match="MLORA_GC='off'"):
+        gc_mode()
