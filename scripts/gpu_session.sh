@@ -14,6 +14,7 @@
 #   bash scripts/gpu_session.sh attention-order  decode attention dispatch orders and equal contexts (~3 min)
 #   bash scripts/gpu_session.sh decode-order     bench batch at 64 rows, A/B of MLORA_DECODE_ORDER (ORDER=... picks)
 #   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
+#   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -385,6 +386,19 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
+    ;;
+  joint-all)  # twenty-second session: the joint ledger with adapters on every linear module (the fused gate/up
+    # SiLU product over arena-strided banks, not yet run on a GPU): 64 adapters, 16 slots, 2,000 rows, split
+    # then joint, tokens compared row by row (~5 min)
+    rm -rf /tmp/bb /tmp/rb
+    timeout 150 python -m pytest -q tests/test_residency_arena.py 2>&1 | tail -1
+    for ledger in split joint; do
+      timeout 200 python -m mlora bench residency /tmp/rba --adapters 64 --rows 2000 --slots 16 --runs limited \
+        --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --memory-ledger $ledger \
+        --out "$OUT/residency-all-modules-$ledger.json" 2>&1 | grep -E -A2 "^limited|floor|Error"
+      rm -rf "/tmp/out-$ledger"; cp -r /tmp/rba/out-limited "/tmp/out-$ledger"
+    done
+    python scripts/same_outputs.py /tmp/out-split /tmp/out-joint
     ;;
   resident)
     rm -rf /tmp/bb  # the bundle workspace (35 GB) would not fit beside this one (30 GB)
