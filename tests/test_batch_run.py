@@ -290,7 +290,7 @@ def test_memory_ledger_refusals(tmp_path):
 
     for i, (options, words) in enumerate((
             (dict(memory_ledger="shared"), "must be one of split, joint"),
-            (dict(memory_ledger="joint", kv_cache_gb=8 * 32768 / 2**30), "cannot hold an adapter slot"),
+            (dict(memory_ledger="joint", kv_cache_gb=8 * 32768 / 2**30), "(from --kv-cache-gb 0.000244141) cannot hold"),
             (dict(memory_ledger="joint", prefetch_gpu_adapters=0), "needs --prefetch-adapters and"))):
         with pytest.raises(JobError) as info:
             _demo_job_gives_the_expected_rows(tmp_path / str(i), **options)
