@@ -1,16 +1,17 @@
 """The cyclic garbage collector's pauses while a job runs, and an opt-in freeze.
 
 CPython's collector stops whichever thread triggered it (it holds the interpreter
-lock: every other Python thread waits too). A young-generation collection of the
-engine's process takes ~0.2-4 ms on this project's CPU job (session 22, tiny
-residency job; a full one 130 ms with torch and Triton loaded), which is the size
-of the H200 job's unexplained p90 in a cold load's host issue (~1 ms more CPU time
-than the median). :data:`PAUSES` counts every collection by generation and sums
+lock: every other Python thread waits too). In the engine's process on this
+project's CPU (twenty-second session, a tiny residency job) a generation-0
+collection took ~0.04 ms, a generation-1 one 0.2-4 ms (one in ten) and a full one
+130 ms with torch and Triton loaded: the generation-1 ones are the size of the
+H200 job's unexplained p90 in a cold load's host issue (~1 ms more CPU time than
+the median). :data:`PAUSES` counts every collection by generation and sums
 its wall time, so a timed span can say how much of it was collection
 (``PAUSES.total()`` before and after: the residency engine's load issue does).
 
 ``MLORA_GC=freeze`` (A/B runs): once a session is built (weights, slot bank,
-graphs), ``gc.freeze()`` moves every object alive into the permanent generation,
+engine), ``gc.freeze()`` moves every object alive into the permanent generation,
 so full collections no longer walk them; ``close`` unfreezes them, so a finished
 session's reference cycles are collected again (``job.release_device_memory``).
 """

@@ -110,11 +110,6 @@ class EngineSession:
             if hasattr(self.bank, "prefetch"):
                 self.bank.prefetch(first, good)
             self.bank.ensure(first, good)
-        # the collector's pauses from the metrics clock on (gcpauses.py), and MLORA_GC=freeze
-        self._gc_frozen, self._gc = False, None
-        PAUSES.install()
-        self._gc_since = PAUSES.snapshot()
-        PAUSES.reset_max()
         self.metrics = JobMetrics()
         self.engine = Engine(
             model, self.bank, pinned, metrics=self.metrics,
@@ -127,7 +122,13 @@ class EngineSession:
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
             lookahead=opts.lookahead, arena=self.arena,
         )
-        if self._gc_mode == "freeze":  # everything alive now is long-lived: full collections skip it
+        # the collector's pauses from here on (gcpauses.py), and MLORA_GC=freeze: everything alive
+        # now (weights, slot bank, engine) is long-lived, so full collections skip it
+        self._gc_frozen, self._gc = False, None
+        PAUSES.install()
+        self._gc_since = PAUSES.snapshot()
+        PAUSES.reset_max()
+        if self._gc_mode == "freeze":
             gc.freeze()
             self._gc_frozen = True
 
