@@ -254,8 +254,9 @@ def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device
 
 def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path, monkeypatch):
     """The summary's engine stats carry the collector's pauses while the job generated
-    (gcpauses.py); MLORA_GC=freeze gives the expected rows and leaves nothing frozen after
-    the job (its reference cycles collectable again)."""
+    (gcpauses.py); MLORA_GC=freeze and =device-wait give the expected rows and leave
+    nothing frozen and the collector enabled after the job (its reference cycles
+    collectable again)."""
     import gc
 
     base = _demo_job_gives_the_expected_rows(tmp_path / "a")
@@ -264,6 +265,17 @@ def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path,
     monkeypatch.setenv("MLORA_GC", "freeze")
     frozen = _demo_job_gives_the_expected_rows(tmp_path / "b")
     assert frozen.engine["gc_mode"] == "freeze" and gc.get_freeze_count() == 0
+    # device-wait: every collection while the job generated was the collector's, at the device wait
+    monkeypatch.setenv("MLORA_GC", "device-wait")
+    threshold = gc.get_threshold()
+    gc.set_threshold(100, *threshold[1:])  # a small job: make the collector run a few times
+    try:
+        waited = _demo_job_gives_the_expected_rows(tmp_path / "d")
+    finally:
+        gc.set_threshold(*threshold)
+    assert waited.engine["gc_mode"] == "device-wait" and gc.isenabled() and gc.get_freeze_count() == 0
+    ran = waited.engine["gc_at_device_wait"]
+    assert sum(ran.values()) > 0 and waited.engine["gc_collections"] == ran, waited.engine
     monkeypatch.setenv("MLORA_GC", "never")
     with pytest.raises(ValueError, match="MLORA_GC='never'"):
         _demo_job_gives_the_expected_rows(tmp_path / "c")

@@ -47,3 +47,33 @@ def test_gc_mode_knob(monkeypatch):
     monkeypatch.setenv("MLORA_GC", "off")
     with pytest.raises(ValueError, match="MLORA_GC='off'"):
         gc_mode()
+
+
+def test_device_wait_collector_runs_what_python_would_at_its_calls():
+    """DeviceWaitCollector: automatic collection off; each call runs generation 0 once the
+    allocation count reached threshold0, every threshold1-th of those generation 1, every
+    threshold2-th of those generation 2; nothing below the threshold; close re-enables."""
+    from mlora.batch.gcpauses import DeviceWaitCollector
+
+    saved = gc.get_threshold()
+    was = gc.isenabled()
+    gc.enable()
+    gc.set_threshold(50, 3, 2)
+    try:
+        c = DeviceWaitCollector()
+        assert not gc.isenabled()
+        gc.collect()
+        c()  # count below threshold0: nothing
+        assert c.ran == [0, 0, 0]
+        keep = []
+        for round_ in range(6):
+            keep.append([[] for _ in range(80)])  # 80 live containers: past threshold0
+            assert gc.get_count()[0] >= 50
+            c()
+            assert gc.get_count()[0] < 50  # collected
+        assert c.ran == [4, 1, 1], c.ran  # calls 3 and 6 were generation 1; the second of those generation 2
+        c.close()
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*saved)
+        (gc.enable if was else gc.disable)()

@@ -209,6 +209,9 @@ class Engine:
         self._next: Lookahead | None = None
         self.lookahead_used = 0
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
+        # called once per iteration after its host work, right before sampling waits for the
+        # device (the session's MLORA_GC=device-wait collector: host time the device hides)
+        self.device_wait_hook = None
         self._seen_adapters: set[str] = set()
         self.waiting = WaitingQueue()  # rows in queue order, with the number per adapter
         self.running: list[Sequence] = []
@@ -771,6 +774,8 @@ class Engine:
         if self.lookahead:  # before sampling waits for the device: this host work overlaps its forward
             self._next = self._look_ahead(plan)
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
+        if self.device_wait_hook is not None:
+            self.device_wait_hook()
         toks = sample(logits, self.sampling, [s.key for s in sampled], [s.num_generated for s in sampled])
         for seq, n in zip(plan.seqs, plan.new_tokens):
             seq.num_computed += n

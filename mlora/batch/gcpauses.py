@@ -10,10 +10,15 @@ the median). :data:`PAUSES` counts every collection by generation and sums
 its wall time, so a timed span can say how much of it was collection
 (``PAUSES.total()`` before and after: the residency engine's load issue does).
 
-``MLORA_GC=freeze`` (A/B runs): once a session is built (weights, slot bank,
+``MLORA_GC`` (A/B runs): ``freeze``: once a session is built (weights, slot bank,
 engine), ``gc.freeze()`` moves every object alive into the permanent generation,
 so full collections no longer walk them; ``close`` unfreezes them, so a finished
 session's reference cycles are collected again (``job.release_device_memory``).
+``device-wait``: the same freeze, and automatic collection off while the session
+runs: the :class:`DeviceWaitCollector` runs the collections Python would have run
+(the same thresholds) at one point of each engine iteration, after its host work
+and right before sampling waits for the device, where the device's own work hides
+them; a cold load's issue (admission) then never contains one.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ import time
 
 from .envknobs import env_choice
 
-GC_MODES = ("default", "freeze")
+GC_MODES = ("default", "freeze", "device-wait")
 
 
 def gc_mode() -> str:
-    """``MLORA_GC``: ``default`` (the collector as Python sets it) or ``freeze``."""
+    """``MLORA_GC``: ``default`` (the collector as Python sets it), ``freeze`` or ``device-wait``."""
     return env_choice("MLORA_GC", GC_MODES, "default")
 
 
@@ -91,3 +96,39 @@ class GcPauses:
 
 
 PAUSES = GcPauses()
+
+
+class DeviceWaitCollector:
+    """Automatic collection off (``gc.disable``) until :meth:`close`; calling the collector
+    runs the collection the interpreter would have run by now, if any: generation 0 once
+    ``threshold0`` more containers were allocated than freed, every ``threshold1``-th of
+    those generation 1, every ``threshold2``-th of those generation 2 (``gc.get_threshold``).
+    Every thread's allocations count (prefetch threads' too); a process whose engine stops
+    calling it collects nothing until :meth:`close` re-enables collection. ``ran``: the
+    collections it ran, by generation."""
+
+    def __init__(self):
+        self.thresholds = gc.get_threshold()
+        self.ran = [0, 0, 0]
+        self._young = self._middle = 0  # generation-0 runs since the last 1; generation-1 since the last 2
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __call__(self) -> None:
+        t0, t1, t2 = self.thresholds
+        if t0 <= 0 or gc.get_count()[0] < t0:
+            return
+        generation = 0
+        self._young += 1
+        if self._young >= t1:
+            self._young, generation = 0, 1
+            self._middle += 1
+            if self._middle >= t2:
+                self._middle, generation = 0, 2
+        gc.collect(generation)
+        self.ran[generation] += 1
+
+    def close(self) -> None:
+        if self._was_enabled:
+            gc.enable()
+            self._was_enabled = False

@@ -25,7 +25,7 @@ import torch
 from .catalog import PinnedAdapter
 from .engine import Engine, Request, Result
 from .envknobs import env_int
-from .gcpauses import PAUSES, gc_mode
+from .gcpauses import PAUSES, DeviceWaitCollector, gc_mode
 from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
 from .sampling import SamplingParams
 
@@ -125,15 +125,22 @@ class EngineSession:
         # the collector's pauses from here on (gcpauses.py), and MLORA_GC=freeze: everything alive
         # now (weights, slot bank, engine) is long-lived, so full collections skip it
         self._gc_frozen, self._gc = False, None
+        # device-wait: collections only where the device's work hides them (automatic ones off
+        # before the counting starts, so every collection counted is the collector's)
+        self._collector = DeviceWaitCollector() if self._gc_mode == "device-wait" else None
         PAUSES.install()
         self._gc_since = PAUSES.snapshot()
         PAUSES.reset_max()
-        if self._gc_mode == "freeze":
+        if self._gc_mode in ("freeze", "device-wait"):
             gc.freeze()
             self._gc_frozen = True
+        self.engine.device_wait_hook = self._collector
 
     def _gc_stats(self) -> dict:
-        return dict(PAUSES.since(self._gc_since), gc_mode=self._gc_mode)
+        out = dict(PAUSES.since(self._gc_since), gc_mode=self._gc_mode)
+        if self._collector is not None:  # the collections run at the device wait, by generation
+            out["gc_at_device_wait"] = {str(g): n for g, n in enumerate(self._collector.ran)}
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -197,6 +204,8 @@ class EngineSession:
         if self._gc is None:  # the collector's pauses while the session ran (stats() after close)
             self._gc = self._gc_stats()
             PAUSES.uninstall()
+        if self._collector is not None:  # automatic collection back on
+            self._collector.close()
         if self._gc_frozen:  # this session's objects collectable again (a finished job's cycles)
             gc.unfreeze()
             self._gc_frozen = False
