@@ -312,6 +312,15 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     assert run_cli("batch-run", inp, tmp_path / "auto", *common)[0] == 0
     rows = pq.read_table(str(tmp_path / "auto")).to_pydict()
     assert rows["error_code"] == [None, None]
+    # a bundle job is not served from one arena: --memory-ledger joint refused, never silently split;
+    # the members through slots (materialized) do go into one arena
+    cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"}}))
+    pq.write_table(pa.table({"prompt": ["hello"], "adapter": ["up"]}), str(inp))
+    code, _, stderr = run_cli("batch-run", inp, tmp_path / "joint", *common, "--memory-ledger", "joint")
+    assert code == 2 and "E_MEMORY_LEDGER" in stderr and "three-stage" in stderr, stderr
+    assert not (tmp_path / "joint" / "_SUCCESS").exists()
+    assert run_cli("batch-run", inp, tmp_path / "joint-slots", *common, "--memory-ledger", "joint",
+                   "--bundle-operator", "materialized")[0] == 0
 
 
 def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run_cli):

@@ -55,6 +55,13 @@ class EngineSession:
         self.bank = self.arena = None
         check_memory_ledger(opts.memory_ledger)  # also here: MloraPredictor actors build sessions without prepare_job
         bundle = served_bundle(opts, good)
+        if bundle is not None and opts.memory_ledger == "joint":
+            from .job import JobError
+
+            raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint carves adapter slots and KV blocks from one "
+                           "arena, but this job's adapters are the members of one bundle, served by its three-stage "
+                           "operator with resident shared bases; use --memory-ledger split, or --bundle-operator "
+                           "materialized to serve the members through slots", 2)
         if bundle is not None:
             from .bundle_bank import BundleBank
             from .job import JobError, adapter_share_bytes
