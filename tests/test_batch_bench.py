@@ -31,6 +31,27 @@ def test_bench_runs_every_row_to_max_new_tokens():
     once = run_batch_bench(BatchBenchOptions(**OPTS, repeat_base=False))
     assert [s["adapters"] for s in once["scenarios"]] == [0, 3]
     json.dumps(r)  # the --json / --out payload serialises
+    for s in r["scenarios"]:  # the collector's pauses over each timed job (MLORA_GC unset: default)
+        assert s["gc"]["gc_mode"] == "default" and set(s["gc"]["gc_collections"]) == {"0", "1", "2"}
+
+
+def test_gc_regime_ab_in_the_batch_bench(monkeypatch):
+    """``--ab MLORA_GC=default,device-wait``: each timed job runs under its mode; in device-wait
+    every collection was the collector's, and afterwards automatic collection is back on and
+    nothing is frozen."""
+    import gc
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(10, *threshold[1:])  # a tiny job: make collections happen
+    try:
+        r = run_batch_bench(BatchBenchOptions(**dict(OPTS, adapters=(3,)), ab=("MLORA_GC", ("default", "device-wait"))))
+    finally:
+        gc.set_threshold(*threshold)
+    modes = {s["ab"]["value"]: s["gc"] for s in r["scenarios"]}
+    assert modes["default"]["gc_mode"] == "default" and "gc_at_device_wait" not in modes["default"]
+    waited = modes["device-wait"]
+    assert sum(waited["gc_at_device_wait"].values()) > 0 and waited["gc_collections"] == waited["gc_at_device_wait"]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_ab_runs_every_count_once_per_value_and_repeat_and_restores_the_variable(monkeypatch):

@@ -59,6 +59,7 @@ import torch
 from .bank import SlotBank
 from .catalog import PinnedAdapter
 from .engine import Engine, Request
+from .gcpauses import GcRegime
 from .kvcache import KVCache
 from .lora import config_role_shapes
 from .model import DecoderLayer, DecoderModel, ModelConfig
@@ -278,6 +279,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     dtype = model.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     bank, pinned = random_bank(model, n_adapters, o.rank, o.seed) if n_adapters else (None, {})
+    regime = GcRegime()  # read now: a malformed MLORA_GC is refused before any work
 
     def engine():
         return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
@@ -308,28 +310,32 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         eng.graphs.capture_all()
     _sync(dev)
     capture_s = time.perf_counter() - t_capture
-    t_start = time.perf_counter()
-    while eng.has_work():
-        eng.last_plan = None
-        t0 = time.perf_counter()
-        eng.step()
-        seconds = time.perf_counter() - t0
-        plan = eng.last_plan
-        if plan is None:
-            continue
-        if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
-            seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
-            lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.req.adapter is not None)
+    regime.start(eng)  # MLORA_GC (A/B with --ab): the collector's pauses over the timed job
+    try:
+        t_start = time.perf_counter()
+        while eng.has_work():
+            eng.last_plan = None
+            t0 = time.perf_counter()
+            eng.step()
+            seconds = time.perf_counter() - t0
+            plan = eng.last_plan
+            if plan is None:
+                continue
+            if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
+                seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
+                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.req.adapter is not None)
+                distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+                f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
+                mixed.append(dict(seconds=seconds, **f))
+                continue
+            ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
             distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
-            f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
-            mixed.append(dict(seconds=seconds, **f))
-            continue
-        ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
-        distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
-        f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
-        decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, **f))  # f['rows']: running rows
-    _sync(dev)
-    wall = time.perf_counter() - t_start
+            f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
+            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, **f))  # f['rows']: running rows
+        _sync(dev)
+        wall = time.perf_counter() - t_start
+    finally:
+        regime.close()
     generated = eng.stats["generated_tokens"]
     full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
 
@@ -351,7 +357,8 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                   prefill=dict(iterations=len(mixed), seconds=sum(m["seconds"] for m in mixed),
                                floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
                                ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
-                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s)
+                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
+                  gc=regime.stats())
     # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
     # the decode outliers (max_s: kernel compiles) it shows where a gap to the
     # medians comes from

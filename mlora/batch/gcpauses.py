@@ -132,3 +132,55 @@ class DeviceWaitCollector:
         if self._was_enabled:
             gc.enable()
             self._was_enabled = False
+
+
+class GcRegime:
+    """``MLORA_GC``'s mode for one engine's run, and the collector's pauses during it.
+
+    Made before the engine (``mode`` read then: a malformed value is refused before any
+    weights load); :meth:`start` once the engine is built (the pause count starts, the
+    freeze and the device-wait collector apply); :meth:`stats` any time after (live until
+    :meth:`close`, fixed by it); :meth:`close` unfreezes, re-enables automatic collection
+    and stops counting (idempotent)."""
+
+    def __init__(self, mode: str | None = None):
+        self.mode = mode or gc_mode()
+        self._since = None
+        self._final: dict | None = None
+        self._frozen = False
+        self.collector: DeviceWaitCollector | None = None
+
+    def start(self, engine) -> None:
+        # device-wait: automatic collection off before the counting starts, so that every
+        # collection counted is the collector's
+        self.collector = DeviceWaitCollector() if self.mode == "device-wait" else None
+        PAUSES.install()
+        self._since = PAUSES.snapshot()
+        PAUSES.reset_max()
+        if self.mode in ("freeze", "device-wait"):  # what is alive now is long-lived
+            gc.freeze()
+            self._frozen = True
+        engine.device_wait_hook = self.collector
+
+    def stats(self) -> dict:
+        """``gc_mode``, ``gc_collections`` / ``gc_pause_seconds`` by generation,
+        ``gc_pause_max_ms`` since :meth:`start`, and ``gc_at_device_wait`` (by generation)
+        in the device-wait mode. Empty before :meth:`start`."""
+        if self._final is not None:
+            return self._final
+        if self._since is None:
+            return {}
+        out = dict(PAUSES.since(self._since), gc_mode=self.mode)
+        if self.collector is not None:
+            out["gc_at_device_wait"] = {str(g): n for g, n in enumerate(self.collector.ran)}
+        return out
+
+    def close(self) -> None:
+        if self._since is not None and self._final is None:
+            self._final = self.stats()
+            PAUSES.uninstall()
+        if self.collector is not None:
+            self.collector.close()
+        if self._frozen:  # the run's objects collectable again (a finished job's cycles)
+            gc.unfreeze()
+            self._frozen = False

@@ -15,7 +15,6 @@ adapters: a session serves exactly the identities the job pinned at start
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import torch
 from .catalog import PinnedAdapter
 from .engine import Engine, Request, Result
 from .envknobs import env_int
-from .gcpauses import PAUSES, DeviceWaitCollector, gc_mode
+from .gcpauses import GcRegime
 from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
 from .sampling import SamplingParams
 
@@ -46,7 +45,7 @@ class EngineSession:
         from .residency import ResidencyBank
 
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
-        self._gc_mode = gc_mode()  # MLORA_GC (a malformed value refused before the weights load)
+        self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
         self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         config = model.config
@@ -129,25 +128,9 @@ class EngineSession:
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
             lookahead=opts.lookahead, arena=self.arena,
         )
-        # the collector's pauses from here on (gcpauses.py), and MLORA_GC=freeze: everything alive
-        # now (weights, slot bank, engine) is long-lived, so full collections skip it
-        self._gc_frozen, self._gc = False, None
-        # device-wait: collections only where the device's work hides them (automatic ones off
-        # before the counting starts, so every collection counted is the collector's)
-        self._collector = DeviceWaitCollector() if self._gc_mode == "device-wait" else None
-        PAUSES.install()
-        self._gc_since = PAUSES.snapshot()
-        PAUSES.reset_max()
-        if self._gc_mode in ("freeze", "device-wait"):
-            gc.freeze()
-            self._gc_frozen = True
-        self.engine.device_wait_hook = self._collector
-
-    def _gc_stats(self) -> dict:
-        out = dict(PAUSES.since(self._gc_since), gc_mode=self._gc_mode)
-        if self._collector is not None:  # the collections run at the device wait, by generation
-            out["gc_at_device_wait"] = {str(g): n for g, n in enumerate(self._collector.ran)}
-        return out
+        # the collector's pauses from here on (gcpauses.py); MLORA_GC's freeze / device-wait: what
+        # is alive now (weights, slot bank, engine) is long-lived
+        self.gc.start(self.engine)
 
     @property
     def vocab_size(self) -> int:
@@ -169,7 +152,7 @@ class EngineSession:
     def stats(self) -> tuple[dict, dict]:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
         engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks,
-                      **(self._gc if self._gc is not None else self._gc_stats()))
+                      **self.gc.stats())
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
         from .residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
@@ -208,14 +191,7 @@ class EngineSession:
     def close(self) -> None:
         if self.bank is not None:
             self.bank.close()  # prefetch threads
-        if self._gc is None:  # the collector's pauses while the session ran (stats() after close)
-            self._gc = self._gc_stats()
-            PAUSES.uninstall()
-        if self._collector is not None:  # automatic collection back on
-            self._collector.close()
-        if self._gc_frozen:  # this session's objects collectable again (a finished job's cycles)
-            gc.unfreeze()
-            self._gc_frozen = False
+        self.gc.close()  # (stats() after close keep the pauses while the session ran)
         if self._switch is not None:
             sys.setswitchinterval(self._switch)
             self._switch = None

@@ -185,7 +185,10 @@ def bench_batch(
                      f"{d['median_staged_floor_s'] * 1e3:.2f})" if d else "")
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
                   + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
-                  + f" + {s['outside_iterations_s']:.1f} outside[/dim]", soft_wrap=True)
+                  + f" + {s['outside_iterations_s']:.1f} outside"
+                  + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.0f} ms in "
+                     f"{sum(s['gc']['gc_collections'].values())} collections (longest {s['gc']['gc_pause_max_ms']:.1f})"
+                     if s.get("gc") else "") + "[/dim]", soft_wrap=True)
 
     try:
         results = run_batch_bench(opts, progress=None if json_out else progress)
