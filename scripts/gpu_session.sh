@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh decode-order     bench batch at 64 rows, A/B of MLORA_DECODE_ORDER (ORDER=... picks)
 #   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
+#   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -386,6 +387,13 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
+    ;;
+  gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
+    # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)
+    timeout 200 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
+      --ab "MLORA_GC=default,device-wait" --ab-repeats 2 --out "$OUT/batch-64seqs-gc.json" 2>&1 | grep -E "adapters MLORA"
+    timeout 250 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab "MLORA_GC=default,device-wait" \
+      --out "$OUT/batch-256seqs-gc.json" 2>&1 | grep -E "adapters MLORA"
     ;;
   joint-all)  # twenty-second session: the joint ledger with adapters on every linear module (the fused gate/up
     # SiLU product over arena-strided banks, not yet run on a GPU): 64 adapters, 16 slots, 2,000 rows, split
