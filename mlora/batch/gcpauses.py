@@ -1,4 +1,4 @@
-"""The cyclic garbage collector's pauses while a job runs, and an opt-in freeze.
+"""The cyclic garbage collector's pauses while a job runs, and the opt-in regimes of MLORA_GC.
 
 CPython's collector stops whichever thread triggered it (it holds the interpreter
 lock: every other Python thread waits too). In the engine's process on this
