@@ -39,6 +39,7 @@ import torch
 from mlora.batch import residency as residency_mod
 from mlora.batch.bench import PRESETS
 from mlora.batch.catalog import PinnedAdapter
+from mlora.batch.gcpauses import PAUSES
 from mlora.batch.lora import group_shapes
 from mlora.batch.residency import bank as bank_mod
 from mlora.batch.residency import manager as manager_mod
@@ -149,9 +150,11 @@ def main() -> None:
         wordstats.PROGRAMS, wordstats.UNROLL = (int(m[1]) if m[1] else None), (int(m[2]) if m[2] else 1)
         TIMES.clear()
         st = bank.residency.stats
-        st.load_device_seconds.clear()
-        st.load_copy_seconds.clear()
+        for q in (st.load_device_seconds, st.load_copy_seconds, st.load_issue_seconds, st.load_issue_cpu_seconds,
+                  st.load_issue_gc_seconds):
+            q.clear()
         total = []
+        PAUSES.install()  # the collector's pauses inside each load's issue (load_issue_gc_seconds)
         for a in pinned:
             if args.busy_gpu:
                 time.sleep(rng.uniform(0, BUSY_MS[0] / 1e3))  # start at a random point of an iteration
@@ -171,6 +174,12 @@ def main() -> None:
             v = st.load_device_seconds
             print(f"  {'copy stream (start to probe end)':34s} median {med(v):7.2f} ms, p90 {pct(v, 0.9):.2f}  "
                   f"(copies alone {med(st.load_copy_seconds):.2f} ms)")
+        PAUSES.uninstall()
+        if st.load_issue_seconds:  # as bench residency reports them: wall, the thread's CPU, collections inside
+            w, c, g = st.load_issue_seconds, st.load_issue_cpu_seconds, st.load_issue_gc_seconds
+            print(f"  {'host issue (wall / CPU)':34s} median {med(w):7.2f} / {med(c):.2f} ms, p90 {pct(w, 0.9):.2f} / "
+                  f"{pct(c, 0.9):.2f}; collector pauses in {sum(1 for t in g if t > 0)} of {len(g)} issues, "
+                  f"{sum(g) * 1e3:.2f} ms in all")
     stop.set()
     for t in threads:
         t.join(timeout=10)
