@@ -186,7 +186,7 @@ def bench_batch(
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
                   + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
                   + f" + {s['outside_iterations_s']:.1f} outside"
-                  + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.0f} ms in "
+                  + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.1f} ms in "
                      f"{sum(s['gc']['gc_collections'].values())} collections (longest {s['gc']['gc_pause_max_ms']:.1f})"
                      if s.get("gc") else "") + "[/dim]", soft_wrap=True)
 
