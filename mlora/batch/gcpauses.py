@@ -66,14 +66,14 @@ class GcPauses:
         """Seconds of collection so far, every generation (0.0 if never installed)."""
         return sum(self.seconds)
 
-    def snapshot(self) -> tuple[list[int], list[float], float]:
-        return list(self.collections), list(self.seconds), self.max_seconds
+    def snapshot(self) -> tuple[list[int], list[float]]:
+        """(collections, seconds) by generation so far."""
+        return list(self.collections), list(self.seconds)
 
     def since(self, snap) -> dict:
-        """Collections, their seconds and the longest pause since ``snapshot()`` ``snap`` (the
-        longest: over the whole process life when it happened before ``snap``; reset
-        with :meth:`reset_max`)."""
-        counts, seconds, _ = snap
+        """Collections and their seconds since ``snapshot()`` ``snap``, and the longest pause
+        since the last :meth:`reset_max` (the process's life if never reset)."""
+        counts, seconds = snap
         return {"gc_collections": {str(g): self.collections[g] - counts[g] for g in range(3)},
                 "gc_pause_seconds": {str(g): round(self.seconds[g] - seconds[g], 6) for g in range(3)},
                 "gc_pause_max_ms": round(self.max_seconds * 1e3, 3)}

@@ -239,16 +239,10 @@ def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.devi
     pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
     want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
     row_pages = -(-config.max_position_embeddings // opts.block_size)
-    source = ""  # where the budget came from, for the refusal
     if opts.kv_cache_gb:
         budget = opts.kv_cache_gb * 2**30
-        source = f"--kv-cache-gb {opts.kv_cache_gb:g}"
     elif device.type == "cuda":
         budget = _usable_gpu_bytes(opts, device)
-        free, total = torch.cuda.mem_get_info(device)
-        source = (f"the usable GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after the weights, "
-                  f"less the {1 - opts.gpu_memory_utilization:.0%} that --gpu-memory-utilization "
-                  f"{opts.gpu_memory_utilization:g} keeps free")
     else:
         budget = (kv_blocks(opts, config, dtype, device) + want * pps + spare) * page
     pages = int(budget // page) - spare
@@ -261,10 +255,17 @@ def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.devi
                        "slot's pages from the moment its row is admitted); it needs --prefetch-adapters and "
                        "--prefetch-gpu-adapters above 0", 2)
     if slots < 1:
-        raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes"
-                       + (f" (from {source})" if source else "") + f" cannot hold an adapter "
-                       f"slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more memory "
-                       "(--kv-cache-gb, --gpu-memory-utilization) or use --memory-ledger split", 2)
+        source = ""  # where the budget came from
+        if opts.kv_cache_gb:
+            source = f" (from --kv-cache-gb {opts.kv_cache_gb:g})"
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            source = (f" (from the usable GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after "
+                      f"the weights, less the {1 - opts.gpu_memory_utilization:.0%} that --gpu-memory-utilization "
+                      f"{opts.gpu_memory_utilization:g} keeps free)")
+        raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes{source} cannot hold "
+                       f"an adapter slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more "
+                       "memory (--kv-cache-gb, --gpu-memory-utilization) or use --memory-ledger split", 2)
     return PageArena(pages, page, device, spare), slots
 
 

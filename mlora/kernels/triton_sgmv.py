@@ -777,7 +777,7 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched, NARROW_WIDEN=cfg["narrow_widen"],
+        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched, NARROW_WIDEN=widen,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
