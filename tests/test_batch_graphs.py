@@ -96,3 +96,40 @@ def test_graph_logits_equal_eager_logits_with_padding():
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(kv_after_eager, eng.kv.k):  # same K/V rewritten; padding went to the scratch block only
         torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=1e-6)
+
+
+@cuda
+def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
+    """Decode tiles longest context first: after a 9-row iteration (bucket 16, tiles in that
+    batch's order) a first 3-row iteration captures bucket 4; its eager warm-up run must see a
+    permutation of rows 0-3, not the 16-row order's first four entries (rows 8, 7, 6, 5: an
+    illegal memory access on the H200 when the larger bucket's order named rows past the
+    smaller bucket's tensors)."""
+    monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), torch.float32, seed=11)
+    bank, pinned = random_bank(model, 2, 4, seed=11)
+    eng = Engine(model, bank, pinned, num_blocks=64, block_size=4, max_num_seqs=16, max_batch_tokens=64,
+                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    graphs = eng.graphs
+    seen = []
+    forward = model.forward
+
+    def spy(ids, *args, **kwargs):
+        if not torch.cuda.is_current_stream_capturing():
+            seen.append((ids.shape[0], graphs.tile_seq[: ids.shape[0]].tolist()))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    scratch = graphs.scratch_slot
+
+    def step(n):  # n decode rows, contexts 1..n (longest last in batch order), one block each
+        ctx = list(range(1, n + 1))
+        return graphs.run(list(range(n)), [c - 1 for c in ctx], [scratch] * n, [[0]] * n, ctx, [0, 1, -1] * (n // 3))
+
+    step(9)
+    logits = step(3).clone()
+    assert [b for b, _ in seen] == [16, 4], seen
+    assert all(sorted(order) == list(range(b)) for b, order in seen), seen
+    assert graphs.tile_seq[:4].tolist() == [2, 1, 0, 3]  # then the 3-row batch's own order
+    assert logits.shape[0] == 3 and torch.isfinite(logits).all()

@@ -107,7 +107,12 @@ class DecodeGraphs:
         return meta
 
     def _capture(self, b: int) -> None:
-        """Capture bucket ``b`` while its buffers hold padding (the warm-up run writes only the scratch slot)."""
+        """Capture bucket ``b`` while its buffers hold padding (the warm-up run writes only the scratch slot).
+        The decode tiles are reset to the bucket's own rows first: a larger bucket's order left in
+        ``tile_seq`` names rows past ``b``, and the eager warm-up run would read and write query
+        and output rows outside this bucket's tensors (an illegal memory access on the H200,
+        twenty-third session; the run after the capture writes the batch's own order)."""
+        self.tile_seq[:b].copy_(torch.arange(b, dtype=torch.int32), non_blocking=True)
         meta = self._meta(b)
         lora = None
         if self.members is not None:
