@@ -170,15 +170,6 @@ def main() -> int:
                    BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0, B_PITCHED=True),
               f"expand block_m=16 slices=3 block_r={cfg['block_r_expand']} rank-pitched B",
               num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
-    # low-rank slots of a rank-64 bank on column tiles 2 / 4 times as wide (launch_config narrow_widen)
-    for widen in (2, 4):
-        cfg = sgmv.launch_config(64, 3, 64, 4096, [4096] * 3, torch.device("cpu"), True, 16)
-        build(sgmv._expand_kernel,
-              dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, N_SLICES=3,
-                   BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0, B_PITCHED=True,
-                   NARROW_WIDEN=widen),
-              f"expand block_m=16 slices=3 block_r={cfg['block_r_expand']} rank-pitched B, narrow tiles x{widen}",
-              num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # the bundle operator (add_bundle_slices_triton): bank-row map in the shrink; map and core
     # (JD-Full R x R, JD-Diag R) in the expand; q/k/v-like groups of three slices
     cfg = sgmv.launch_config(64, 3, 64, 4096, [4096] * 3, torch.device("cpu"), True, 16)

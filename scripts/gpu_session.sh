@@ -16,7 +16,6 @@
 #   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
-#   bash scripts/gpu_session.sh mixed-widen  the mixed-rank kernel cases with low-rank slots' expand tiles widened
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -388,12 +387,6 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
-    ;;
-  mixed-widen)  # twenty-second session (built on the CPU): issue step 2's mixed-rank target (0.61-0.63 against
-    # 0.6) with low-rank slots' expand tiles 2 / 4 times as wide (launch_config narrow_widen): the GPU slice
-    # tests, then kernel_sweep.py --mixed (its narrow_widen* variants against the default; ~4 min)
-    timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_kernels_pitch.py 2>&1 | tail -1
-    timeout 300 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-widen.txt" | tail -22
     ;;
   gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
     # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)

@@ -32,7 +32,7 @@ split-K, the final sum's chunk, warps), the expand not launched, plus the defaul
 ``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
 their padded twins (every slot rank 64), every variant on a rank-pitched B bank (the engine's
 layout) but ``padded_layout``: the shrink's rank tile, the expand's column groups, tiles and
-warps, low-rank slots' widened expand tiles (``narrow_widen*``), and the split (with ``--split``: the default's shrink alone and the empty graph), then
+warps, and the split (with ``--split``: the default's shrink alone and the empty graph), then
 per variant the mixed / padded time ratio of each case (issue step 2's target: at most 0.6),
 against the padded default and against the padded variant.
 ``--prefill``: the four LoRA launches of one decoder layer in an 8,192-token prefill chunk (the
@@ -139,10 +139,7 @@ if MIXED and not SPLIT:  # with --split: the default's time split into shrink al
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
                 "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
                 "block_n32": dict(block_n=32), "expand_warps8": dict(expand_warps=8),
-                "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2),
-                # twenty-second session (built on the CPU): low-rank slots' expand tiles 2 / 4 times as wide
-                "narrow_widen2": dict(narrow_widen=2), "narrow_widen4": dict(narrow_widen=4),
-                "narrow_widen4_group2": dict(narrow_widen=4, group_tiles=2)}
+                "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),

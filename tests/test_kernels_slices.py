@@ -369,65 +369,6 @@ def test_mixed_rank_classes_in_one_launch(lora_path):
     assert err < TOL[torch.float32], float(err)
 
 
-@pytest.mark.parametrize("widen,group_tiles", [(2, 1), (2, 3), (4, 2)])
-@pytest.mark.parametrize("layout", ["padded", "rank-pitched"])
-def test_widened_narrow_expand_matches_the_oracle(widen, group_tiles, layout, monkeypatch):
-    """launch_config's narrow_widen: low-rank slots of a rank-64 bank expand over column tiles
-    ``widen`` times as wide, one program in ``widen`` working (ragged last groups, slices whose
-    widths are not multiples of the widened tile); the same numbers as the plain launch, NaN
-    in every rank tail and padding entry never read, base-only rows untouched."""
-    from mlora.kernels import triton_sgmv as sgmv
-    from mlora.kernels.pitch import to_rank_pitched
-    from mlora.kernels.triton_sgmv import add_lora_slices_triton
-
-    real, launched = sgmv._expand_kernel, []
-
-    class Spy:  # records each expand launch's NARROW_WIDEN (the option reaches the kernel)
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(kw["NARROW_WIDEN"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(sgmv, "_expand_kernel", Spy())
-
-    widths = (40, 24, 56)
-    y, x, a, b, rs, ranks, scales, widths = sliced_case(31 + widen, T=37, S=6, R=64, d_in=48, widths=widths)
-    ranks[:] = torch.tensor([[8, 16, 64, 3, 0, 33], [1, 64, 16, 8, 12, 64], [16, 0, 8, 64, 5, 2]], dtype=torch.int32)
-    a.normal_()  # fresh factors, then NaN past these ranks (sliced_case poisoned its own ranks' tails)
-    b.normal_()
-    off = [0, 40, 64, 120]
-    for j in range(3):
-        for s_ in range(6):
-            a[s_, j, ranks[j, s_]:] = float("nan")
-            b[s_, off[j]:off[j + 1], ranks[j, s_]:] = float("nan")
-    ref = sliced_oracle(y, x, a, b, rs, ranks, scales, widths)
-    bank = b
-    if layout == "rank-pitched":
-        from test_kernels_pitch import _covered
-
-        bank = to_rank_pitched(b, ranks, widths)
-        bank[~_covered(bank, ranks, widths)] = float("nan")  # every padding entry
-    y, x, a, bank, rs, ranks, scales = _dev(y, x, a, bank, rs, ranks, scales)
-    lp = make_launch_plan(build_plan(rs), 16)
-    outs = []
-    for cfg in (dict(block_n=16, group_tiles=group_tiles, fused=False),
-                dict(block_n=16, group_tiles=group_tiles, fused=False, narrow_widen=widen)):
-        out = y.clone()
-        add_lora_slices_triton(out, x, a, bank, lp, ranks, scales, widths, config=cfg,
-                               b_pitched=layout == "rank-pitched")
-        outs.append(out)
-    plain, widened = outs
-    assert launched == [1, widen]
-    assert torch.isfinite(widened).all() and torch.equal(widened[rs < 0], y[rs < 0])
-    err = (widened.cpu().double() - ref).abs().max() / ref.abs().max()
-    assert err < TOL[torch.float32], float(err)
-    assert ((widened - plain).abs().max() / plain.abs().max()).item() < TOL[torch.float32]  # the plain launch's numbers
-    with pytest.raises(ValueError, match="narrow_widen"):  # tiles are powers of two wide
-        add_lora_slices_triton(y.clone(), x, a, bank, lp, ranks, scales, widths, b_pitched=layout == "rank-pitched",
-                               config=dict(block_n=16, group_tiles=group_tiles, fused=False, narrow_widen=3))
-
-
 def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
     """Every decode bucket of a 256-row engine, for each module shape of an 8B model and 8 or
     64 slots, reaches the kernels with at most two sets of compile-time constants (split-K

@@ -262,7 +262,7 @@ def _expand_kernel(
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    B_PITCHED: tl.constexpr = False, NARROW_WIDEN: tl.constexpr = 1,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -284,13 +284,7 @@ def _expand_kernel(
 
     ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
     of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
-    step by the slot's pitch (its rank rounded up to 8) instead of R.
-
-    ``NARROW_WIDEN`` (W > 1; mixed banks only): a low-rank slot's program (the narrow path)
-    streams column tiles W times as wide (``BLOCK_N * W``) over the column groups of W
-    programs, and the other W - 1 of them exit at once, so that a narrow program moves
-    about the bytes of a wide one per tile (a rank-8 slot's 128-column B tile is 2 KiB
-    against 16 KiB at rank 64). Same columns, same sums: only who computes them changes."""
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -317,12 +311,9 @@ def _expand_kernel(
     # z, B tiles and dots are RANK_CLASS wide instead of BLOCK_R
     if BLOCK_R > RANK_CLASS:
         if rank <= RANK_CLASS:
-            if NARROW_WIDEN > 1:
-                if (pid_g - g_lo) % NARROW_WIDEN != 0:  # its columns are the group's first program's
-                    return
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
-                            group_tiles, BLOCK_N * NARROW_WIDEN, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
+                            group_tiles, BLOCK_N, RANK_CLASS, NATIVE_DOT, USE_PDL, CORE)
         else:
             _expand_columns(zp_ptr, b_ptr, y_ptr, scale, b_row, core_base, u, m_ok, rows, rank, j, R, n_first, n_hi,
                             stride_zu, stride_bs, stride_bn, stride_yt, stride_cr, stride_ck,
@@ -557,11 +548,6 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         # the 162 bench cases; chunks stay a sweep variant)
         sum_chunk=1,
         pdl=override.get("pdl", True),
-        # a low-rank slot's expand tiles this many times as wide in a mixed bank (_expand_kernel's
-        # NARROW_WIDEN); 1 until `kernel_sweep.py --mixed` measures the others (twenty-second
-        # session, built on the CPU: the mixed batch's expand runs at about half the padded one's
-        # bandwidth efficiency, sixteenth and seventeenth sessions)
-        narrow_widen=1,
     )
     # column groups: each expand program loads its tile's z once and streams
     # up to 8 column tiles, while keeping about ``expand_waves`` programs per SM
@@ -589,7 +575,7 @@ MAX_SLICES = 4  # slices per expand launch (their column metadata are scalar arg
 # ``k_per_split`` and ``group_tiles`` are runtime arguments, so batch sizes that
 # differ only in those share one compiled kernel.
 COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "block_r_expand", "shrink_warps",
-                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk", "narrow_widen")
+                "shrink_stages", "expand_warps", "expand_stages", "pdl", "sum_chunk")
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
@@ -764,9 +750,6 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
     R = zp.shape[2] // n
     rows_map = ranks if bank_rows is None else bank_rows
     bn, gt = cfg["block_n"], cfg["group_tiles"]
-    widen = cfg["narrow_widen"]
-    if widen < 1 or widen & (widen - 1):
-        raise ValueError(f"narrow_widen must be a power of two (a tile's width), got {widen}")
     g_args, o_args, d_args, n_groups = slice_args(widths, out_offsets, bn * gt)
     extra = dict(launch_pdl=True) if pdl else {}
     core_strides = (0, 0, 0, 0) if cores is None else tuple(cores.stride()) + (0,) * (4 - cores.dim())
@@ -777,7 +760,7 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched, NARROW_WIDEN=widen,
+        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
