@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
+#   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -387,6 +388,12 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 150 python -m pytest -q tests/test_batch_run.py -k "one_arena" 2>&1 | tail -1
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
+    ;;
+  mixed-order)  # twenty-third session (built on the CPU): issue step 2's mixed-rank target (0.63-0.64 against 0.6
+    # on the factor-bound cases) with the tiles dispatched heaviest rank first (order_tiles_by_rank), as
+    # longest-first took decode attention to its equal-context time: the GPU tests, kernel_sweep.py --mixed (~2 min)
+    timeout 200 python -m pytest -q tests/test_kernels_slices.py -k "ordered_by_rank or mixed" 2>&1 | tail -1
+    timeout 300 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-order.txt" | tail -22
     ;;
   gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
     # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)
