@@ -17,6 +17,7 @@
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
+#   bash scripts/gpu_session.sh dense-shrink  a dense cuBLAS shrink (every row x every slot) against the segmented one at decode size
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -394,6 +395,11 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     # longest-first took decode attention to its equal-context time: the GPU tests, kernel_sweep.py --mixed (~2 min)
     timeout 200 python -m pytest -q tests/test_kernels_slices.py -k "ordered_by_rank or mixed" 2>&1 | tail -1
     timeout 300 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-order.txt" | tail -22
+    ;;
+  dense-shrink)  # twenty-third session (built on the CPU): issue step 7's 64-adapter gap is the decode LoRA
+    # launches' dependent chains (nineteenth session); is a dense batched GEMM over every slot of the layer's
+    # bank cheaper than the segmented shrink at 256 / 64 rows and 8 / 64 adapters? (~3 min)
+    timeout 400 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
     ;;
   gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
     # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)
