@@ -20,6 +20,10 @@ times a case (one call in a CUDA graph, replayed after a 256 MiB L2 flush, media
   matmul_strided    torch.matmul(x, A_layer^T) (torch may fold or copy: see its temp MB)
   linear_layer_major  F.linear over a contiguous [S * n * R, d_in] (a layer-major bank)
   bmm_gather        bmm_strided, then each row's own slot's z gathered ([T, n * R])
+  bmm_fp32_out      bmm_strided with an fp32 z (``out_dtype``; FAILED where this torch lacks it)
+  dense_pair        mlora.kernels.triton_sgmv.add_lora_slices_dense: bmm_strided, then the
+                    expand reading each tile's own slot's block (against segmented_pair; the
+                    update checked against the segmented one)
 
 with each dense variant's device temporaries (peak allocated above the inputs, MiB: a
 materialised copy of x or A shows there) and its z for each row's own slot checked against
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 from mlora.kernels import build_plan
 from mlora.kernels import triton_sgmv as sgmv
 from mlora.kernels.bench import _events_median, captured_plan
-from mlora.kernels.triton_sgmv import add_lora_slices_triton
+from mlora.kernels.triton_sgmv import add_lora_slices_dense, add_lora_slices_triton
 
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
            "down": ((4096,), 14336)}
@@ -114,6 +118,7 @@ def case(module: str, S: int, T: int, flush) -> dict:
         "matmul_strided": lambda: torch.matmul(x, a_rows.transpose(1, 2)),
         "linear_layer_major": lambda: F.linear(x, a_layer_major).view(T, S, n * R).transpose(0, 1),
         "bmm_gather": lambda: torch.bmm(x.expand(S, T, d_in), a_rows.transpose(1, 2))[rs.long(), rows],
+        "bmm_fp32_out": lambda: torch.bmm(x.expand(S, T, d_in), a_rows.transpose(1, 2), out_dtype=torch.float32),
     }
     want = torch.einsum("td,tkd->tk", x.double(), a_rows[rs.long()].double())  # row t against its own slot
     for name, fn in dense.items():
@@ -125,6 +130,19 @@ def case(module: str, S: int, T: int, flush) -> dict:
             out[name] = timed(fn, flush) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
         except RuntimeError as exc:  # a variant torch cannot run: say so, keep the others
             out[name] = f"FAILED ({str(exc).splitlines()[0][:80]})"
+    y_seg = add_lora_slices_triton(torch.zeros_like(y), x, a, b, plan, ranks, scales, list(widths),
+                                   config=dict(fused=False))
+    y_dense = torch.zeros_like(y)
+
+    def dense_pair():
+        add_lora_slices_dense(y_dense, x, a, b, plan, ranks, scales, list(widths))
+
+    try:
+        dense_pair()
+        err = float((y_dense.double() - y_seg.double()).abs().max() / y_seg.double().abs().max())
+        out["dense_pair"] = timed(dense_pair, flush) if err < 2e-2 else f"WRONG (rel err {err:.2e})"
+    except RuntimeError as exc:
+        out["dense_pair"] = f"FAILED ({str(exc).splitlines()[0][:80]})"
     del full
     return out
 
@@ -139,7 +157,8 @@ def main():
                 row = case(module, S, T, flush)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    names = ["segmented_shrink", "segmented_pair", "bmm_strided", "matmul_strided", "linear_layer_major", "bmm_gather"]
+    names = ["segmented_shrink", "segmented_pair", "bmm_strided", "matmul_strided", "linear_layer_major", "bmm_gather",
+             "bmm_fp32_out", "dense_pair"]
     for S in (64, 8):
         for T in (256, 64):
             group = [r for r in rows if r["case"].endswith(f"/A{S}/T{T}")]
