@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
 #   bash scripts/gpu_session.sh dense-shrink  a dense cuBLAS shrink (every row x every slot) against the segmented one at decode size
+#   bash scripts/gpu_session.sh dense-bench  the dense shrink in the engine (MLORA_LORA_DENSE_MAX_ROWS): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -400,6 +401,14 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     # launches' dependent chains (nineteenth session); is a dense batched GEMM over every slot of the layer's
     # bank cheaper than the segmented shrink at 256 / 64 rows and 8 / 64 adapters? (~3 min)
     timeout 400 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
+    ;;
+  dense-bench)  # then, if the probe's dense pair wins: the GPU kernel and bank tests, the demo with the dense
+    # shrink on (float32 and bf16 against expected.json), bench batch A/B at 8 and 64 adapters (~6 min)
+    timeout 150 python -m pytest -q tests/test_kernels_dense.py tests/test_batch_catalog.py -k "dense" 2>&1 | tail -1
+    MLORA_LORA_DENSE_MAX_ROWS=256 demo_gpu dense32 float32
+    MLORA_LORA_DENSE_MAX_ROWS=256 demo_gpu dense16 bfloat16
+    timeout 300 python -m mlora bench batch --rows 1024 --adapters 8,64 --ab "MLORA_LORA_DENSE_MAX_ROWS=0,256" \
+      --out "$OUT/batch-dense.json" 2>&1 | grep -E "adapters MLORA"
     ;;
   gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
     # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)

@@ -540,3 +540,44 @@ def test_static_launch_plan_is_refilled_only_when_the_row_slots_change(ws, pinne
     bank.context(torch.tensor(changed, dtype=torch.int32), static=static)
     assert same(static, changed)
     assert first.plan is static
+
+
+def test_dense_shrink_for_small_invocations(ws, pinned, monkeypatch):
+    """``MLORA_LORA_DENSE_MAX_ROWS``: a Triton bank's invocations of at most that many rows add
+    their deltas through the dense shrink (``add_lora_slices_dense``, spied), larger ones and
+    the default (0) through the segmented launches; every path gives the torch bank's update
+    (q/k/v of three adapters, one without some slices, slot-less rows untouched). A malformed
+    value is refused when the bank is built."""
+    import mlora.batch.bank as bank_module
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(9)
+    row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0, 0], dtype=torch.int32)
+    width = sum(SHAPES["qkv"][1])
+    x = torch.randn(10, SHAPES["qkv"][0], generator=g)
+    y0 = torch.randn(10, width, generator=g)
+    torch_bank = SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, "cpu", backend="torch")
+    torch_bank.ensure(["all", "pattern", "qv"], pinned)
+    want = y0.clone()
+    torch_bank.context(row_slots).apply(1, "qkv", x, want)
+    assert not torch.equal(want, y0)
+    calls = []
+    real = bank_module.add_lora_slices_dense
+    monkeypatch.setattr(bank_module, "add_lora_slices_dense", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for knob, dense in (("16", True), ("9", False), (None, False)):
+        if knob is None:
+            monkeypatch.delenv("MLORA_LORA_DENSE_MAX_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MLORA_LORA_DENSE_MAX_ROWS", knob)
+        bank = SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, device, backend="triton")
+        assert bank.dense_max_rows == (int(knob) if knob else 0)
+        bank.ensure(["all", "pattern", "qv"], pinned)
+        y = y0.to(device, copy=True)
+        calls.clear()
+        bank.context(row_slots.to(device)).apply(1, "qkv", x.to(device), y)
+        assert bool(calls) == dense, (knob, calls)
+        assert torch.equal(y.cpu()[row_slots < 0], y0[row_slots < 0])
+        torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("MLORA_LORA_DENSE_MAX_ROWS", "-1")
+    with pytest.raises(ValueError, match="MLORA_LORA_DENSE_MAX_ROWS='-1'"):
+        SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, device, backend="triton")

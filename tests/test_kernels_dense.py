@@ -1,7 +1,7 @@
 """The dense-shrink LoRA update (``add_lora_slices_dense``: one batched GEMM of every row
 against every slot, then the expand reading each tile's own slot's block) against the
 float64 oracle and the segmented path. A measured candidate for decode-size batches
-(``scripts/dense_shrink_probe.py``), not used by the engine. The expand runs under
+(``scripts/dense_shrink_probe.py``), off in the engine unless MLORA_LORA_DENSE_MAX_ROWS. The expand runs under
 ``TRITON_INTERPRET=1`` on the CPU (small shapes); on a GPU the same tests run it compiled."""
 
 import pytest

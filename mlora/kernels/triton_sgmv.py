@@ -636,6 +636,14 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
                           b_pitched=pitched)
 
 
+def dense_shrink_fits(lora_a) -> bool:
+    """Whether :func:`add_lora_slices_dense` takes the A bank ``[S, n, R, d_in]``: at most
+    ``MAX_SLICES`` slices and each slot's ``[n, R, d_in]`` block contiguous (the slot stride
+    is free: a layer's view of a slot-major bank qualifies)."""
+    _, n, R, d_in = lora_a.shape
+    return n <= MAX_SLICES and lora_a.stride(3) == 1 and lora_a.stride(2) == d_in and lora_a.stride(1) == R * d_in
+
+
 def add_lora_slices_dense(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
                           out_offsets=None, b_pitched: bool = False):
     """``add_lora_slices_triton``'s update with a dense shrink: one batched GEMM (cuBLAS on a
@@ -646,13 +654,13 @@ def add_lora_slices_dense(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, w
     fp32 until the expand's dot), so 16-bit results differ from the segmented path's within
     16-bit rounding. It reads every slot's A, used or not, and spends ``T x S x n x R x
     d_in`` multiply-adds: meant for decode-size batches over a bank of active slots, where the
-    segmented shrink is latency-bound (``scripts/dense_shrink_probe.py``). A measured
-    candidate, not used by the engine. At most ``MAX_SLICES`` slices; a slot's ``n, R, d_in``
+    segmented shrink is latency-bound (``scripts/dense_shrink_probe.py``). A candidate, not
+    yet measured on a GPU: the engine takes it only under ``MLORA_LORA_DENSE_MAX_ROWS``. At most ``MAX_SLICES`` slices; a slot's ``n, R, d_in``
     block of A must be contiguous (the layer view of a slot-major bank is)."""
     S, n, R, d_in = lora_a.shape
     if n > MAX_SLICES:
         raise ValueError(f"add_lora_slices_dense takes at most {MAX_SLICES} slices, got {n}")
-    if lora_a.stride(3) != 1 or lora_a.stride(2) != d_in or lora_a.stride(1) != R * d_in:
+    if not dense_shrink_fits(lora_a):
         raise ValueError("add_lora_slices_dense: a slot's [n, R, d_in] block of A must be contiguous")
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
