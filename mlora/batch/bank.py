@@ -358,11 +358,13 @@ class BankContext:
         a, b = bank.A[group][:, layer], bank.B[group][:, layer]
         if (0 < self.row_slots.shape[0] <= bank.dense_max_rows and isinstance(self.plan, LaunchPlan)
                 and (layer, group) not in self._ahead and dense_shrink_fits(a)):
+            # reads every slot's A, also a slot whose load is in flight on the copy stream: its z
+            # is never read (no row of this invocation names a slot that is not ready)
             add_lora_slices_dense(y, x, a, b, self.plan, ranks, scales, bank.widths[group],
                                   out_offsets=bank.out_offsets[group], b_pitched=bank.b_layout == "rank-pitched")
             return
         add_lora_slices(
-            y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
+            y, x, a, b, self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
             out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,
