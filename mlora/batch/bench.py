@@ -133,10 +133,12 @@ def random_model(config: ModelConfig, device, dtype: torch.dtype, seed: int) -> 
                         layers)
 
 
-def random_bank(model: DecoderModel, n: int, rank: int, seed: int) -> tuple[SlotBank, dict[str, PinnedAdapter]]:
-    """A bank whose ``n`` slots hold random rank-``rank`` adapters on every module, and their pinned records."""
+def random_bank(model: DecoderModel, n: int, rank: int, seed: int, backend: str = "auto"
+                ) -> tuple[SlotBank, dict[str, PinnedAdapter]]:
+    """A bank whose ``n`` slots hold random rank-``rank`` adapters on every module, and their
+    pinned records (``backend``: the bank's kernels, as ``SlotBank``'s)."""
     c = model.config
-    bank = SlotBank(c.num_layers, model.group_shapes(), n, rank, model.dtype, model.device)
+    bank = SlotBank(c.num_layers, model.group_shapes(), n, rank, model.dtype, model.device, backend=backend)
     gen = torch.Generator(device=model.device).manual_seed(seed + 1)
     pinned = {}
     for g in bank.A:

@@ -20,6 +20,15 @@ captures a context over a static [B] row buffer that ``context`` refills.
 
 Semantics are those of the eager forward; the numbers can differ in the last
 bits because padded batch sizes may pick different GEMM kernels.
+
+On a device without CUDA graphs (the CPU: tests in CI) capture and replay are
+emulated: the same static buffers, buckets, padding, staging and tile lists,
+with the captured forward re-run eagerly at each replay into the bucket's
+static logits (the Triton kernels interpreted), and every warm-up and replay
+first checks the buffers' invariants (:meth:`DecodeGraphs.check_buffers`).
+So the buffer protocol, which only a GPU exercised before (a stale tile order
+wrote outside a bucket's tensors on the H200, twenty-third session), is tested
+on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +44,21 @@ from .paged_attention import PagedLayout, TileList, decode_block_q, decode_order
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
 
 
+class GraphBufferError(AssertionError):
+    """A static buffer of the decode graphs breaks an invariant a replay relies on (a bug)."""
+
+
+class _EmulatedGraph:
+    """Stands in for a captured CUDA graph where there are none: ``replay`` re-runs the
+    captured forward (over the same static buffers) into the bucket's static logits."""
+
+    def __init__(self, forward, logits: torch.Tensor):
+        self.forward, self.logits = forward, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.forward())
+
+
 def buckets_for(max_seqs: int) -> list[int]:
     """Captured batch sizes: 1, 2, 4, 8, 16, then steps of 16 to 64, of 32 beyond, and ``max_seqs``."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_seqs]
@@ -48,6 +72,7 @@ class DecodeGraphs:
     def __init__(self, model, kv, bank, max_seqs: int, scratch_slot: int):
         self.model, self.kv, self.bank = model, kv, bank
         self.device = model.device
+        self.emulated = self.device.type != "cuda"  # module docstring: replay re-runs the forward
         self.buckets = buckets_for(max_seqs)
         self.max_seqs = max_seqs
         self.scratch_slot = scratch_slot
@@ -122,6 +147,12 @@ class DecodeGraphs:
             everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in self.bank.groups)
             lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
         args = (self.ids[:b], self.positions[:b], meta, self.kv, lora, self.sample_rows[:b])
+        if self.emulated:
+            self.check_buffers(b, 0)
+            self.model.forward(*args)  # the warm-up run, as below
+            logits = self.model.forward(*args).clone()  # the bucket's static output
+            self.graphs[b] = (_EmulatedGraph(lambda: self.model.forward(*args), logits), logits)
+            return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -141,7 +172,7 @@ class DecodeGraphs:
         next :meth:`run` with ``staged=True`` copies only the token ids and the LoRA rows."""
         n, nb = len(positions), max(len(t) for t in tables)
         if not self._staging:
-            pin = dict(pin_memory=True)
+            pin = dict(pin_memory=not self.emulated)
             self._staging = [(torch.zeros(2, self.max_seqs, dtype=torch.int64, **pin),
                               torch.zeros(2, self.max_seqs, dtype=torch.int32, **pin),
                               torch.zeros(self.max_seqs * self.width, dtype=torch.int32, **pin), None)
@@ -162,8 +193,10 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(i64[1, :n], non_blocking=True)
         self.context_lens[:n].copy_(ctx[0, :n], non_blocking=True)
         self.block_tables[:n, :nb].copy_(table, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event = None
+        if not self.emulated:
+            event = torch.cuda.Event()
+            event.record()
         self._staging[self._turn] = (i64, ctx, tab, event)
         self._turn ^= 1
 
@@ -196,6 +229,8 @@ class DecodeGraphs:
             static = self.members if self.members is not None else self.launch[b]
             self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
         graph, logits = self.graphs[b]
+        if self.emulated:
+            self.check_buffers(b, n)
         graph.replay()
         self.replays += 1
         return logits[:n]
@@ -208,6 +243,29 @@ class DecodeGraphs:
         n = len(context_lens)
         order = longest_first(range(n), context_lens) + list(range(n, b))
         return torch.tensor(order, dtype=torch.int32)
+
+    def check_buffers(self, b: int, n: int) -> None:
+        """The invariants a replay of bucket ``b`` with ``n`` real rows relies on, read back from
+        the static buffers (a host sync: emulated graphs and tests only); raises
+        ``GraphBufferError`` naming the first one broken. The decode tiles are a permutation of
+        the bucket's rows (a row past ``b`` is read and written outside the bucket's tensors);
+        padding rows are padding (token 0, position 0, the scratch cache slot, no context); the
+        real rows' contexts fit their block tables and name only blocks of the cache."""
+        order = self.tile_seq[:b].tolist()
+        if sorted(order) != list(range(b)):
+            raise GraphBufferError(f"bucket {b}: decode tiles {order} are not a permutation of rows 0..{b - 1}")
+        pad = slice(n, b)
+        if (self.ids[pad].any() or self.positions[pad].any() or self.context_lens[pad].any()
+                or bool((self.slot_mapping[pad] != self.scratch_slot).any())):
+            raise GraphBufferError(f"bucket {b}: padding rows {n}..{b - 1} are not padding")
+        ctx = self.context_lens[:n]
+        blocks = -(-ctx // self.kv.block_size)
+        if bool((ctx < 1).any()) or bool((blocks > self.width).any()):
+            raise GraphBufferError(f"bucket {b}: context lengths {ctx.tolist()} outside 1..{self.width * self.kv.block_size}")
+        used = torch.arange(self.width, device=ctx.device)[None, :] < blocks[:, None]
+        tables = self.block_tables[:n]
+        if bool(((tables < 0) | (tables >= self.kv.num_blocks))[used].any()):
+            raise GraphBufferError(f"bucket {b}: a block table names a block outside the cache's {self.kv.num_blocks}")
 
     def _pad(self, start: int, end: int) -> None:
         """Rows ``start .. end-1`` become padding."""
