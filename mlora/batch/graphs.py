@@ -33,6 +33,8 @@ on the CPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mlora.kernels import empty_launch_plan, tile_capacity
@@ -73,6 +75,9 @@ class DecodeGraphs:
         self.model, self.kv, self.bank = model, kv, bank
         self.device = model.device
         self.emulated = self.device.type != "cuda"  # module docstring: replay re-runs the forward
+        # the buffers' invariants checked before every warm-up and replay: always when emulated,
+        # on a GPU with MLORA_DEBUG_GRAPHS=1 (a host sync per replay: debugging only)
+        self.checked = self.emulated or os.environ.get("MLORA_DEBUG_GRAPHS") == "1"
         self.buckets = buckets_for(max_seqs)
         self.max_seqs = max_seqs
         self.scratch_slot = scratch_slot
@@ -147,8 +152,9 @@ class DecodeGraphs:
             everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in self.bank.groups)
             lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
         args = (self.ids[:b], self.positions[:b], meta, self.kv, lora, self.sample_rows[:b])
-        if self.emulated:
+        if self.checked:
             self.check_buffers(b, 0)
+        if self.emulated:
             self.model.forward(*args)  # the warm-up run, as below
             logits = self.model.forward(*args).clone()  # the bucket's static output
             self.graphs[b] = (_EmulatedGraph(lambda: self.model.forward(*args), logits), logits)
@@ -229,7 +235,7 @@ class DecodeGraphs:
             static = self.members if self.members is not None else self.launch[b]
             self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
         graph, logits = self.graphs[b]
-        if self.emulated:
+        if self.checked:
             self.check_buffers(b, n)
         graph.replay()
         self.replays += 1
