@@ -90,6 +90,7 @@ case "${1:-quick}" in
         --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype "$dt" -q >/dev/null 2>"$OUT/demo-$dt.err"
       echo "demo $dt: $(python scripts/check_demo_outputs.py "/tmp/demo-$dt" | tail -1)"
     done
+    MLORA_DEBUG_GRAPHS=1 demo_gpu debug-graphs bfloat16  # every replay's static buffers checked (twenty-third session)
     rm -rf /tmp/demo-gpus0  # step 8's coordinator and one GPU worker process (never run on a GPU before)
     timeout 120 python -m mlora batch-run examples/demo/prompts.parquet /tmp/demo-gpus0 --base examples/demo/base \
       --adapters examples/demo/adapters --max-new-tokens 40 --gpus 0 --dtype float32 -q >/dev/null 2>"$OUT/demo-gpus0.err"
