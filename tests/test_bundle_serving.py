@@ -318,3 +318,36 @@ def test_a_group_with_unadapted_slices_and_uneven_clusters(method):
             assert torch.equal(y[[1, 6]], y0[[1, 6]])  # base rows
             if group == "gate_up":
                 assert torch.equal(y[[3, 4]], y0[[3, 4]])  # m3, m2 do not adapt gate
+
+
+@pytest.mark.parametrize("operator", ["torch", "triton"])
+def test_emulated_decode_graphs_over_a_bundle_give_the_eager_tokens(served, operator):
+    """The engine's decode graphs over a bundle bank (its ``graph_context``: a static row buffer
+    the replays refill) give the eager engine's tokens; on the CPU the graphs are emulated
+    (``mlora.batch.graphs``), so the static-buffer protocol of the bundle path runs in CI."""
+    import random
+
+    from mlora.batch.engine import Engine, Request
+    from mlora.batch.model import DecoderModel
+
+    bundle, pinned, shapes, layers = served
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = DecoderModel.from_pretrained(BASE, device=device, dtype=torch.float32)
+    members = bundle.member_ids()
+    rng = random.Random(31)
+    # the Triton operator interpreted on the CPU is slow: fewer, shorter rows there (still
+    # several decode buckets: 5 rows, then fewer as they finish)
+    n, most = (5, 4) if operator == "triton" and device == "cpu" else (8, 6)
+    reqs = [Request(row=i, id=str(i), prompt_ids=[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(3, 8))],
+                    adapter=rng.choice([None, *members]), max_new_tokens=rng.randint(2, most)) for i in range(n)]
+    outs = {}
+    for graphs in (False, True):
+        bank = BundleBank(bundle, layers, shapes, torch.float32, device, operator=operator)
+        eng = Engine(model, bank, pinned, num_blocks=128, block_size=4, max_num_seqs=5, max_batch_tokens=64,
+                     device=device, dtype=torch.float32, cuda_graphs=graphs)
+        for r in reqs:
+            assert eng.add(r) is None
+        outs[graphs] = {r.row: r.token_ids for r in eng.drain()}
+        if graphs:
+            assert eng.graphs.replays > 0 and len(eng.graphs.graphs) > 1
+    assert any(r.adapter for r in reqs) and outs[True] == outs[False]
