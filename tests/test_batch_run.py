@@ -104,6 +104,20 @@ def test_outputs_equal_transformers_and_peft_row_by_row(env, tmp_path, seqs, bud
     assert list(rows) == [f"r{k}" for k in range(len(ROW_ADAPTERS))]  # shards follow input order
 
 
+@pytest.mark.parametrize("ledger", ["split", "joint"])
+def test_emulated_decode_graphs_job_equals_peft(env, tmp_path, monkeypatch, ledger):
+    """The whole job with its decode steps through the decode graphs, emulated on the CPU
+    (MLORA_EMULATE_GRAPHS=1: static buffers, buckets, padding, staging, the Triton kernels
+    interpreted, every replay's buffers checked), in both memory ledgers (the joint one with
+    the graphs' spare page): every row equals transformers + PEFT."""
+    monkeypatch.setenv("MLORA_EMULATE_GRAPHS", "1")
+    summary = _run(env, tmp_path / "out", max_num_seqs=5, memory_ledger=ledger)
+    rows = _rows(tmp_path / "out")
+    assert summary.engine.get("graph_replays", 0) > 0, summary.engine
+    for rid, want in env["expected"].items():
+        assert rows[rid]["completion_token_ids"] == want, (rid, rows[rid]["adapter"])
+
+
 def test_a_job_without_k_adapters_holds_no_k_slots_and_equals_peft(env, tmp_path, monkeypatch):
     """Rows naming only a1 (q/v) and a3 (o/down) and base rows: the bank holds the q and v
     slices of q/k/v, o and down, nothing else (a load copies no zeros for k), and every row

@@ -98,6 +98,7 @@ class EngineSession:
                 slots = num_slots(opts, len(good), slot_bytes, device)
             workers = prefetch_workers() if opts.prefetch_adapters else 0
             self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
+                                      backend="triton" if decode_graphs(opts, device) else "auto",
                                       host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
                                       build_processes=opts.image_build_processes if workers else 0, slices=slices,
                                       arena=self.arena)
@@ -123,7 +124,7 @@ class EngineSession:
             block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
             sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
             stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
-            device=device, dtype=dtype, cuda_graphs=opts.cuda_graphs and device.type == "cuda",
+            device=device, dtype=dtype, cuda_graphs=decode_graphs(opts, device),
             prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
             max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
             lookahead=opts.lookahead, arena=self.arena,
@@ -155,6 +156,9 @@ class EngineSession:
                       **self.gc.stats())
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
+        if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
+            engine["graph_replays"] = self.engine.graphs.replays
+            engine["graph_buckets"] = len(self.engine.graphs.graphs)
         from .residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
 
         bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in PER_LOAD_STATS} if self.bank else {}
@@ -222,6 +226,13 @@ def check_memory_ledger(mode: str) -> None:
                        f"{mode!r}", 2)
 
 
+def decode_graphs(opts: JobOptions, device: torch.device) -> bool:
+    """Whether the job's decode steps replay graphs: ``--cuda-graphs`` (the default) on a GPU;
+    on the CPU only with ``MLORA_EMULATE_GRAPHS=1`` (tests: the graphs emulated, the slot bank
+    on the Triton kernels, interpreted; ``mlora.batch.graphs``)."""
+    return bool(opts.cuda_graphs) and (device.type == "cuda" or os.environ.get("MLORA_EMULATE_GRAPHS") == "1")
+
+
 def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.device, adapters: int, slot_bytes: int,
                 groups: int):
     """(arena, adapter slots) of the joint memory mode: one ``PageArena`` of KV-block pages for
@@ -235,7 +246,7 @@ def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.devi
     from .residency import ResidencyBank
 
     page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
-    spare = int(opts.cuda_graphs and device.type == "cuda")  # the decode graphs' scratch block
+    spare = int(decode_graphs(opts, device))  # the decode graphs' scratch block
     pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
     want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
     row_pages = -(-config.max_position_embeddings // opts.block_size)
