@@ -252,7 +252,7 @@ class DecodeGraphs:
 
     def check_buffers(self, b: int, n: int) -> None:
         """The invariants a replay of bucket ``b`` with ``n`` real rows relies on, read back from
-        the static buffers (a host sync: emulated graphs and tests only); raises
+        the static buffers (a host sync: emulated graphs, tests and ``MLORA_DEBUG_GRAPHS=1``); raises
         ``GraphBufferError`` naming the first one broken. The decode tiles are a permutation of
         the bucket's rows (a row past ``b`` is read and written outside the bucket's tensors);
         padding rows are padding (token 0, position 0, the scratch cache slot, no context); the
