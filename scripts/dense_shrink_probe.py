@@ -7,7 +7,10 @@ every slot of the layer's bank in one cuBLAS batched GEMM, z[s, t] = x[t] @ A[s]
 the expand would then read row t's own slot's columns. It reads the same A bytes once (all
 slots, not only the active ones), wastes T x S x n x R x d_in multiply-adds on the other
 slots' columns, and replaces the chain by a tuned GEMM: at 256 rows and 64 adapters that
-is ~6 GFLOP (~8 us at 790 TFLOP/s) for the q/k/v shrink against its 13.7 us.
+is ~6 GFLOP (~8 us at 790 TFLOP/s) for the q/k/v shrink against its 13.7 us. The other
+candidate is torch's grouped GEMM (``torch._grouped_mm``, built for mixture-of-experts
+layers: rows grouped by expert, one CUTLASS launch): no wasted flops, but a gather of x, a
+scale and a scatter-add into y around it.
 
 For each decoder-layer module of Llama-3-8B (q/k/v, o, gate/up from d_in 4096, down from
 14336), rank 16, 8 and 64 adapters, 256 and 64 rows, over the engine's slot-major bank
@@ -24,6 +27,10 @@ times a case (one call in a CUDA graph, replayed after a 256 MiB L2 flush, media
   dense_pair        mlora.kernels.triton_sgmv.add_lora_slices_dense: bmm_strided, then the
                     expand reading each tile's own slot's block (against segmented_pair; the
                     update checked against the segmented one)
+  grouped_shrink    torch._grouped_mm (the MoE grouped GEMM) over the rows gathered into slot
+                    order: reads only the active slots' A, no wasted flops
+  grouped_pair      grouped_shrink, the scale, per slice a grouped expand and a scatter-add
+                    into y (checked against the segmented update)
 
 with each dense variant's device temporaries (peak allocated above the inputs, MiB: a
 materialised copy of x or A shows there) and its z for each row's own slot checked against
@@ -130,8 +137,36 @@ def case(module: str, S: int, T: int, flush) -> dict:
             out[name] = timed(fn, flush) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
         except RuntimeError as exc:  # a variant torch cannot run: say so, keep the others
             out[name] = f"FAILED ({str(exc).splitlines()[0][:80]})"
+    # torch's grouped GEMM (the MoE kernel, CUTLASS on sm_90): rows gathered into slot order,
+    # one grouped shrink, per slice the scale, one grouped expand and a scatter-add into y
+    order = torch.sort(rs.long(), stable=True).indices  # every probe row names a slot
+    offs = torch.bincount(rs.long(), minlength=S).cumsum(0).to(torch.int32)
+    row_scale = scales[:, rs.long()[order]].t()  # [T, n]
+    starts = [sum(widths[:j]) for j in range(n)]
+    b_t = [b[:, o : o + w].transpose(1, 2) for o, w in zip(starts, widths)]  # [S, R, w_j], column-major
+    y_grp = torch.zeros_like(y)
+
+    def grouped_shrink():
+        return torch._grouped_mm(x[order], a_rows.transpose(1, 2), offs=offs)
+
+    def grouped_pair():
+        z = torch._grouped_mm(x[order], a_rows.transpose(1, 2), offs=offs)
+        z = (z.view(T, n, R) * row_scale[:, :, None]).to(x.dtype)
+        for j, (o, w) in enumerate(zip(starts, widths)):
+            y_grp[:, o : o + w].index_add_(0, order, torch._grouped_mm(z[:, j].contiguous(), b_t[j], offs=offs))
+
     y_seg = add_lora_slices_triton(torch.zeros_like(y), x, a, b, plan, ranks, scales, list(widths),
                                    config=dict(fused=False))
+    try:
+        z = grouped_shrink()
+        err = float((z.double() - want[order]).abs().max() / want.abs().max())
+        out["grouped_shrink"] = timed(grouped_shrink, flush) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
+        grouped_pair()
+        err = float((y_grp.double() - y_seg.double()).abs().max() / y_seg.double().abs().max())
+        out["grouped_pair"] = timed(grouped_pair, flush) if err < 2e-2 else f"WRONG (rel err {err:.2e})"
+    except (RuntimeError, AttributeError) as exc:  # no _grouped_mm in this torch, or not for these operands
+        out.setdefault("grouped_shrink", f"FAILED ({str(exc).splitlines()[0][:80]})")
+        out["grouped_pair"] = f"FAILED ({str(exc).splitlines()[0][:80]})"
     y_dense = torch.zeros_like(y)
 
     def dense_pair():
@@ -158,7 +193,7 @@ def main():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     names = ["segmented_shrink", "segmented_pair", "bmm_strided", "matmul_strided", "linear_layer_major", "bmm_gather",
-             "bmm_fp32_out", "dense_pair"]
+             "bmm_fp32_out", "dense_pair", "grouped_shrink", "grouped_pair"]
     for S in (64, 8):
         for T in (256, 64):
             group = [r for r in rows if r["case"].endswith(f"/A{S}/T{T}")]
