@@ -37,6 +37,7 @@ materialised copy of x or A shows there) and its z for each row's own slot check
 the float64 x @ A^T. Then per (adapters, rows) the layer's sum and 32 layers of it.
 
     PYTHONPATH=. python scripts/dense_shrink_probe.py [--layers 32]
+    PYTHONPATH=. python scripts/dense_shrink_probe.py --grid   # `bench kernels`' launch-bound misses instead
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ from mlora.kernels.triton_sgmv import add_lora_slices_dense, add_lora_slices_tri
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
            "down": ((4096,), 14336)}
 RANK = 16
+# ``--grid``: the `bench kernels` cases under 10 us of floor that missed the 12 us target in the
+# eighteenth session's grid (benchmarks/kernels-h200-session18.json; issue step 2), as (d_out, rank,
+# T, adapters), d_in 4096, a bank of one layer
+GRID_OUTPUTS = {"4096": (4096,), "14336": (14336,), "qkv": (4096, 1024, 1024)}
+GRID_CASES = [("qkv", 64, 1, 1), ("4096", 64, 16, 1), ("qkv", 64, 64, 1), ("4096", 16, 256, 1), ("14336", 64, 256, 1),
+              ("qkv", 16, 256, 1), ("4096", 64, 1024, 1), ("qkv", 16, 1024, 1), ("qkv", 64, 1024, 1),
+              ("4096", 64, 1024, 8), ("14336", 64, 256, 8), ("qkv", 16, 1024, 8), ("14336", 8, 256, 64),
+              ("qkv", 8, 256, 64), ("4096", 8, 256, 256)]
 LAYERS_IN_BANK = 32  # the bank holds every layer: a layer's view is strided over slots
 LAYER = 5
 
@@ -87,12 +96,14 @@ def temp_mib(fn) -> float:
     return round(peak / 2**20, 1)
 
 
-def case(module: str, S: int, T: int, flush) -> dict:
-    widths, d_in = MODULES[module]
-    n, R = len(widths), RANK
+def case(module: str, S: int, T: int, flush, R: int = RANK, layers: int = LAYERS_IN_BANK) -> dict:
+    """One module (a MODULES key or a `bench kernels` d_out: 4096, 14336, qkv) at S adapters of
+    rank R and T rows, every variant timed and checked (module docstring)."""
+    widths, d_in = MODULES.get(module) or (GRID_OUTPUTS[module], 4096)
+    n = len(widths)
     g = torch.Generator(device="cpu").manual_seed(S * 1000 + T)
-    full = (torch.randn(S, LAYERS_IN_BANK, n, R, d_in, generator=g) / d_in**0.5).to("cuda", torch.bfloat16)
-    a = full[:, LAYER]  # [S, n, R, d_in], slot stride L * n * R * d_in (the engine's layer view)
+    full = (torch.randn(S, layers, n, R, d_in, generator=g) / d_in**0.5).to("cuda", torch.bfloat16)
+    a = full[:, min(LAYER, layers - 1)]  # [S, n, R, d_in], slot stride L * n * R * d_in (the engine's layer view)
     b = (torch.randn(S, sum(widths), R, generator=g) / R**0.5).to("cuda", torch.bfloat16)
     x = torch.randn(T, d_in, generator=g).to("cuda", torch.bfloat16)
     rs = torch.randint(0, S, (T,), generator=g, dtype=torch.int32).to("cuda")
@@ -104,7 +115,7 @@ def case(module: str, S: int, T: int, flush) -> dict:
     assert a_rows.data_ptr() == a.data_ptr()
     a_layer_major = a_rows.reshape(S * n * R, d_in).contiguous()
     rows = torch.arange(T, device="cuda")
-    out = {"case": f"{module}/A{S}/T{T}",
+    out = {"case": f"{module}/r{R}/A{S}/T{T}",
            "floor_us": round((S * n * R * d_in + T * d_in) * 2 / 4.2e12 * 1e6, 2),  # A and x at 4.2 TB/s
            "wasted_gflop": round(2 * T * (S - 1) * n * R * d_in / 1e9, 2)}
 
@@ -186,6 +197,20 @@ def main():
     layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else 32
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
+    if "--grid" in sys.argv:  # issue step 2's launch-bound misses: which path is under 12 us?
+        for o, R, T, A in GRID_CASES:
+            row = case(o, A, T, flush, R=R, layers=1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        names = ["segmented_pair", "dense_pair", "grouped_pair"]
+        for name in names:
+            times = [r.get(name) for r in rows]
+            ok = [t for t in times if isinstance(t, float)]
+            print(f"{name}: {sum(t <= 12.0 for t in ok)} of {len(rows)} within 12 us ({len(rows) - len(ok)} "
+                  f"WRONG/FAILED)", flush=True)
+        best = [min(t for t in (r.get(n) for n in names) if isinstance(t, float)) for r in rows]
+        print(f"the best of the three per case: {sum(t <= 12.0 for t in best)} of {len(rows)} within 12 us", flush=True)
+        return
     for S in (64, 8):
         for T in (256, 64):
             for module in MODULES:

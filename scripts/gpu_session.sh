@@ -401,7 +401,8 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
   dense-shrink)  # twenty-third session (built on the CPU): issue step 7's 64-adapter gap is the decode LoRA
     # launches' dependent chains (nineteenth session); is a dense batched GEMM over every slot of the layer's
     # bank cheaper than the segmented shrink at 256 / 64 rows and 8 / 64 adapters? (~3 min)
-    timeout 400 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
+    timeout 300 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
+    timeout 200 python -u scripts/dense_shrink_probe.py --grid 2>&1 | tee "$OUT/dense-shrink-grid.txt" | tail -4
     ;;
   dense-bench)  # then, if the probe's dense pair wins: the GPU kernel and bank tests, the demo with the dense
     # shrink on (float32 and bf16 against expected.json), bench batch A/B at 8 and 64 adapters (~6 min)
