@@ -17,7 +17,7 @@
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
-#   bash scripts/gpu_session.sh dense-shrink  a dense cuBLAS shrink (every row x every slot) against the segmented one at decode size
+#   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh dense-bench  the dense shrink in the engine (MLORA_LORA_DENSE_MAX_ROWS): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
