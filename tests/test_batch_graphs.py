@@ -191,3 +191,27 @@ def test_graph_buffer_check_names_the_broken_invariant():
     g.block_tables[2, 1] = 17
     with pytest.raises(GraphBufferError, match="outside the cache"):
         g.check_buffers(4, 3)
+
+
+def test_graph_buffer_check_covers_the_lora_tile_list():
+    """The check's LoRA part: a bucket's static tile list filled from its rows passes; a tile
+    naming a row past the bucket, or a tile count past the list's capacity, is refused."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, DEVICE, torch.float32, seed=17)
+    bank, pinned = random_bank(model, 2, 4, seed=17, backend="triton")
+    eng = Engine(model, bank, pinned, num_blocks=16, block_size=4, max_num_seqs=8, max_batch_tokens=64,
+                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    g = eng.graphs
+    g.context_lens[:3] = torch.tensor([5, 1, 8], dtype=torch.int32)
+    lp = g.launch[4]
+    bank.context(torch.tensor([1, -1, 0, -1], dtype=torch.int32), static=lp)
+    g.check_buffers(4, 3)
+    live = int(lp.num_tiles)
+    assert live == 2
+    lp.sorted_rows[int(lp.tile_start[0])] = 5  # a row of a larger bucket
+    with pytest.raises(GraphBufferError, match="names a row outside"):
+        g.check_buffers(4, 3)
+    lp.sorted_rows[int(lp.tile_start[0])] = 0
+    lp.num_tiles.fill_(lp.tile_capacity + 1)
+    with pytest.raises(GraphBufferError, match="LoRA tiles in a list"):
+        g.check_buffers(4, 3)

@@ -256,7 +256,8 @@ class DecodeGraphs:
         ``GraphBufferError`` naming the first one broken. The decode tiles are a permutation of
         the bucket's rows (a row past ``b`` is read and written outside the bucket's tensors);
         padding rows are padding (token 0, position 0, the scratch cache slot, no context); the
-        real rows' contexts fit their block tables and name only blocks of the cache."""
+        real rows' contexts fit their block tables and name only blocks of the cache; the LoRA
+        tile list (slot banks) holds at most its capacity of tiles, each over rows of the bucket."""
         order = self.tile_seq[:b].tolist()
         if sorted(order) != list(range(b)):
             raise GraphBufferError(f"bucket {b}: decode tiles {order} are not a permutation of rows 0..{b - 1}")
@@ -272,6 +273,18 @@ class DecodeGraphs:
         tables = self.block_tables[:n]
         if bool(((tables < 0) | (tables >= self.kv.num_blocks))[used].any()):
             raise GraphBufferError(f"bucket {b}: a block table names a block outside the cache's {self.kv.num_blocks}")
+        if self.bank is not None and self.members is None and b in self.launch:  # the LoRA tile list
+            lp = self.launch[b]
+            k = int(lp.num_tiles)
+            if k > lp.tile_capacity:
+                raise GraphBufferError(f"bucket {b}: {k} LoRA tiles in a list of {lp.tile_capacity}")
+            start, end = lp.tile_start[:k].long(), lp.tile_end[:k].long()
+            if bool(((start < 0) | (end > lp.row_capacity) | (start >= end)).any()):
+                raise GraphBufferError(f"bucket {b}: a LoRA tile's grouped rows lie outside 0..{lp.row_capacity}")
+            u = (start[:, None] + torch.arange(lp.block_m, device=start.device)[None, :])
+            rows = lp.sorted_rows[u.clamp(max=lp.row_capacity - 1)][u < end[:, None]]
+            if bool(((rows < 0) | (rows >= b)).any()):
+                raise GraphBufferError(f"bucket {b}: a LoRA tile names a row outside the bucket's {b}")
 
     def _pad(self, start: int, end: int) -> None:
         """Rows ``start .. end-1`` become padding."""
