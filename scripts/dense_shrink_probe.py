@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from mlora.kernels import build_plan
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import _events_median, captured_plan
+from mlora.kernels.bench import NoLaunch, _events_median, captured_plan, graph_of
 from mlora.kernels.triton_sgmv import add_lora_slices_dense, add_lora_slices_triton
 
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
@@ -68,20 +68,9 @@ LAYERS_IN_BANK = 32  # the bank holds every layer: a layer's view is strided ove
 LAYER = 5
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def timed(fn, flush) -> float:
     """Median µs of ``fn`` captured in a CUDA graph, replayed after an L2 flush."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return round(_events_median(graph.replay, 30, flush) * 1e6, 1)
+    return round(_events_median(graph_of(fn).replay, 30, flush) * 1e6, 1)
 
 
 def temp_mib(fn) -> float:
@@ -124,7 +113,7 @@ def case(module: str, S: int, T: int, flush, R: int = RANK, layers: int = LAYERS
                                b_pitched=False)
 
     saved = sgmv._expand_kernel
-    sgmv._expand_kernel = _NoLaunch()
+    sgmv._expand_kernel = NoLaunch()
     try:
         out["segmented_shrink"] = timed(segmented, flush)
     finally:

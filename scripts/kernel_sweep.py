@@ -53,8 +53,8 @@ import torch
 from mlora.kernels import build_plan, to_rank_pitched
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, _events_median, captured_plan, case_floor,
-                                 make_case, measure_ceilings, reference_f64)
+from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
+                                 case_floor, graph_of, make_case, measure_ceilings, reference_f64)
 from mlora.kernels.launch import order_tiles_by_rank
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
@@ -154,13 +154,6 @@ if FUSED:
 LAUNCH_BOUND_S = 10e-6  # the bench's launch-bound cases: memory floor below this
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def graph_median(graph, flush, reps=30):
     """Median µs of ``reps`` replays of ``graph``, each after an L2 flush (the bench's timer)."""
     return _events_median(graph.replay, reps, flush) * 1e6
@@ -220,7 +213,7 @@ def main():
                    if k not in ("__skip", "__pitched", "__padded", "__block_m", "__tile_order")}
             saved = {k: getattr(sgmv, k) for k in skip}
             for k in skip:
-                setattr(sgmv, k, _NoLaunch())
+                setattr(sgmv, k, NoLaunch())
             try:
                 bank = to_rank_pitched(b, ranks, widths) if pitched else b
                 plan = static
@@ -293,11 +286,7 @@ def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, c
     y = y0.clone()
     call = lambda: add_lora_slices_triton(y, x, a, b, static, ranks, scales, widths, config=cfg or None,  # noqa: E731
                                           b_pitched=pitched)
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = graph_of(call)
     y.copy_(y0)
     graph.replay()
     torch.cuda.synchronize()
@@ -325,11 +314,7 @@ def silu_main():
                 y0, x, a, b, static, ranks, scales, inter, config={"silu_group_tiles": g}, b_pitched=True))
         row = {"case": f"gateup+silu/r16/T{T}/A{A}"}
         for name, call in calls.items():
-            call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
+            graph = graph_of(call)
             graph.replay()
             torch.cuda.synchronize()
             ref = outs["plain"].float()

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from mlora.kernels import build_plan, empty_launch_plan
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import _events_median, captured_plan, make_case
+from mlora.kernels.bench import NoLaunch, _events_median, captured_plan, graph_of, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 OUTPUTS = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
@@ -40,22 +40,6 @@ def _noop(out_ptr):
     tl.store(out_ptr, 1.0)
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-def _graph(fn, copies=1):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(copies):
-            fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def _times(g, flush, copies=1):
     return round(_events_median(g.replay, 30, flush) * 1e6 / copies, 1)
 
@@ -63,7 +47,7 @@ def _times(g, flush, copies=1):
 def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     out = torch.zeros(1, device="cuda")
-    g = _graph(lambda: _noop[(1,)](out))
+    g = graph_of(lambda: _noop[(1,)](out))
     print(json.dumps({"case": "noop", "us": _times(g, flush)}), flush=True)
     for A in (8, 64):
         for name, (widths, d_in) in OUTPUTS.items():
@@ -76,7 +60,7 @@ def main():
             def call(plan=static):
                 add_lora_slices_triton(y, x, a, b, plan, ranks, scales, widths, config={"fused": False})
 
-            row["pair"] = _times(_graph(call), flush)
+            row["pair"] = _times(graph_of(call), flush)
             w = torch.randn(sum(widths), d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
             base = torch.empty(256, sum(widths), device="cuda", dtype=torch.bfloat16)
 
@@ -87,14 +71,14 @@ def main():
                 gemm()
                 add_lora_slices_triton(base, x, a, b, static, ranks, scales, widths, config={"fused": False})
 
-            row["gemm"] = _times(_graph(gemm), flush)
-            row["gemm_pair"] = _times(_graph(gemm_pair), flush)
-            row["pair_x8"] = _times(_graph(call, 8), flush, 8)
+            row["gemm"] = _times(graph_of(gemm), flush)
+            row["gemm_pair"] = _times(graph_of(gemm_pair), flush)
+            row["pair_x8"] = _times(graph_of(call, 8), flush, 8)
             saved = sgmv._expand_kernel
-            sgmv._expand_kernel = _NoLaunch()
+            sgmv._expand_kernel = NoLaunch()
             try:
-                row["shrink"] = _times(_graph(call), flush)
-                row["shrink_empty"] = _times(_graph(lambda: call(empty)), flush)
+                row["shrink"] = _times(graph_of(call), flush)
+                row["shrink_empty"] = _times(graph_of(lambda: call(empty)), flush)
             finally:
                 sgmv._expand_kernel = saved
             print(json.dumps(row), flush=True)

@@ -65,6 +65,26 @@ def _events_median(fn, reps: int, flush: torch.Tensor | None = None) -> float:
     return statistics.median(times)
 
 
+class NoLaunch:
+    """Stands in for a Triton kernel in the sweep scripts: ``kernel[grid](...)`` launches
+    nothing (a launch left out of a timed call, e.g. the expand when timing the shrink alone)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def graph_of(fn, copies: int = 1) -> torch.cuda.CUDAGraph:
+    """``fn`` run once (compiles, warms), then ``copies`` calls of it captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(copies):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
 def _wall_per_call(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()
