@@ -43,6 +43,16 @@ def _run(model, bank, pinned, reqs, graphs, max_num_seqs, lookahead=False):
     return out, eng
 
 
+def _graphed_engine(seed, num_blocks, max_num_seqs, adapters=2):
+    """A tiny float32 model on DEVICE, a Triton slot bank of ``adapters`` rank-4 adapters (none
+    for 0) and an engine with decode graphs (emulated on the CPU): (engine, model, bank)."""
+    model = random_model(preset_config("tiny", "float32"), DEVICE, torch.float32, seed=seed)
+    bank, pinned = random_bank(model, adapters, 4, seed=seed, backend="triton") if adapters else (None, {})
+    eng = Engine(model, bank, pinned, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                 max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=True)
+    return eng, model, bank
+
+
 @cuda
 @pytest.mark.parametrize("max_num_seqs", [5, 16])
 def test_graph_decode_gives_the_eager_tokens(max_num_seqs):
@@ -108,11 +118,7 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     illegal memory access on the H200 when the larger bucket's order named rows past the
     smaller bucket's tensors). Emulated on the CPU (every forward, replays too, seen)."""
     monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
-    config = preset_config("tiny", "float32")
-    model = random_model(config, DEVICE, torch.float32, seed=11)
-    bank, pinned = random_bank(model, 2, 4, seed=11, backend="triton")
-    eng = Engine(model, bank, pinned, num_blocks=64, block_size=4, max_num_seqs=16, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng, model, _ = _graphed_engine(11, num_blocks=64, max_num_seqs=16)
     graphs = eng.graphs
     seen = []
     forward = model.forward
@@ -169,10 +175,7 @@ def test_graph_buffer_check_names_the_broken_invariant():
     """``DecodeGraphs.check_buffers`` (run before every emulated replay): a decode tile order
     that is not a permutation of the bucket's rows, a padding row that is not padding, and a
     block table naming a block outside the cache are each refused by name."""
-    config = preset_config("tiny", "float32")
-    model = random_model(config, DEVICE, torch.float32, seed=15)
-    eng = Engine(model, None, {}, num_blocks=16, block_size=4, max_num_seqs=8, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng, _, _ = _graphed_engine(15, num_blocks=16, max_num_seqs=8, adapters=0)
     g = eng.graphs
     g.context_lens[:3] = torch.tensor([5, 1, 8], dtype=torch.int32)
     g.block_tables[:3, :2] = torch.tensor([[0, 1], [2, 0], [3, 4]], dtype=torch.int32)
@@ -196,11 +199,7 @@ def test_graph_buffer_check_names_the_broken_invariant():
 def test_graph_buffer_check_covers_the_lora_tile_list():
     """The check's LoRA part: a bucket's static tile list filled from its rows passes; a tile
     naming a row past the bucket, or a tile count past the list's capacity, is refused."""
-    config = preset_config("tiny", "float32")
-    model = random_model(config, DEVICE, torch.float32, seed=17)
-    bank, pinned = random_bank(model, 2, 4, seed=17, backend="triton")
-    eng = Engine(model, bank, pinned, num_blocks=16, block_size=4, max_num_seqs=8, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng, _, bank = _graphed_engine(17, num_blocks=16, max_num_seqs=8)
     g = eng.graphs
     g.context_lens[:3] = torch.tensor([5, 1, 8], dtype=torch.int32)
     lp = g.launch[4]

@@ -36,18 +36,36 @@ def sliced_case(seed, T=29, S=4, R=16, d_in=32, widths=(24, 8, 8), dtype=torch.f
     ranks[0, 0] = R
     if n > 1:
         ranks[1, 1] = 0  # slot 1 does not target slice 1 (as an adapter without k_proj)
-    off = [0]
-    for w in widths:
-        off.append(off[-1] + w)
-    for j in range(n):
-        for s in range(S):  # poison everything past the true rank
-            a[s, j, ranks[j, s]:] = float("nan")
-            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
+    poison_rank_tails(a, b, ranks, widths)
     scales = torch.rand(n, S, generator=g) * 2 + 0.1
     rs = torch.randint(0, S, (T,), generator=g, dtype=torch.int32)
     rs[torch.rand(T, generator=g) < base_frac] = -1
     y = torch.randn(T, sum(widths), generator=g).to(dtype) * 3
     return y, x, a, b, rs, ranks, scales, list(widths)
+
+
+def poison_rank_tails(a, b, ranks, widths):
+    """NaN in every factor entry past its slot's true rank (A [S, n, R, d_in], B [S, sum(w), R])."""
+    off = [0]
+    for w in widths:
+        off.append(off[-1] + w)
+    for j in range(len(widths)):
+        for s in range(a.shape[0]):
+            a[s, j, ranks[j, s]:] = float("nan")
+            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
+
+
+def mixed_rank_case(seed, T, ranks_by_slice, widths=(32, 16)):
+    """sliced_case in a rank-64 bank whose slots have the given true ranks per slice: fresh
+    factors, NaN past each rank."""
+    S = len(ranks_by_slice[0])
+    case = sliced_case(seed, T=T, S=S, R=64, d_in=48, widths=widths, dtype=torch.float32, base_frac=0.1)
+    y, x, a, b, rs, ranks, scales, widths = case
+    ranks[:] = torch.tensor(ranks_by_slice, dtype=torch.int32)
+    a.normal_()
+    b.normal_()
+    poison_rank_tails(a, b, ranks, widths)
+    return y, x, a, b, rs, ranks, scales, widths
 
 
 def sliced_oracle(y, x, a, b, rs, ranks, scales, widths):
@@ -348,17 +366,7 @@ def test_column_groups_and_forced_split_match_the_oracle(config, bm):
 
 def test_mixed_rank_classes_in_one_launch(lora_path):
     """Ranks on both sides of the narrow rank class (16) in a rank-64 bank, tails NaN."""
-    case = list(sliced_case(10, T=40, S=5, R=64, d_in=48, widths=(32, 16), dtype=torch.float32, base_frac=0.1))
-    y, x, a, b, rs, ranks, scales, widths = case
-    ranks[0] = torch.tensor([4, 16, 17, 40, 64], dtype=torch.int32)
-    ranks[1] = torch.tensor([64, 1, 16, 0, 33], dtype=torch.int32)
-    a.normal_()
-    b.normal_()
-    off = [0, 32, 48]
-    for j in range(2):
-        for s in range(5):
-            a[s, j, ranks[j, s]:] = float("nan")
-            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
+    y, x, a, b, rs, ranks, scales, widths = mixed_rank_case(10, 40, [[4, 16, 17, 40, 64], [64, 1, 16, 0, 33]])
     ref = sliced_oracle(y, x, a, b, rs, ranks, scales, widths)
     y, x, a, b, rs, ranks, scales = _dev(y, x, a, b, rs, ranks, scales)
     y0 = y.clone()
@@ -401,16 +409,7 @@ def test_tiles_ordered_by_rank_give_the_same_numbers(lora_path):
     from mlora.kernels.launch import order_tiles_by_rank
     from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
-    y, x, a, b, rs, ranks, scales, widths = sliced_case(12, T=45, S=6, R=64, d_in=48, widths=(32, 16), base_frac=0.1)
-    ranks[0] = torch.tensor([8, 64, 16, 3, 64, 17], dtype=torch.int32)
-    ranks[1] = torch.tensor([64, 8, 0, 16, 33, 1], dtype=torch.int32)
-    a.normal_()
-    b.normal_()
-    off = [0, 32, 48]
-    for j in range(2):
-        for s in range(6):
-            a[s, j, ranks[j, s]:] = float("nan")
-            b[s, off[j] : off[j + 1], ranks[j, s]:] = float("nan")
+    y, x, a, b, rs, ranks, scales, widths = mixed_rank_case(12, 45, [[8, 64, 16, 3, 64, 17], [64, 8, 0, 16, 33, 1]])
     ref = sliced_oracle(y, x, a, b, rs, ranks, scales, widths)
     y, x, a, b, rs, ranks, scales = _dev(y, x, a, b, rs, ranks, scales)
     lp = make_launch_plan(build_plan(rs), 16)
