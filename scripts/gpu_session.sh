@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
+#   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; mixed-rank column groups 8/16/32
 #   bash scripts/gpu_session.sh dense-bench  the dense shrink in the engine (MLORA_LORA_DENSE_MAX_ROWS): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
@@ -403,6 +404,11 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     # bank cheaper than the segmented shrink at 256 / 64 rows and 8 / 64 adapters? (~3 min)
     timeout 300 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
     timeout 200 python -u scripts/dense_shrink_probe.py --grid 2>&1 | tee "$OUT/dense-shrink-grid.txt" | tail -4
+    ;;
+  gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
+    # (gemm_probe.py), then the mixed-rank cases with column groups of 8 / 16 / 32 (~4 min)
+    timeout 300 python -u scripts/gemm_probe.py 2>&1 | tee "$OUT/gemm-probe.txt" | tail -14
+    timeout 250 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-group.txt" | tail -24
     ;;
   dense-bench)  # then, if the probe's dense pair wins: the GPU kernel and bank tests, the demo with the dense
     # shrink on (float32 and bf16 against expected.json), bench batch A/B at 8 and 64 adapters (~6 min)

@@ -143,7 +143,10 @@ if MIXED and not SPLIT:  # with --split: the default's time split into shrink al
                 "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2),
                 # twenty-third session (built on the CPU): tiles heaviest rank first (order_tiles_by_rank)
                 "tiles_by_rank": {"__tile_order": "rank"},
-                "tiles_by_rank_group2": {"__tile_order": "rank", "group_tiles": 2}}
+                "tiles_by_rank_group2": {"__tile_order": "rank", "group_tiles": 2},
+                # twenty-fourth session: longer column groups than the default's cap of 8 (the mixed
+                # cases lose more than the padded ones as groups shrink: do they gain as groups grow?)
+                "group8": dict(group_tiles=8), "group16": dict(group_tiles=16), "group32": dict(group_tiles=32)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
