@@ -542,3 +542,40 @@ def test_a_step_may_sample_no_row(checkpoints):
     assert logits.shape == (0, model.config.vocab_size)
     written = kv.k[0].flatten(1).abs().sum(-1) > 0
     assert written.tolist() == [False, True, False, True]
+
+
+# ---------------------------------------------------------------- GEMM call shapes (mlora.batch.gemms)
+
+
+def test_split_gate_up_gives_the_fused_product():
+    """Two GEMMs into the halves of one output equal the fused one (fresh random inputs; the
+    output is allocated uninitialised, so a half left unwritten would show)."""
+    from mlora.batch.gemms import GemmPlan
+
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(9, 32, generator=g), torch.randn(2 * 48, 32, generator=g)
+    plan = GemmPlan(9, torch.device("cpu"))
+    plan.split_gate_up = True
+    for _ in range(3):  # fresh allocations each time
+        got = plan.gate_up(x, w)
+        assert got.shape == (9, 96) and got.is_contiguous()
+        assert (got - x @ w.T).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("bounds", ["1:64", "3:3"])
+def test_split_gate_up_knob_leaves_the_logits(checkpoints, monkeypatch, bounds):
+    """MLORA_GATE_UP_SPLIT_ROWS over a forward's row count: the same logits (prefill of 3 rows
+    and decode of 1: "3:3" splits only the prefill); a malformed range refused by the forward."""
+    path, _ = checkpoints("llama")
+    model = load(path)
+    monkeypatch.delenv("MLORA_GATE_UP_SPLIT_ROWS", raising=False)
+    plain = Runner(model, seed=5)
+    want = [plain.step([("a", tokens(3, 7))])[0], plain.step([("a", [5])])[0]]
+    monkeypatch.setenv("MLORA_GATE_UP_SPLIT_ROWS", bounds)
+    split = Runner(model, seed=5)
+    got = [split.step([("a", tokens(3, 7))])[0], split.step([("a", [5])])[0]]
+    for w, g in zip(want, got):
+        assert (w - g).abs().max() <= 1e-5
+    monkeypatch.setenv("MLORA_GATE_UP_SPLIT_ROWS", "64")
+    with pytest.raises(ValueError, match="MLORA_GATE_UP_SPLIT_ROWS='64'"):
+        split.step([("a", [6])])

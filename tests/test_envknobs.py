@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlora.batch.envknobs import env_int
+from mlora.batch.envknobs import env_int, env_row_range
 from mlora.batch.session import SWITCH_INTERVAL_US, switch_interval_s
 
 
@@ -50,3 +50,19 @@ def test_env_choice_reads_defaults_and_refuses(monkeypatch):
         monkeypatch.setenv("MLORA_TEST_CHOICE", bad)
         with pytest.raises(ValueError, match=r"MLORA_TEST_CHOICE=.*expected one of \('a', 'b'\) \(unset it for 'a'\)"):
             env_choice("MLORA_TEST_CHOICE", ("a", "b"), "a")
+
+
+def test_env_row_range_reads_off_and_refuses(monkeypatch):
+    monkeypatch.delenv("MLORA_TEST_RANGE", raising=False)
+    assert env_row_range("MLORA_TEST_RANGE") is None
+    for off in ("", " ", "off"):
+        monkeypatch.setenv("MLORA_TEST_RANGE", off)
+        assert env_row_range("MLORA_TEST_RANGE") is None
+    monkeypatch.setenv("MLORA_TEST_RANGE", " 256:512 ")
+    assert env_row_range("MLORA_TEST_RANGE") == (256, 512)
+    monkeypatch.setenv("MLORA_TEST_RANGE", "64:64")
+    assert env_row_range("MLORA_TEST_RANGE") == (64, 64)
+    for bad in ("256", "512:256", "0:4", "a:b", "1:2:3", "-1:4", "on"):
+        monkeypatch.setenv("MLORA_TEST_RANGE", bad)
+        with pytest.raises(ValueError, match=r"MLORA_TEST_RANGE=.*expected LO:HI"):
+            env_row_range("MLORA_TEST_RANGE")

@@ -34,3 +34,16 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if raw not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {choices} (unset it for {default!r})")
     return raw
+
+
+def env_row_range(name: str) -> tuple[int, int] | None:
+    """The inclusive row range ``LO:HI`` in the environment variable ``name``; None when it is
+    unset, empty or ``off``. Raises ValueError for anything else (naming the variable)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw or raw == "off":
+        return None
+    lo, sep, hi = raw.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        raise ValueError(f"{name}={raw!r}: expected LO:HI, two whole numbers of rows with 1 <= LO <= HI, "
+                         f"or off (unset it for the default, off)")
+    return int(lo), int(hi)
