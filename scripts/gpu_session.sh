@@ -19,7 +19,8 @@
 #   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; mixed-rank column groups 8/16/32
-#   bash scripts/gpu_session.sh gemm-ab      the engine's gate/up split (256 rows) and cuBLASLt (64 rows): demo, probe, bench A/Bs
+#   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
+#   bash scripts/gpu_session.sh blas         cuBLASLt up to 64 rows (default): GPU tests, demo x3, 8B logits, 256-row A/B
 #   bash scripts/gpu_session.sh dense-bench  the dense shrink in the engine (MLORA_LORA_DENSE_MAX_ROWS): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
@@ -411,14 +412,21 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 300 python -u scripts/gemm_probe.py 2>&1 | tee "$OUT/gemm-probe.txt" | tail -14
     timeout 250 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-group.txt" | tail -24
     ;;
-  gemm-ab)  # twenty-fourth session (after gemm-group): the gate/up GEMM split at 256 rows and cuBLASLt at 64
-    # rows in the engine (mlora.batch.gemms): the float32 demo with both on, the probe again, bench batch A/Bs (~6 min)
-    MLORA_GATE_UP_SPLIT_ROWS=1:100000 MLORA_BLAS_ROWS=1:100000 demo_gpu gemms float32
+  gemm-ab)  # twenty-fourth session (after gemm-group): the GEMM probe again, then cuBLASLt at 64 rows in the
+    # engine (~4 min; the session's run, at commit 493b001, also ran the float32 demo with both knobs and the gate/up
+    # split's A/B at 256 rows: the split is gone since, and cuBLASLt is the default up to 64 rows: see blas)
     timeout 200 python -u scripts/gemm_probe.py 2>&1 | tee "$OUT/gemm-probe.txt" | grep -E "gateup|rows, 32"
-    timeout 250 python -m mlora bench batch --rows 1024 --adapters 0 --ab "MLORA_GATE_UP_SPLIT_ROWS=off,129:512" \
-      --ab-repeats 2 --out "$OUT/batch-256seqs-split.json" 2>&1 | grep -E "adapters MLORA"
     timeout 200 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
       --ab "MLORA_BLAS_ROWS=off,1:128" --ab-repeats 2 --out "$OUT/batch-64seqs-blas.json" 2>&1 | grep -E "adapters MLORA"
+    ;;
+  blas)  # twenty-fourth session: cuBLASLt for forwards of up to 64 rows made the default (mlora.batch.gemms):
+    # GPU model and graph tests, the demo x3, the 8B bf16 logits check, then whether 256 rows gain too (~7 min)
+    timeout 150 python -m pytest -q tests/test_batch_model.py tests/test_batch_graphs.py 2>&1 | tail -1
+    for dt in float32 bfloat16; do demo_gpu "blas-$dt" "$dt" 2>"$OUT/demo-blas-$dt.err"; done
+    MLORA_DEBUG_GRAPHS=1 demo_gpu blas-debug-graphs bfloat16
+    timeout 150 python scripts/logits_check.py 2>&1 | tail -2
+    timeout 220 python -m mlora bench batch --rows 1024 --adapters 0 --ab "MLORA_BLAS_ROWS=1:64,1:512" \
+      --ab-repeats 2 --out "$OUT/batch-256seqs-blas.json" 2>&1 | grep -E "adapters MLORA"
     ;;
   dense-bench)  # then, if the probe's dense pair wins: the GPU kernel and bank tests, the demo with the dense
     # shrink on (float32 and bf16 against expected.json), bench batch A/B at 8 and 64 adapters (~6 min)

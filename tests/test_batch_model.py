@@ -544,38 +544,51 @@ def test_a_step_may_sample_no_row(checkpoints):
     assert written.tolist() == [False, True, False, True]
 
 
-# ---------------------------------------------------------------- GEMM call shapes (mlora.batch.gemms)
+# ---------------------------------------------------------------- the BLAS preference (mlora.batch.gemms)
 
 
-def test_split_gate_up_gives_the_fused_product():
-    """Two GEMMs into the halves of one output equal the fused one (fresh random inputs; the
-    output is allocated uninitialised, so a half left unwritten would show)."""
-    from mlora.batch.gemms import GemmPlan
+def test_blas_preference_by_rows(monkeypatch):
+    """cuBLASLt for CUDA forwards of 1..64 rows by default, the range MLORA_BLAS_ROWS gives, never
+    with ``off`` and never on the CPU; a malformed range refused naming the variable."""
+    from mlora.batch.gemms import blas_for
 
-    g = torch.Generator().manual_seed(11)
-    x, w = torch.randn(9, 32, generator=g), torch.randn(2 * 48, 32, generator=g)
-    plan = GemmPlan(9, torch.device("cpu"))
-    plan.split_gate_up = True
-    for _ in range(3):  # fresh allocations each time
-        got = plan.gate_up(x, w)
-        assert got.shape == (9, 96) and got.is_contiguous()
-        assert (got - x @ w.T).abs().max() <= 1e-5
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("MLORA_BLAS_ROWS", raising=False)
+    assert [blas_for(r, cuda) for r in (1, 64, 65, 256)] == ["cublaslt", "cublaslt", None, None]
+    assert blas_for(8, cpu) is None
+    monkeypatch.setenv("MLORA_BLAS_ROWS", "100:300")
+    assert [blas_for(r, cuda) for r in (64, 100, 256, 301)] == [None, "cublaslt", "cublaslt", None]
+    monkeypatch.setenv("MLORA_BLAS_ROWS", "off")
+    assert blas_for(8, cuda) is None
+    monkeypatch.setenv("MLORA_BLAS_ROWS", "64")
+    with pytest.raises(ValueError, match=r"MLORA_BLAS_ROWS='64'.*unset it for the default, 1:64"):
+        blas_for(8, cuda)
 
 
-@pytest.mark.parametrize("bounds", ["1:64", "3:3"])
-def test_split_gate_up_knob_leaves_the_logits(checkpoints, monkeypatch, bounds):
-    """MLORA_GATE_UP_SPLIT_ROWS over a forward's row count: the same logits (prefill of 3 rows
-    and decode of 1: "3:3" splits only the prefill); a malformed range refused by the forward."""
-    path, _ = checkpoints("llama")
-    model = load(path)
-    monkeypatch.delenv("MLORA_GATE_UP_SPLIT_ROWS", raising=False)
-    plain = Runner(model, seed=5)
-    want = [plain.step([("a", tokens(3, 7))])[0], plain.step([("a", [5])])[0]]
-    monkeypatch.setenv("MLORA_GATE_UP_SPLIT_ROWS", bounds)
-    split = Runner(model, seed=5)
-    got = [split.step([("a", tokens(3, 7))])[0], split.step([("a", [5])])[0]]
-    for w, g in zip(want, got):
-        assert (w - g).abs().max() <= 1e-5
-    monkeypatch.setenv("MLORA_GATE_UP_SPLIT_ROWS", "64")
-    with pytest.raises(ValueError, match="MLORA_GATE_UP_SPLIT_ROWS='64'"):
-        split.step([("a", [6])])
+def test_blas_switch_keeps_the_notice_off_stderr_and_restores_it(monkeypatch, capfd):
+    """The first switch to cuBLASLt runs with fd 2 on /dev/null (torch's C++ notice), then the
+    preference is restored and fd 2 writes reach stderr again, also when the setter raises."""
+    import mlora.batch.gemms as gemms
+
+    calls = []
+
+    def setter(choice=None):
+        if choice is None:
+            return "saved"
+        os.write(2, b"NOTICE from C++\n")
+        calls.append(choice)
+        if choice == "boom":
+            raise RuntimeError("no cuBLASLt in this build")
+        return choice
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", setter)
+    monkeypatch.setattr(gemms, "_notice_done", False)
+    with pytest.raises(RuntimeError, match="no cuBLASLt"):
+        gemms._set_quietly("boom")
+    os.write(2, b"after a failed switch\n")
+    with gemms.blas_library(8, torch.device("cuda")):
+        os.write(2, b"inside\n")
+    err = capfd.readouterr().err
+    assert "NOTICE" not in err.split("after a failed switch")[0]
+    assert "after a failed switch" in err and "inside" in err
+    assert calls == ["boom", "cublaslt", "saved"]

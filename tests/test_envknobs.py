@@ -55,14 +55,17 @@ def test_env_choice_reads_defaults_and_refuses(monkeypatch):
 def test_env_row_range_reads_off_and_refuses(monkeypatch):
     monkeypatch.delenv("MLORA_TEST_RANGE", raising=False)
     assert env_row_range("MLORA_TEST_RANGE") is None
-    for off in ("", " ", "off"):
-        monkeypatch.setenv("MLORA_TEST_RANGE", off)
-        assert env_row_range("MLORA_TEST_RANGE") is None
+    assert env_row_range("MLORA_TEST_RANGE", (1, 64)) == (1, 64)
+    for empty in ("", " "):  # as unset
+        monkeypatch.setenv("MLORA_TEST_RANGE", empty)
+        assert env_row_range("MLORA_TEST_RANGE", (1, 64)) == (1, 64)
+    monkeypatch.setenv("MLORA_TEST_RANGE", "off")
+    assert env_row_range("MLORA_TEST_RANGE", (1, 64)) is None
     monkeypatch.setenv("MLORA_TEST_RANGE", " 256:512 ")
     assert env_row_range("MLORA_TEST_RANGE") == (256, 512)
     monkeypatch.setenv("MLORA_TEST_RANGE", "64:64")
     assert env_row_range("MLORA_TEST_RANGE") == (64, 64)
     for bad in ("256", "512:256", "0:4", "a:b", "1:2:3", "-1:4", "on"):
         monkeypatch.setenv("MLORA_TEST_RANGE", bad)
-        with pytest.raises(ValueError, match=r"MLORA_TEST_RANGE=.*expected LO:HI"):
+        with pytest.raises(ValueError, match=r"MLORA_TEST_RANGE=.*expected LO:HI.*the default, off\)"):
             env_row_range("MLORA_TEST_RANGE")

@@ -36,14 +36,17 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return raw
 
 
-def env_row_range(name: str) -> tuple[int, int] | None:
-    """The inclusive row range ``LO:HI`` in the environment variable ``name``; None when it is
-    unset, empty or ``off``. Raises ValueError for anything else (naming the variable)."""
+def env_row_range(name: str, default: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The inclusive row range ``LO:HI`` in the environment variable ``name``; ``default`` when it
+    is unset or empty, None for ``off``. Raises ValueError for anything else (naming the variable)."""
     raw = os.environ.get(name, "").strip()
-    if not raw or raw == "off":
+    if not raw:
+        return default
+    if raw == "off":
         return None
     lo, sep, hi = raw.partition(":")
     if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        default_text = "off" if default is None else f"{default[0]}:{default[1]}"
         raise ValueError(f"{name}={raw!r}: expected LO:HI, two whole numbers of rows with 1 <= LO <= HI, "
-                         f"or off (unset it for the default, off)")
+                         f"or off (unset it for the default, {default_text})")
     return int(lo), int(hi)

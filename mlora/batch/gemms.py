@@ -1,68 +1,84 @@
-"""How the base GEMMs of a forward are issued, by the forward's row count (issue step 7).
+"""Which BLAS library runs a forward's base GEMMs, by the forward's row count (issue step 7).
 
-Owns two call-shape choices for the same products, both A/B knobs read once per forward
-(off by default until a GPU run says otherwise):
+At decode sizes of up to 64 rows the base GEMMs of a Llama-3-8B layer and its lm_head are
+byte-bound, and cuBLASLt's kernels for them beat the ones torch's default (cuBLAS) picks:
+the 32 layers plus the head summed 4.70-4.72 ms against 4.93 at 64 rows, and equal at 256
+rows (6.50-6.54 against 6.46-6.53; ``scripts/gemm_probe.py``, twenty-fourth session). In
+the engine, base decode at 64 running rows took 6.54-6.63 ms an iteration with it against
+6.78 (``bench batch --max-num-seqs 64 --ab MLORA_BLAS_ROWS=off,1:128``, BENCHMARKS.md).
 
-* ``MLORA_GATE_UP_SPLIT_ROWS=LO:HI``: a forward of LO..HI rows (inclusive) computes the
-  fused gate/up projection as two GEMMs, one per half of the weight, each written into
-  its half of one ``[rows, 2 * intermediate]`` output (the layout every consumer reads).
-  Why: at 256 rows the fused 28,672-wide GEMM gets 224 output tiles of cuBLAS's choice
-  on 132 SMs; the two 14,336-wide halves measured 92.6 us against 99.0 (twenty-fourth
-  session, ``scripts/gemm_probe.py``) and lost at 64 rows (75.8 against 71.5).
-* ``MLORA_BLAS_ROWS=LO:HI``: a forward of LO..HI rows prefers cuBLASLt
-  (``torch.backends.cuda.preferred_blas_library``, restored after the forward). At 64 rows
-  the layer's GEMMs plus the lm_head summed 4.70 ms with it against 4.93 (same probe);
-  at 256 rows 6.50 against 6.46.
+So a forward of ``MLORA_BLAS_ROWS`` rows (inclusive ``LO:HI``; default ``1:64``, the range
+measured; ``off``: never) prefers cuBLASLt
+(``torch.backends.cuda.preferred_blas_library``) for its GEMMs, the previous preference
+restored after it. Inside a CUDA graph capture the choice is captured with the kernels.
+Both libraries accumulate in fp32; what differs is the kernel and so the rounding order
+within a dot product (bf16 outputs may differ in the last bit; float32 jobs, the demo's
+check, equal). CPU forwards are untouched.
 
-The products are the same either way (fp32 accumulation in both libraries; a split only
-partitions the output columns); what may differ is the kernel cuBLAS picks and so the
-rounding order within a dot product. ``off`` or unset: the plain ``F.linear`` calls.
+Measured and not adopted (same probe, then ``bench batch --ab``): the fused gate/up GEMM as
+two GEMMs over the weight's halves, 92.6 against 99.0 us alone at 256 rows, changed nothing
+in the engine's iteration (13.46-13.48 against 13.45-13.50 ms).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 
 import torch
-import torch.nn.functional as F
 
 from mlora.batch.envknobs import env_row_range
 
-GATE_UP_SPLIT_ENV = "MLORA_GATE_UP_SPLIT_ROWS"
 BLAS_ROWS_ENV = "MLORA_BLAS_ROWS"
+BLAS_ROWS_DEFAULT = (1, 64)
+
+_notice_lock = threading.Lock()
+_notice_done = False
 
 
-def _within(rows: int, bounds: tuple[int, int] | None) -> bool:
-    return bounds is not None and bounds[0] <= rows <= bounds[1]
+def blas_for(rows: int, device: torch.device) -> str | None:
+    """``"cublaslt"`` for a CUDA forward of ``rows`` rows inside ``MLORA_BLAS_ROWS``, else None
+    (the process's preference stands)."""
+    bounds = env_row_range(BLAS_ROWS_ENV, BLAS_ROWS_DEFAULT)
+    if device.type != "cuda" or bounds is None or not bounds[0] <= rows <= bounds[1]:
+        return None
+    return "cublaslt"
 
 
-class GemmPlan:
-    """The call-shape choices of one forward of ``rows`` rows, read from the environment."""
+@contextlib.contextmanager
+def blas_library(rows: int, device: torch.device):
+    """A forward's GEMMs under :func:`blas_for`'s preference, the previous one restored after."""
+    choice = blas_for(rows, device)
+    if choice is None:
+        yield
+        return
+    saved = torch.backends.cuda.preferred_blas_library()
+    _set_quietly(choice)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
 
-    def __init__(self, rows: int, device: torch.device):
-        self.split_gate_up = _within(rows, env_row_range(GATE_UP_SPLIT_ENV))
-        self.blas = "cublaslt" if device.type == "cuda" and _within(rows, env_row_range(BLAS_ROWS_ENV)) else None
 
-    @contextlib.contextmanager
-    def library(self):
-        """The forward's BLAS preference around its GEMMs, the previous one restored after."""
-        if self.blas is None:
-            yield
-            return
-        saved = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library(self.blas)
+def _set_quietly(choice: str) -> None:
+    """Set the preference. torch prints a one-time "experimental feature" notice from C++ the
+    first time a process prefers cuBLASLt (not a Python warning: no filter reaches it); a job's
+    stderr is the user's log, so that first call runs with file descriptor 2 pointed at
+    /dev/null (a few microseconds, once per process)."""
+    global _notice_done
+    if _notice_done:
+        torch.backends.cuda.preferred_blas_library(choice)
+        return
+    with _notice_lock:
+        saved_fd = os.dup(2)
         try:
-            yield
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 2)
+                try:
+                    torch.backends.cuda.preferred_blas_library(choice)
+                finally:
+                    os.dup2(saved_fd, 2)
         finally:
-            torch.backends.cuda.preferred_blas_library(saved)
-
-    def gate_up(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` ([rows, 2I]) of the fused gate/up weight [2I, d]: one GEMM, or with
-        ``split_gate_up`` one per half written in place into the halves of the output."""
-        if not self.split_gate_up:
-            return F.linear(x, weight)
-        half = weight.shape[0] // 2
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        torch.mm(x, weight[:half].t(), out=out[:, :half])
-        torch.mm(x, weight[half:].t(), out=out[:, half:])
-        return out
+            os.close(saved_fd)
+        _notice_done = True

@@ -28,7 +28,7 @@ and Qwen3 q/k/v/o biases; Qwen2 always has q/k/v biases; Mistral has none.
 from __future__ import annotations
 
 from mlora.batch.errors import CodedError
-from mlora.batch.gemms import GemmPlan
+from mlora.batch.gemms import blas_library
 
 import json
 import math
@@ -282,13 +282,12 @@ class DecoderLayer(torch.nn.Module):
             self.register_buffer(name, tensor)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache, lora: LoraContext | None, delta: torch.Tensor | None = None,
-                gemms: GemmPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVCache, lora: LoraContext | None, delta: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream after attention, the MLP's output): the layer's output is their
         sum, which the caller forms: the next layer passes the MLP output as its ``delta`` and
         adds it in its input norm's launch (``add_rms_norm``; one element-wise pass and one
-        launch fewer per layer than a separate add). ``delta`` None: ``h`` is the stream.
-        ``gemms``: the forward's GEMM call shapes (``mlora.batch.gemms``; None: plain ``F.linear``)."""
+        launch fewer per layer than a separate add). ``delta`` None: ``h`` is the stream."""
         c, i, rows = self.config, self.index, h.shape[0]
         ops = ops_for(h.device)  # fused Triton element-wise kernels on CUDA, torch references elsewhere
         if delta is None:
@@ -320,7 +319,7 @@ class DecoderLayer(torch.nn.Module):
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         if prepare is not None:
             prepare(i, "gate_up", x)
-        gate_up = F.linear(x, self.gate_up_weight) if gemms is None else gemms.gate_up(x, self.gate_up_weight)
+        gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
             m = apply_silu_mul(lora, i, x, gate_up, c.intermediate_size, ops)
         else:
@@ -373,10 +372,9 @@ class DecoderModel(torch.nn.Module):
         h = F.embedding(input_ids, self.embed_weight)
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(positions.device), h.dtype)
         delta = None
-        gemms = GemmPlan(input_ids.shape[0], h.device)  # A/B knobs of the GEMM call shapes
-        with gemms.library():
+        with blas_library(input_ids.shape[0], h.device):  # cuBLASLt at decode sizes (mlora.batch.gemms)
             for layer in self.layers:
-                h, delta = layer(h, cos, sin, meta, kv, lora, delta, gemms)
+                h, delta = layer(h, cos, sin, meta, kv, lora, delta)
             h = h.index_select(0, sample_rows)
             if delta is not None:  # the last layer's MLP output, for the sampled rows only
                 h = h + delta.index_select(0, sample_rows)
