@@ -170,13 +170,6 @@ def main() -> int:
                    BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0, B_PITCHED=True),
               f"expand block_m=16 slices=3 block_r={cfg['block_r_expand']} rank-pitched B",
               num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
-    # the expand over a dense bf16 z of every row and slot (add_lora_slices_dense; a measured candidate)
-    cfg = sgmv.launch_config(64, 3, 16, 4096, [4096] * 3, torch.device("cpu"), True, 16)
-    build(sgmv._expand_kernel,
-          dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=False, N_SLICES=3, BLOCK_N=cfg["block_n"],
-               BLOCK_R=cfg["block_r_expand"], BANK_ROWS=False, CORE=0, B_PITCHED=True, DENSE_Z=True),
-          f"expand block_m=16 slices=3 block_r={cfg['block_r_expand']} rank-pitched B, dense bf16 z",
-          types={**pointers, "zp_ptr": "*bf16"}, num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
     # the bundle operator (add_bundle_slices_triton): bank-row map in the shrink; map and core
     # (JD-Full R x R, JD-Diag R) in the expand; q/k/v-like groups of three slices
     cfg = sgmv.launch_config(64, 3, 64, 4096, [4096] * 3, torch.device("cpu"), True, 16)

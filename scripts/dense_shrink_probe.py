@@ -18,15 +18,12 @@ For each decoder-layer module of Llama-3-8B (q/k/v, o, gate/up from d_in 4096, d
 times a case (one call in a CUDA graph, replayed after a 256 MiB L2 flush, median of 30):
 
   segmented_shrink  the current shrink alone (the expand not launched)
-  segmented_pair    the current shrink + expand (what the dense shrink's expand must beat with it)
+  segmented_pair    the current shrink + expand (what any other shrink must beat with its expand)
   bmm_strided       torch.bmm over the strided layer view, x broadcast (batch stride 0)
   matmul_strided    torch.matmul(x, A_layer^T) (torch may fold or copy: see its temp MB)
   linear_layer_major  F.linear over a contiguous [S * n * R, d_in] (a layer-major bank)
   bmm_gather        bmm_strided, then each row's own slot's z gathered ([T, n * R])
   bmm_fp32_out      bmm_strided with an fp32 z (``out_dtype``; FAILED where this torch lacks it)
-  dense_pair        mlora.kernels.triton_sgmv.add_lora_slices_dense: bmm_strided, then the
-                    expand reading each tile's own slot's block (against segmented_pair; the
-                    update checked against the segmented one)
   grouped_shrink    torch._grouped_mm (the MoE grouped GEMM) over the rows gathered into slot
                     order: reads only the active slots' A, no wasted flops
   grouped_pair      grouped_shrink, the scale, per slice a grouped expand and a scatter-add
@@ -35,6 +32,11 @@ times a case (one call in a CUDA graph, replayed after a 256 MiB L2 flush, media
 with each dense variant's device temporaries (peak allocated above the inputs, MiB: a
 materialised copy of x or A shows there) and its z for each row's own slot checked against
 the float64 x @ A^T. Then per (adapters, rows) the layer's sum and 32 layers of it.
+
+The twenty-fourth session measured it on the H200 (benchmarks/dense-shrink-session24.txt,
+dense-shrink-grid-session24.txt): the dense pair (bmm_strided, then the expand reading each
+tile's own slot's block; deleted since) was slower than the segmented pair in every
+decode-size case and within 12 us in none of the --grid cases, the grouped pair far slower.
 
     PYTHONPATH=. python scripts/dense_shrink_probe.py [--layers 32]
     PYTHONPATH=. python scripts/dense_shrink_probe.py --grid   # `bench kernels`' launch-bound misses instead
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 from mlora.kernels import build_plan
 from mlora.kernels import triton_sgmv as sgmv
 from mlora.kernels.bench import NoLaunch, _events_median, captured_plan, graph_of
-from mlora.kernels.triton_sgmv import add_lora_slices_dense, add_lora_slices_triton
+from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
            "down": ((4096,), 14336)}
@@ -167,17 +169,6 @@ def case(module: str, S: int, T: int, flush, R: int = RANK, layers: int = LAYERS
     except (RuntimeError, AttributeError) as exc:  # no _grouped_mm in this torch, or not for these operands
         out.setdefault("grouped_shrink", f"FAILED ({str(exc).splitlines()[0][:80]})")
         out["grouped_pair"] = f"FAILED ({str(exc).splitlines()[0][:80]})"
-    y_dense = torch.zeros_like(y)
-
-    def dense_pair():
-        add_lora_slices_dense(y_dense, x, a, b, plan, ranks, scales, list(widths))
-
-    try:
-        dense_pair()
-        err = float((y_dense.double() - y_seg.double()).abs().max() / y_seg.double().abs().max())
-        out["dense_pair"] = timed(dense_pair, flush) if err < 2e-2 else f"WRONG (rel err {err:.2e})"
-    except RuntimeError as exc:
-        out["dense_pair"] = f"FAILED ({str(exc).splitlines()[0][:80]})"
     del full
     return out
 
@@ -191,14 +182,14 @@ def main():
             row = case(o, A, T, flush, R=R, layers=1)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        names = ["segmented_pair", "dense_pair", "grouped_pair"]
+        names = ["segmented_pair", "grouped_pair"]
         for name in names:
             times = [r.get(name) for r in rows]
             ok = [t for t in times if isinstance(t, float)]
             print(f"{name}: {sum(t <= 12.0 for t in ok)} of {len(rows)} within 12 us ({len(rows) - len(ok)} "
                   f"WRONG/FAILED)", flush=True)
         best = [min(t for t in (r.get(n) for n in names) if isinstance(t, float)) for r in rows]
-        print(f"the best of the three per case: {sum(t <= 12.0 for t in best)} of {len(rows)} within 12 us", flush=True)
+        print(f"the best of the two per case: {sum(t <= 12.0 for t in best)} of {len(rows)} within 12 us", flush=True)
         return
     for S in (64, 8):
         for T in (256, 64):
@@ -207,7 +198,7 @@ def main():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     names = ["segmented_shrink", "segmented_pair", "bmm_strided", "matmul_strided", "linear_layer_major", "bmm_gather",
-             "bmm_fp32_out", "dense_pair", "grouped_shrink", "grouped_pair"]
+             "bmm_fp32_out", "grouped_shrink", "grouped_pair"]
     for S in (64, 8):
         for T in (256, 64):
             group = [r for r in rows if r["case"].endswith(f"/A{S}/T{T}")]

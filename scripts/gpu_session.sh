@@ -16,12 +16,11 @@
 #   bash scripts/gpu_session.sh joint      --memory-ledger joint: its GPU test, the 8,000-row limited run in one arena
 #   bash scripts/gpu_session.sh joint-all  split against joint with all-module adapters (64, 16 slots), tokens compared
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
-#   bash scripts/gpu_session.sh mixed-order  the mixed-rank kernel cases with tiles heaviest rank first (tiles_by_rank*)
+#   bash scripts/gpu_session.sh mixed-order  kernel_sweep.py --mixed (the tile order measured in the twenty-fourth session: no gain, deleted)
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
-#   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; mixed-rank column groups 8/16/32
+#   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt up to 64 rows (default): GPU tests, demo x3, 8B logits, 256-row A/B
-#   bash scripts/gpu_session.sh dense-bench  the dense shrink in the engine (MLORA_LORA_DENSE_MAX_ROWS): tests, demo, bench batch A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -395,10 +394,9 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 430 python -m mlora bench residency /tmp/rb --adapters 1000 --rows 8000 --slots 64 --runs limited \
       --memory-ledger joint --out "$OUT/residency-limited-joint.json" 2>&1 | grep -E -A2 "^limited|floor|cold load|Error"
     ;;
-  mixed-order)  # twenty-third session (built on the CPU): issue step 2's mixed-rank target (0.63-0.64 against 0.6
-    # on the factor-bound cases) with the tiles dispatched heaviest rank first (order_tiles_by_rank), as
-    # longest-first took decode attention to its equal-context time: the GPU tests, kernel_sweep.py --mixed (~2 min)
-    timeout 200 python -m pytest -q tests/test_kernels_slices.py -k "ordered_by_rank or mixed" 2>&1 | tail -1
+  mixed-order)  # issue step 2's mixed-rank target (0.63-0.64 against 0.6 on the factor-bound cases):
+    # kernel_sweep.py --mixed (~2 min). Measured in the twenty-fourth session with the tiles dispatched
+    # heaviest rank first: no gain (within noise), so the ordering was deleted (BENCHMARKS.md)
     timeout 300 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-order.txt" | tail -22
     ;;
   dense-shrink)  # twenty-third session (built on the CPU): issue step 7's 64-adapter gap is the decode LoRA
@@ -408,7 +406,8 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 200 python -u scripts/dense_shrink_probe.py --grid 2>&1 | tee "$OUT/dense-shrink-grid.txt" | tail -4
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
-    # (gemm_probe.py), then the mixed-rank cases with column groups of 8 / 16 / 32 (~4 min)
+    # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of
+    # 8 / 16 / 32: no gain, the variants deleted since)
     timeout 300 python -u scripts/gemm_probe.py 2>&1 | tee "$OUT/gemm-probe.txt" | tail -14
     timeout 250 python -u scripts/kernel_sweep.py --mixed 2>&1 | tee "$OUT/kernel-sweep-mixed-group.txt" | tail -24
     ;;
@@ -427,14 +426,6 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 150 python scripts/logits_check.py 2>&1 | tail -2
     timeout 220 python -m mlora bench batch --rows 1024 --adapters 0 --ab "MLORA_BLAS_ROWS=1:64,1:512" \
       --ab-repeats 2 --out "$OUT/batch-256seqs-blas.json" 2>&1 | grep -E "adapters MLORA"
-    ;;
-  dense-bench)  # then, if the probe's dense pair wins: the GPU kernel and bank tests, the demo with the dense
-    # shrink on (float32 and bf16 against expected.json), bench batch A/B at 8 and 64 adapters (~6 min)
-    timeout 150 python -m pytest -q tests/test_kernels_dense.py tests/test_batch_catalog.py -k "dense" 2>&1 | tail -1
-    MLORA_LORA_DENSE_MAX_ROWS=256 demo_gpu dense32 float32
-    MLORA_LORA_DENSE_MAX_ROWS=256 demo_gpu dense16 bfloat16
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 8,64 --ab "MLORA_LORA_DENSE_MAX_ROWS=0,256" \
-      --out "$OUT/batch-dense.json" 2>&1 | grep -E "adapters MLORA"
     ;;
   gc-batch)  # twenty-second session: the collector's pauses in decode (bench batch prints them per job) and
     # MLORA_GC=device-wait against the default, 64 and 256 running rows, base only (~4 min)

@@ -32,7 +32,7 @@ split-K, the final sum's chunk, warps), the expand not launched, plus the defaul
 ``--mixed``: `mlora bench kernels`' mixed-rank cases (ranks 8/16/64 in one rank-64 bank) and
 their padded twins (every slot rank 64), every variant on a rank-pitched B bank (the engine's
 layout) but ``padded_layout``: the shrink's rank tile, the expand's column groups, tiles and
-warps, the tile order (``tiles_by_rank*``: heaviest rank first), and the split (with ``--split``: the default's shrink alone and the empty graph), then
+warps, and the split (with ``--split``: the default's shrink alone and the empty graph), then
 per variant the mixed / padded time ratio of each case (issue step 2's target: at most 0.6),
 against the padded default and against the padded variant.
 ``--prefill``: the four LoRA launches of one decoder layer in an 8,192-token prefill chunk (the
@@ -55,7 +55,6 @@ from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
 from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
                                  case_floor, graph_of, make_case, measure_ceilings, reference_f64)
-from mlora.kernels.launch import order_tiles_by_rank
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 CASES = [("4096", 8, 1, 1), ("4096", 16, 16, 8), ("4096", 16, 64, 64), ("4096", 16, 256, 64), ("4096", 8, 256, 256),
@@ -140,13 +139,7 @@ if MIXED and not SPLIT:  # with --split: the default's time split into shrink al
                 "expand_waves8": dict(expand_waves=8), "expand_waves16": dict(expand_waves=16),
                 "waves4": dict(waves=4), "split1": dict(split=1), "block_n64": dict(block_n=64),
                 "block_n32": dict(block_n=32), "expand_warps8": dict(expand_warps=8),
-                "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2),
-                # twenty-third session (built on the CPU): tiles heaviest rank first (order_tiles_by_rank)
-                "tiles_by_rank": {"__tile_order": "rank"},
-                "tiles_by_rank_group2": {"__tile_order": "rank", "group_tiles": 2},
-                # twenty-fourth session: longer column groups than the default's cap of 8 (the mixed
-                # cases lose more than the padded ones as groups shrink: do they gain as groups grow?)
-                "group8": dict(group_tiles=8), "group16": dict(group_tiles=16), "group32": dict(group_tiles=32)}
+                "expand_stages3": dict(expand_stages=3), "block_r16_group2": dict(block_r=16, group_tiles=2)}
 if FUSED:
     CASES = [(o, r, T, A) for o in OUTPUTS for r in RANKS for T in (1, 16, 64, 256) for A in ADAPTERS if A <= T]
     VARIANTS = {"default": {}, "fused": dict(fused=True), "two_launch": dict(fused=False),
@@ -211,9 +204,7 @@ def main():
             skip = cfg.get("__skip", ()) if cfg else ()
             pitched = bool(cfg and cfg.get("__pitched")) or (MIXED and not (cfg and cfg.get("__padded")))
             block_m = cfg.get("__block_m") if cfg else None
-            by_rank = bool(cfg and cfg.get("__tile_order") == "rank")
-            cfg = {k: v for k, v in (cfg or {}).items()
-                   if k not in ("__skip", "__pitched", "__padded", "__block_m", "__tile_order")}
+            cfg = {k: v for k, v in (cfg or {}).items() if k not in ("__skip", "__pitched", "__padded", "__block_m")}
             saved = {k: getattr(sgmv, k) for k in skip}
             for k in skip:
                 setattr(sgmv, k, NoLaunch())
@@ -222,8 +213,6 @@ def main():
                 plan = static
                 if block_m is not None:  # the same rows in tiles of another height
                     plan = captured_plan(build_plan(rs), A, block_m)
-                if by_rank:  # the same tiles, heaviest rank first
-                    plan = order_tiles_by_rank(plan, ranks)
                 row[name] = _time_variant(y0, x, a, bank, plan, ranks, scales, widths, cfg, ref, flush,
                                           check=not skip, pitched=pitched)
             finally:

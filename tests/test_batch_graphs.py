@@ -143,23 +143,18 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     assert logits.shape[0] == 3 and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("kv_layout, lookahead, dense", [("layer-major", False, False), ("page-major", False, False),
-                                                         ("layer-major", True, False), ("layer-major", False, True)])
-def test_emulated_graphs_give_the_eager_tokens(kv_layout, lookahead, dense, monkeypatch):
+@pytest.mark.parametrize("kv_layout, lookahead", [("layer-major", False), ("page-major", False), ("layer-major", True)])
+def test_emulated_graphs_give_the_eager_tokens(kv_layout, lookahead, monkeypatch):
     """The engine with decode graphs (emulated on the CPU: static buffers, buckets, padding,
     staged inputs, the decode tiles longest first, the LoRA tile lists refilled in place) gives
     the eager engine's tokens, over batch sizes that grow and shrink across buckets, in both
     KV layouts (page-major once wrote K/V at stale slots under graphs: sixteenth session) and
-    with lookahead (the next iteration's inputs staged into the buffers ahead of its replay);
-    ``dense``: decode steps through the dense shrink (``MLORA_LORA_DENSE_MAX_ROWS``), graphed and
-    eager alike."""
+    with lookahead (the next iteration's inputs staged into the buffers ahead of its replay)."""
     monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
     monkeypatch.setenv("MLORA_KV_LAYOUT", kv_layout)
-    monkeypatch.setenv("MLORA_LORA_DENSE_MAX_ROWS", "8" if dense else "0")
     config = preset_config("tiny", "float32")
     model = random_model(config, DEVICE, torch.float32, seed=13)
     bank, pinned = random_bank(model, 2, 4, seed=13, backend="triton")
-    assert bank.dense_max_rows == (8 if dense else 0)
     rng = random.Random(14)
     reqs = [Request(row=i, id=str(i), prompt_ids=[rng.randrange(config.vocab_size) for _ in range(rng.randint(3, 12))],
                     adapter=rng.choice([None, "bench-0", "bench-1"]), max_new_tokens=rng.randint(2, 7))

@@ -377,56 +377,6 @@ def test_mixed_rank_classes_in_one_launch(lora_path):
     assert err < TOL[torch.float32], float(err)
 
 
-def test_tiles_ordered_by_rank_are_the_same_tiles_heaviest_first():
-    """order_tiles_by_rank: the live tiles sorted by their slot's rank summed over slices,
-    largest first, ties in their former order; dead tiles (past the count) stay last; the
-    multiset of (slot, start, end) tiles and the count are unchanged."""
-    from mlora.kernels.launch import order_tiles_by_rank
-
-    rs = torch.tensor([3, 0, 0, 2, 1, 3, 3, -1, 0, 2] * 4, dtype=torch.int32)
-    ranks = torch.tensor([[8, 64, 16, 8], [8, 0, 16, 8]], dtype=torch.int32)  # sums 16, 64, 32, 16
-    lp = make_launch_plan(build_plan(rs), 4)
-    static = empty_launch_plan(rs.numel(), lp.tile_capacity + 3, 4, "cpu").copy_from(lp)  # 3 dead tiles
-    got = order_tiles_by_rank(static, ranks)
-    k = int(static.num_tiles)
-    before = list(zip(static.tile_slot.tolist(), static.tile_start.tolist(), static.tile_end.tolist()))
-    after = list(zip(got.tile_slot.tolist(), got.tile_start.tolist(), got.tile_end.tolist()))
-    assert sorted(before[:k]) == sorted(after[:k]) and after[k:] == before[k:]
-    cost = {0: 16, 1: 64, 2: 32, 3: 16}
-    live = [t for t in after[:k]]
-    assert [cost[t[0]] for t in live] == sorted((cost[t[0]] for t in live), reverse=True)
-    assert [t for t in live if cost[t[0]] == 16] == [t for t in before[:k] if cost[t[0]] == 16]  # stable
-    assert live[0][0] == 1 and torch.equal(got.num_tiles, static.num_tiles)
-    assert torch.equal(got.sorted_rows, static.sorted_rows)
-    one_d = order_tiles_by_rank(static, ranks.sum(0))  # a one-slice rank table
-    assert torch.equal(one_d.tile_slot, got.tile_slot)
-
-
-def test_tiles_ordered_by_rank_give_the_same_numbers(lora_path):
-    """A mixed-rank launch over tiles heaviest first: bit-identical to the plain tile order
-    (each tile is computed on its own), within tolerance of the float64 oracle, NaN tails
-    never read, base-only rows untouched."""
-    from mlora.kernels.launch import order_tiles_by_rank
-    from mlora.kernels.triton_sgmv import add_lora_slices_triton
-
-    y, x, a, b, rs, ranks, scales, widths = mixed_rank_case(12, 45, [[8, 64, 16, 3, 64, 17], [64, 8, 0, 16, 33, 1]])
-    ref = sliced_oracle(y, x, a, b, rs, ranks, scales, widths)
-    y, x, a, b, rs, ranks, scales = _dev(y, x, a, b, rs, ranks, scales)
-    lp = make_launch_plan(build_plan(rs), 16)
-    ordered = order_tiles_by_rank(lp, ranks)
-    assert ordered.tile_slot.tolist() != lp.tile_slot.tolist()  # the order really changed
-    outs = []
-    for plan in (lp, ordered):
-        out = y.clone()
-        add_lora_slices_triton(out, x, a, b, plan, ranks, scales, widths, config=dict(fused=False))
-        outs.append(out)
-    plain, heavy_first = outs
-    assert torch.equal(heavy_first, plain)
-    assert torch.equal(heavy_first[rs < 0], y[rs < 0])
-    err = (heavy_first.cpu().double() - ref).abs().max() / ref.abs().max()
-    assert err < TOL[torch.float32], float(err)
-
-
 def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
     """Every decode bucket of a 256-row engine, for each module shape of an 8B model and 8 or
     64 slots, reaches the kernels with at most two sets of compile-time constants (split-K

@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import (LaunchPlan, add_lora_slices, add_lora_slices_dense, build_plan, dense_shrink_fits,
-                           lora_silu_mul, make_launch_plan, pitched_view, shrink_ahead)
+from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view,
+                           shrink_ahead)
 
 from .catalog import PinnedAdapter, load_factors
 from .envknobs import env_int
@@ -154,11 +154,6 @@ class SlotTensors:
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
         # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
         self.fuse_silu_min_rows = env_int("MLORA_LORA_SILU_MIN_ROWS", 1024, unit="rows")
-        # invocations of at most this many rows take the dense shrink (every row against every
-        # slot in one batched GEMM, mlora.kernels.triton_sgmv.add_lora_slices_dense); 0: never.
-        # A candidate for decode steps (twenty-third session, built on the CPU, not measured:
-        # scripts/dense_shrink_probe.py and bench batch --ab MLORA_LORA_DENSE_MAX_ROWS=0,256)
-        self.dense_max_rows = env_int("MLORA_LORA_DENSE_MAX_ROWS", 0, unit="rows") if backend == "triton" else 0
         self._side_stream = None
 
     def side_stream(self):
@@ -355,16 +350,8 @@ class BankContext:
             return
         bank = self.bank
         ranks, scales = bank.layer_tables(group, layer)
-        a, b = bank.A[group][:, layer], bank.B[group][:, layer]
-        if (0 < self.row_slots.shape[0] <= bank.dense_max_rows and isinstance(self.plan, LaunchPlan)
-                and (layer, group) not in self._ahead and dense_shrink_fits(a)):
-            # reads every slot's A, also a slot whose load is in flight on the copy stream: its z
-            # is never read (no row of this invocation names a slot that is not ready)
-            add_lora_slices_dense(y, x, a, b, self.plan, ranks, scales, bank.widths[group],
-                                  out_offsets=bank.out_offsets[group], b_pitched=bank.b_layout == "rank-pitched")
-            return
         add_lora_slices(
-            y, x, a, b, self.row_slots, widths=bank.widths[group],
+            y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
             out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,

@@ -58,8 +58,7 @@ from .plan import PlanError, SegmentPlan, build_plan, validate_plan
 from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
-    "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "add_lora_slices_dense",
-    "b_pitch", "build_plan", "dense_shrink_fits",
+    "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
     "check_bank", "pitched_span", "pitched_view", "to_rank_pitched",
     "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "lora_silu_mul",
     "make_launch_plan", "shrink_ahead", "silu_mul_ref", "tile_capacity", "validate_plan",
@@ -179,25 +178,6 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
                                   out_offsets=out_offsets, ahead=ahead, b_pitched=pitched)
-
-
-def dense_shrink_fits(lora_a: torch.Tensor) -> bool:
-    """Whether :func:`add_lora_slices_dense` takes this A bank (``triton_sgmv.dense_shrink_fits``)."""
-    from .triton_sgmv import dense_shrink_fits as fits  # deferred: importing triton is slow
-
-    return fits(lora_a)
-
-
-def add_lora_slices_dense(y, x, lora_a, lora_b, plan: LaunchPlan, ranks, scales, widths, *, out_offsets=None,
-                          b_pitched: bool = False):
-    """``add_lora_slices``' update (Triton; ``plan`` a LaunchPlan of the invocation's rows, tables
-    checked by the caller) with the dense shrink: ``triton_sgmv.add_lora_slices_dense`` (every
-    row against every slot in one batched GEMM, then the expand over each tile's own slot).
-    A candidate for decode-size batches, off in the engine unless ``MLORA_LORA_DENSE_MAX_ROWS``."""
-    from .triton_sgmv import add_lora_slices_dense as dense  # deferred: importing triton is slow
-
-    return dense(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                 out_offsets=out_offsets, b_pitched=b_pitched)
 
 
 def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:

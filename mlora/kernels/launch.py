@@ -108,25 +108,6 @@ class LaunchPlan:
         return plan
 
 
-def order_tiles_by_rank(lp: LaunchPlan, ranks: torch.Tensor) -> LaunchPlan:
-    """The same tiles, the live ones (``tile_slot >= 0``, the first ``num_tiles``) ordered by
-    their slot's rank summed over slices, largest first, ties in their order; the tiles past
-    the count stay after them. ``ranks``: int [S] or [n_slices, S] on the plan's device.
-
-    Longest-processing-time-first dispatch for a mixed-rank bank: a rank-64 tile's programs
-    move several times a rank-8 tile's bytes, and the block scheduler hands out programs in
-    grid order, so heavy tiles dispatched last would run nearly alone at the end of the
-    launch. Every tile is computed independently (its own rows, its own z columns), so any
-    order gives the same numbers. No host synchronisation (a stable device sort)."""
-    r = ranks.to(lp.tile_slot.device)
-    cost = (r if r.dim() == 1 else r.sum(0)).to(torch.int64)
-    live = lp.tile_slot >= 0
-    key = torch.where(live, -cost[lp.tile_slot.clamp(min=0).to(torch.int64)], 1)  # dead tiles last
-    order = torch.sort(key, stable=True).indices
-    return replace(lp, tile_slot=lp.tile_slot[order], tile_start=lp.tile_start[order], tile_end=lp.tile_end[order],
-                   _filled={})
-
-
 def tile_capacity(num_rows: int, num_slots: int, block_m: int) -> int:
     """Most tiles ``num_rows`` active rows spread over at most ``num_slots`` slots can need."""
     active_slots = min(num_rows, num_slots)

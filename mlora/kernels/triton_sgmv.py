@@ -253,16 +253,16 @@ def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.co
     return j, g_lo, n_lo, n_hi, dy
 
 
-@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3", "stride_zs"])
+@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr, bank_rows_ptr, core_ptr,
     R, stride_rj, stride_rs, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, group_tiles,
-    stride_zu, stride_bs, stride_bn, stride_yt, stride_cs, stride_cj, stride_cr, stride_ck, stride_zs,
+    stride_zu, stride_bs, stride_bn, stride_yt, stride_cs, stride_cj, stride_cr, stride_ck,
     N_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_CLASS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, BANK_ROWS: tl.constexpr, CORE: tl.constexpr,
-    B_PITCHED: tl.constexpr = False, DENSE_Z: tl.constexpr = False,
+    B_PITCHED: tl.constexpr = False,
 ):
     """One row tile x one group of ``group_tiles`` column tiles of one slice (a runtime
     argument, like the shrink's ``split``: one compiled kernel for every batch size): the
@@ -284,11 +284,7 @@ def _expand_kernel(
 
     ``B_PITCHED``: B is rank-pitched (``mlora.kernels.pitch``; only launched with R a multiple
     of 8 and ``stride_bn == R``): slice j's rows start at element ``n_lo * R`` of the slot and
-    step by the slot's pitch (its rank rounded up to 8) instead of R.
-
-    ``DENSE_Z``: z is a dense ``[S, T, n * R]`` product of every row with every slot
-    (:func:`add_lora_slices_dense`; slot stride ``stride_zs``, row stride ``stride_zu``): a tile
-    reads its slot's block at its scheduler rows instead of the shrink's grouped rows."""
+    step by the slot's pitch (its rank rounded up to 8) instead of R."""
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
     j, g_lo, n_lo, n_hi, dy = _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES)
@@ -297,9 +293,6 @@ def _expand_kernel(
                                            num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
     if rank == 0:  # a tile past the count, or a slot that does not adapt slice j
         return
-    if DENSE_Z:  # the slot's block of the dense product, at the scheduler rows
-        zp_ptr += slot.to(tl.int64) * stride_zs
-        u = rows
     if CORE == 0:
         scale = tl.load(scales_ptr + j * stride_rj + slot * stride_rs)
         core_base = core_ptr
@@ -636,45 +629,6 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
                           b_pitched=pitched)
 
 
-def dense_shrink_fits(lora_a) -> bool:
-    """Whether :func:`add_lora_slices_dense` takes the A bank ``[S, n, R, d_in]``: at most
-    ``MAX_SLICES`` slices and each slot's ``[n, R, d_in]`` block contiguous (the slot stride
-    is free: a layer's view of a slot-major bank qualifies)."""
-    _, n, R, d_in = lora_a.shape
-    return n <= MAX_SLICES and lora_a.stride(3) == 1 and lora_a.stride(2) == d_in and lora_a.stride(1) == R * d_in
-
-
-def add_lora_slices_dense(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
-                          out_offsets=None, b_pitched: bool = False):
-    """``add_lora_slices_triton``'s update with a dense shrink: one batched GEMM (cuBLAS on a
-    GPU) of every row against every slot of the bank, ``z[s, t] = x[t] @ A[s]^T`` (``[S, T,
-    n * R]`` in x's dtype), then the expand over ``lp`` reading each tile's own slot's block
-    at its rows. Same semantics (columns past a slot's rank never used, rows with no slot
-    untouched); z is rounded to x's dtype before the scale (the segmented shrink keeps it in
-    fp32 until the expand's dot), so 16-bit results differ from the segmented path's within
-    16-bit rounding. It reads every slot's A, used or not, and spends ``T x S x n x R x
-    d_in`` multiply-adds: meant for decode-size batches over a bank of active slots, where the
-    segmented shrink is latency-bound (``scripts/dense_shrink_probe.py``). A candidate, not
-    yet measured on a GPU: the engine takes it only under ``MLORA_LORA_DENSE_MAX_ROWS``. At most ``MAX_SLICES`` slices; a slot's ``n, R, d_in``
-    block of A must be contiguous (the layer view of a slot-major bank is)."""
-    S, n, R, d_in = lora_a.shape
-    if n > MAX_SLICES:
-        raise ValueError(f"add_lora_slices_dense takes at most {MAX_SLICES} slices, got {n}")
-    if not dense_shrink_fits(lora_a):
-        raise ValueError("add_lora_slices_dense: a slot's [n, R, d_in] block of A must be contiguous")
-    if out_offsets is None:
-        out_offsets = [sum(widths[:j]) for j in range(n)]
-    if b_pitched:
-        check_pitched(lora_b)
-    pitched = b_pitched and R % 8 == 0
-    x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
-    T = x.shape[0]
-    z = torch.bmm(x.expand(S, T, d_in), lora_a.reshape(S, n * R, d_in).transpose(1, 2))
-    cfg = _config(lp, x, lora_a, widths, native_a, dict(config or {}, fused=False))
-    return _expand(y, z, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_b, False, b_pitched=pitched,
-                   dense_z=True)
-
-
 def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None, fusable: bool = True) -> dict:
     """The launch configuration of one call (cached per static shape unless ``config`` overrides):
     :func:`_choose_config`'s (``fusable=False``: the bundle operator, which has no fused launch)."""
@@ -788,11 +742,10 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
 
 
 def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict, native_b: bool, pdl: bool,
-            bank_rows=None, cores=None, core_kind: int = 0, b_pitched: bool = False, dense_z: bool = False):
+            bank_rows=None, cores=None, core_kind: int = 0, b_pitched: bool = False):
     """Launch the expand of the shrink's ``zp`` on the current stream (with ``pdl``, as a
     programmatic dependent of the shrink launched just before it on the same stream).
-    ``b_pitched``: B rank-pitched (R a multiple of 8, each slot's rows contiguous).
-    ``dense_z``: ``zp`` is the dense ``[S, T, n * R]`` z of :func:`add_lora_slices_dense`."""
+    ``b_pitched``: B rank-pitched (R a multiple of 8, each slot's rows contiguous)."""
     n = len(widths)
     R = zp.shape[2] // n
     rows_map = ranks if bank_rows is None else bank_rows
@@ -805,10 +758,9 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
         ranks, scales, rows_map, scales if cores is None else cores,
         R, ranks.stride(0), ranks.stride(1), *g_args, *o_args, *d_args, gt,
         zp.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), *core_strides,
-        zp.stride(0) if dense_z else 0,  # read only with DENSE_Z
         N_SLICES=n, BLOCK_M=lp.block_m, BLOCK_N=bn, BLOCK_R=cfg["block_r_expand"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_b, USE_PDL=pdl,
-        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched, DENSE_Z=dense_z,
+        BANK_ROWS=bank_rows is not None, CORE=core_kind, B_PITCHED=b_pitched,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **extra,
     )
     return y
