@@ -19,12 +19,13 @@ L2, replayed, CUDA events, median of 20 replays over ``copies``.
 Each figure beside its floor: max(bytes / 4.2 TB/s, flops / the matmul rate measured here
 at 8192^3) with bytes = W + x + y. Then per variant the layer's sum over 32 layers + lm_head.
 
-    PYTHONPATH=. python scripts/gemm_probe.py
+    PYTHONPATH=. python scripts/gemm_probe.py [--rows 64,256]
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from mlora.kernels.bench import _events_median, graph_of, measure_ceilings
 # (name, N, K) of one decoder layer (fused q/k/v and gate/up, as the engine holds them) and the head
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gateup", 28672, 4096), ("down", 4096, 14336),
           ("lm_head", 128256, 4096)]
-ROWS = (64, 256)
+ROWS = (64, 256)  # --rows 32,96,128 for others
 LAYERS = 32
 L2_CLEAR_BYTES = 200 << 20  # weight copies cycled per graph: together at least this much
 
@@ -68,6 +69,9 @@ def time_call(make, weights, flush, blas: str | None) -> float:
 
 
 def main() -> None:
+    global ROWS
+    if "--rows" in sys.argv:
+        ROWS = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
     ceil = measure_ceilings()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print(json.dumps({"copy_tb_s": round(ceil.copy_bytes_per_s / 1e12, 2),
