@@ -20,7 +20,7 @@
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
-#   bash scripts/gpu_session.sh blas         cuBLASLt up to 64 rows (default): GPU tests, demo x3, 8B logits, 256-row A/B
+#   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
 #   bash scripts/gpu_session.sh resident   the step-4 residency benchmark, all-resident run (about 6 min)
 #   bash scripts/gpu_session.sh lookahead  batch-run --lookahead: GPU tests, demo check, bench batch 0,8 and a decode profile
 #   bash scripts/gpu_session.sh logits     bf16 logits error of mlora and of transformers over the same 8B-shaped weights
@@ -418,7 +418,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 200 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
       --ab "MLORA_BLAS_ROWS=off,1:128" --ab-repeats 2 --out "$OUT/batch-64seqs-blas.json" 2>&1 | grep -E "adapters MLORA"
     ;;
-  blas)  # twenty-fourth session: cuBLASLt for forwards of up to 64 rows made the default (mlora.batch.gemms):
+  blas)  # twenty-fourth session: cuBLASLt for forwards of up to 64 rows made the default (mlora.batch.gemms; 128 since):
     # GPU model and graph tests, the demo x3, the 8B bf16 logits check, then whether 256 rows gain too (~7 min)
     timeout 150 python -m pytest -q tests/test_batch_model.py tests/test_batch_graphs.py 2>&1 | tail -1
     for dt in float32 bfloat16; do demo_gpu "blas-$dt" "$dt" 2>"$OUT/demo-blas-$dt.err"; done

@@ -548,20 +548,20 @@ def test_a_step_may_sample_no_row(checkpoints):
 
 
 def test_blas_preference_by_rows(monkeypatch):
-    """cuBLASLt for CUDA forwards of 1..64 rows by default, the range MLORA_BLAS_ROWS gives, never
+    """cuBLASLt for CUDA forwards of 1..128 rows by default, the range MLORA_BLAS_ROWS gives, never
     with ``off`` and never on the CPU; a malformed range refused naming the variable."""
     from mlora.batch.gemms import blas_for
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv("MLORA_BLAS_ROWS", raising=False)
-    assert [blas_for(r, cuda) for r in (1, 64, 65, 256)] == ["cublaslt", "cublaslt", None, None]
+    assert [blas_for(r, cuda) for r in (1, 64, 128, 129, 256)] == ["cublaslt"] * 3 + [None, None]
     assert blas_for(8, cpu) is None
     monkeypatch.setenv("MLORA_BLAS_ROWS", "100:300")
     assert [blas_for(r, cuda) for r in (64, 100, 256, 301)] == [None, "cublaslt", "cublaslt", None]
     monkeypatch.setenv("MLORA_BLAS_ROWS", "off")
     assert blas_for(8, cuda) is None
     monkeypatch.setenv("MLORA_BLAS_ROWS", "64")
-    with pytest.raises(ValueError, match=r"MLORA_BLAS_ROWS='64'.*unset it for the default, 1:64"):
+    with pytest.raises(ValueError, match=r"MLORA_BLAS_ROWS='64'.*unset it for the default, 1:128"):
         blas_for(8, cuda)
 
 
