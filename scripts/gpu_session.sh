@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh gc-batch   bench batch A/B of MLORA_GC=default,device-wait at 64 and 256 running rows
 #   bash scripts/gpu_session.sh mixed-order  kernel_sweep.py --mixed (the tile order measured in the twenty-fourth session: no gain, deleted)
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
+#   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -404,6 +405,10 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     # bank cheaper than the segmented shrink at 256 / 64 rows and 8 / 64 adapters? (~3 min)
     timeout 300 python -u scripts/dense_shrink_probe.py 2>&1 | tee "$OUT/dense-shrink.txt" | tail -6
     timeout 200 python -u scripts/dense_shrink_probe.py --grid 2>&1 | tee "$OUT/dense-shrink-grid.txt" | tail -4
+    ;;
+  misses)  # twenty-fourth session (built on the CPU): issue step 2's launch-bound misses (14 of the 15 sampled are
+    # one adapter at T 256 / 1024, where each 16-row tile rereads the slot's A) under taller row tiles (~2 min)
+    timeout 300 python -u scripts/kernel_sweep.py --misses 2>&1 | tee "$OUT/kernel-sweep-misses.txt" | tail -17
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

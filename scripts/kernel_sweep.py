@@ -5,7 +5,7 @@ checked against the float64 reference. How the defaults of
 mlora.kernels.triton_sgmv.launch_config were chosen. Needs a CUDA GPU:
 
     PYTHONPATH=. python scripts/kernel_sweep.py [--defaults | --split | --fused | --decode [--split | --shrink] | --mixed
-                                                 | --prefill | --silu]
+                                                 | --prefill | --silu | --misses]
 
 Each line: the case (d_out / rank / T / adapters), its floor in µs, then µs per
 variant ("default" is the current launch_config; the others override entries).
@@ -38,6 +38,10 @@ against the padded default and against the padded variant.
 ``--prefill``: the four LoRA launches of one decoder layer in an 8,192-token prefill chunk (the
 engine's prefill iterations; rank 16, 8 and 2 adapters) with the row tile (``block_m*``), the
 expand's column tile, warps and column groups; then per variant the layer's sum.
+``--misses``: 15 of issue step 2's launch-bound misses (``bench.LAUNCH_BOUND_MISSES``: floor under
+10 µs, over 12 µs in the eighteenth session's grid) under taller row tiles (``block_m*``: 14 of them
+are one adapter at T 256 / 1024, where every 16-row tile rereads the slot's A), split-K, waves,
+column groups and the fused launch forced on or off; then per variant how many land within 12 µs.
 ``--silu``: the gate/up LoRA and the SiLU product at decode (256 rows, 64 and 8 adapters) and
 prefill (8,192 rows, 8 adapters) sizes, rank 16, rank-pitched B: the plain path (shrink +
 expand, then the SiLU kernel) against the fused one (``mlora.kernels.triton_act``) with 1, 2,
@@ -53,7 +57,7 @@ import torch
 from mlora.kernels import build_plan, to_rank_pitched
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import (ADAPTERS, D_IN, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
+from mlora.kernels.bench import (ADAPTERS, D_IN, LAUNCH_BOUND_MISSES, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
                                  case_floor, graph_of, make_case, measure_ceilings, reference_f64)
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
@@ -102,6 +106,13 @@ if DECODE and not SPLIT:  # with --split: the default's time split into shrink a
                 "waves4_min8": dict(waves=4, min_k_blocks=8), "waves4_min12": dict(waves=4, min_k_blocks=12),
                 "waves3_min8": dict(waves=3, min_k_blocks=8)}
 SHRINK = "--shrink" in sys.argv
+MISSES = "--misses" in sys.argv
+if MISSES:  # issue step 2's launch-bound misses (bench.LAUNCH_BOUND_MISSES) under taller row tiles and more
+    CASES = list(LAUNCH_BOUND_MISSES)
+    VARIANTS = {"default": {}, "block_m16": {"__block_m": 16}, "block_m32": {"__block_m": 32},
+                "block_m64": {"__block_m": 64}, "block_m64_block_n128": {"__block_m": 64, "block_n": 128},
+                "split1": dict(split=1), "waves4": dict(waves=4), "group1": dict(group_tiles=1),
+                "fused": dict(fused=True), "two_launch": dict(fused=False)}
 if DECODE and SHRINK:  # the decode layer's shrinks alone (expand not launched, output not checked) per shrink knob
     VARIANTS = {name: {**cfg, "__skip": ("_expand_kernel",), "fused": False} for name, cfg in {
         "default": {}, "block_k64": dict(block_k=64), "block_k256": dict(block_k=256),
@@ -215,6 +226,8 @@ def main():
                     plan = captured_plan(build_plan(rs), A, block_m)
                 row[name] = _time_variant(y0, x, a, bank, plan, ranks, scales, widths, cfg, ref, flush,
                                           check=not skip, pitched=pitched)
+            except Exception as exc:  # a variant this case cannot take (e.g. the fused launch forced on a large T)
+                row[name] = f"FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
             finally:
                 for k, v in saved.items():
                     setattr(sgmv, k, v)
@@ -231,6 +244,18 @@ def main():
     if MIXED and not SPLIT:
         for line in mixed_summary(rows):
             print(line, flush=True)
+    if MISSES:
+        print(misses_summary(rows), flush=True)
+
+
+def misses_summary(rows: list[dict], target_us: float = 12.0) -> str:
+    """``--misses``: per variant how many cases land within ``target_us`` (issue step 2's
+    launch-bound target), and how many the best variant per case lands."""
+    counts = {name: sum(isinstance(r.get(name), float) and r[name] <= target_us for r in rows) for name in VARIANTS}
+    best = sum(min((r[n] for n in VARIANTS if isinstance(r.get(n), float)), default=float("inf")) <= target_us
+               for r in rows)
+    return (f"within {target_us:g} us of {len(rows)}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+            + f"; the best variant per case: {best}")
 
 
 def mixed_summary(rows: list[dict]) -> list[str]:
