@@ -592,3 +592,36 @@ def test_blas_switch_keeps_the_notice_off_stderr_and_restores_it(monkeypatch, ca
     assert "NOTICE" not in err.split("after a failed switch")[0]
     assert "after a failed switch" in err and "inside" in err
     assert calls == ["boom", "cublaslt", "saved"]
+
+
+def test_forward_runs_its_gemms_under_the_rows_preference(checkpoints, monkeypatch):
+    """DecoderModel.forward enters mlora.batch.gemms.blas_library with its own row count and
+    device, around every GEMM (the lm_head included), once per forward."""
+    import contextlib
+
+    import mlora.batch.model as model_mod
+
+    path, _ = checkpoints("llama")
+    seen, inside = [], []
+
+    @contextlib.contextmanager
+    def spy(rows, device):
+        seen.append((rows, device.type))
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    real_linear = model_mod.F.linear
+
+    def linear(*a, **k):
+        assert inside, "a GEMM ran outside blas_library"
+        return real_linear(*a, **k)
+
+    monkeypatch.setattr(model_mod, "blas_library", spy)
+    monkeypatch.setattr(model_mod.F, "linear", linear)
+    runner = Runner(load(path), seed=2)
+    runner.step([("a", tokens(5, 1)), ("b", tokens(2, 2))])
+    runner.step([("a", [3]), ("b", [4])])
+    assert seen == [(7, "cpu"), (2, "cpu")]
