@@ -205,3 +205,42 @@ def test_malformed_bank_is_named(change, code):
     with pytest.raises(PlanError) as exc:
         add_lora(c["y"], c["x"], c["a"], c["b"], c["rs"], ranks=c["ranks"], scales=c["scales"])
     assert exc.value.code == code
+
+
+def test_host_plans_are_built_on_one_thread(monkeypatch):
+    """build_plan and make_launch_plan on host tensors run their torch ops with one intra-op
+    thread (plan.serial_on_host: a descheduled worker thread stalled each op of an 8,192-row
+    plan for a time slice on a busy machine) and restore the caller's count, also on error;
+    the plans equal those built with the caller's threads."""
+    import mlora.kernels.launch as launch_mod
+    import mlora.kernels.plan as plan_mod
+    from mlora.kernels import make_launch_plan
+
+    original = torch.get_num_threads()
+    torch.set_num_threads(max(2, original))  # a caller with more than one thread
+    try:
+        _check_serial_plans(monkeypatch, plan_mod, launch_mod, make_launch_plan)
+    finally:
+        torch.set_num_threads(original)
+
+
+def _check_serial_plans(monkeypatch, plan_mod, launch_mod, make_launch_plan):
+    before = torch.get_num_threads()
+    rs = torch.randint(-1, 9, (8192,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    seen = []
+    real_group, real_tiles = plan_mod._group, launch_mod._tiles
+    monkeypatch.setattr(plan_mod, "_group", lambda *a: (seen.append(torch.get_num_threads()), real_group(*a))[1])
+    monkeypatch.setattr(launch_mod, "_tiles", lambda *a: (seen.append(torch.get_num_threads()), real_tiles(*a))[1])
+    plan = build_plan(rs)
+    lp = make_launch_plan(plan)
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    want_plan = real_group(rs, 0)
+    want_lp = real_tiles(want_plan, None)
+    for f in ("sorted_rows", "slot_ids", "counts", "starts"):
+        assert torch.equal(getattr(plan, f), getattr(want_plan, f)), f
+    for f in ("sorted_rows", "tile_slot", "tile_start", "tile_end", "num_tiles", "base_rows", "num_base"):
+        assert torch.equal(getattr(lp, f), getattr(want_lp, f)), f
+    monkeypatch.setattr(plan_mod, "_group", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        build_plan(rs)
+    assert torch.get_num_threads() == before

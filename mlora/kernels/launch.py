@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .plan import SegmentPlan, build_plan
+from .plan import SegmentPlan, build_plan, serial_on_host
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,13 @@ def base_rows_of(plan: SegmentPlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_launch_plan(plan: SegmentPlan, block_m: int | None = None) -> LaunchPlan:
-    """The tile list of ``plan`` (on the plan's device), sized to its own bound."""
+    """The tile list of ``plan`` (on the plan's device), sized to its own bound; on the host
+    on one thread (``plan.serial_on_host``)."""
+    with serial_on_host(plan.starts.device):
+        return _tiles(plan, block_m)
+
+
+def _tiles(plan: SegmentPlan, block_m: int | None) -> LaunchPlan:
     if block_m is None:
         block_m = choose_block_m(plan.num_active, plan.num_segments)
     device = plan.starts.device
