@@ -295,6 +295,20 @@ def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path,
         _demo_job_gives_the_expected_rows(tmp_path / "c")
 
 
+def test_malformed_blas_rows_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """MLORA_BLAS_ROWS is read by every forward; a malformed value stops the job when its
+    session is built, before the base weights are read, with the variable named."""
+    from mlora.batch import model as model_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded before the knob was checked")
+
+    monkeypatch.setenv("MLORA_BLAS_ROWS", "1-64")
+    monkeypatch.setattr(model_mod.DecoderModel, "from_pretrained", no_load)
+    with pytest.raises(ValueError, match=r"MLORA_BLAS_ROWS='1-64': expected LO:HI"):
+        _demo_job_gives_the_expected_rows(tmp_path / "a")
+
+
 def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatch):
     """The rare blocking loads of the joint mode (start_load says "sync") in an arena of two
     slots and one longest row for the demo's four adapters: rows wait until a slot's pages
