@@ -14,7 +14,9 @@ never) prefers cuBLASLt (``torch.backends.cuda.preferred_blas_library``) for its
 previous preference restored after it. Inside a CUDA graph capture the choice is captured
 with the kernels. Both libraries accumulate in fp32; what differs is the kernel and so the
 rounding order within a dot product (bf16 outputs may differ in the last bit; float32 jobs,
-the demo's check, equal). CPU forwards are untouched.
+the demo's check, equal). CPU forwards are untouched. Measured on the H200 only: on another
+GPU, ``scripts/gemm_probe.py --rows 32,64,128,256`` and ``mlora bench batch --ab
+MLORA_BLAS_ROWS=off,1:128`` say whether the range suits it.
 
 Measured and not adopted (same probe, then ``bench batch --ab``): the fused gate/up GEMM as
 two GEMMs over the weight's halves, 92.6 against 99.0 us alone at 256 rows, changed nothing
