@@ -58,9 +58,6 @@ from mlora.kernels.triton_sgmv import add_lora_slices_triton
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),
            "down": ((4096,), 14336)}
 RANK = 16
-# ``--grid``: the `bench kernels` cases under 10 us of floor that missed the 12 us target (issue step 2),
-# as (d_out, rank, T, adapters), d_in 4096, a bank of one layer
-GRID_CASES = LAUNCH_BOUND_MISSES
 LAYERS_IN_BANK = 32  # the bank holds every layer: a layer's view is strided over slots
 LAYER = 5
 
@@ -173,7 +170,7 @@ def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     if "--grid" in sys.argv:  # issue step 2's launch-bound misses: which path is under 12 us?
-        for o, R, T, A in GRID_CASES:
+        for o, R, T, A in LAUNCH_BOUND_MISSES:
             row = case(o, A, T, flush, R=R, layers=1)
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -30,6 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from mlora.batch.gemms import preferring
 from mlora.kernels.bench import _events_median, graph_of, measure_ceilings
 
 # (name, N, K) of one decoder layer (fused q/k/v and gate/up, as the engine holds them) and the head
@@ -57,14 +58,9 @@ def variants(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) ->
 
 def time_call(make, weights, flush, blas: str | None) -> float:
     """Seconds per call: one call per weight copy captured in a graph, replayed (median)."""
-    saved = torch.backends.cuda.preferred_blas_library()
-    try:
-        if blas is not None:
-            torch.backends.cuda.preferred_blas_library(blas)
+    with preferring(blas):  # the preference is captured with the kernels
         calls = [make(w) for w in weights]
         graph = graph_of(lambda: [c() for c in calls])
-    finally:
-        torch.backends.cuda.preferred_blas_library(saved)
     return _events_median(graph.replay, 20, flush) / len(weights)
 
 
@@ -93,7 +89,7 @@ def main() -> None:
             floors[M] = floors.get(M, 0.0) + floor * times
             row = {"gemm": name, "M": M, "N": N, "K": K, "floor_us": round(floor * 1e6, 1)}
             for label, blas in (("", None), ("_lt", "cublaslt"), ("_cublas", "cublas")):
-                for vname, _ in variants(name, x, weights[0], bias).items():
+                for vname in variants(name, x, weights[0], bias):
                     if label and vname != "linear":
                         continue
                     key = vname + label
@@ -101,11 +97,8 @@ def main() -> None:
                     def make(w, vname=vname):
                         return variants(name, x, w, bias)[vname]
                     try:
-                        saved = torch.backends.cuda.preferred_blas_library()
-                        if blas is not None:
-                            torch.backends.cuda.preferred_blas_library(blas)
-                        got = make(weights[0])()
-                        torch.backends.cuda.preferred_blas_library(saved)
+                        with preferring(blas):
+                            got = make(weights[0])()
                         got = torch.cat(got, dim=1) if isinstance(got, tuple) else got
                         if vname == "mm_transposed":
                             got = got.t()

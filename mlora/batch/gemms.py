@@ -49,10 +49,15 @@ def blas_for(rows: int, device: torch.device) -> str | None:
     return "cublaslt"
 
 
-@contextlib.contextmanager
 def blas_library(rows: int, device: torch.device):
-    """A forward's GEMMs under :func:`blas_for`'s preference, the previous one restored after."""
-    choice = blas_for(rows, device)
+    """A forward's GEMMs under :func:`blas_for`'s preference (a context manager)."""
+    return preferring(blas_for(rows, device))
+
+
+@contextlib.contextmanager
+def preferring(choice: str | None):
+    """torch's BLAS preference set to ``choice`` (``"cublas"``, ``"cublaslt"``; None: left as it
+    is) inside the block, the previous one restored after, also on error."""
     if choice is None:
         yield
         return

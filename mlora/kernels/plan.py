@@ -70,10 +70,10 @@ def serial_on_host(device: torch.device):
     median with 2 threads and 0.4-0.6 ms with 1 (the same 0.4 ms either way on an idle CPU);
     up to 1,024 rows nothing splits. The OpenMP thread count set here is the calling
     thread's (other threads keep theirs)."""
-    if device.type != "cpu" or torch.get_num_threads() == 1:
+    saved = torch.get_num_threads()
+    if device.type != "cpu" or saved == 1:
         yield
         return
-    saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
