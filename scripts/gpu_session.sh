@@ -19,6 +19,7 @@
 #   bash scripts/gpu_session.sh mixed-order  kernel_sweep.py --mixed (the tile order measured in the twenty-fourth session: no gain, deleted)
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
+#   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -409,6 +410,14 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
   misses)  # twenty-fourth session (built on the CPU): issue step 2's launch-bound misses (14 of the 15 sampled are
     # one adapter at T 256 / 1024, where each 16-row tile rereads the slot's A) under taller row tiles (~2 min)
     timeout 300 python -u scripts/kernel_sweep.py --misses 2>&1 | tee "$OUT/kernel-sweep-misses.txt" | tail -17
+    ;;
+  drain)  # twenty-fifth session: the 256-row job's drain under cuBLASLt up to 128 rows (A/B), the launch-bound misses
+    # under taller row tiles, and bank.context per prefill iteration after serial_on_host (~8 min)
+    timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_BLAS_ROWS=1:128,off \
+      --out "$OUT/batch-blas-drain.json" 2>&1 | grep -E "adapters|MLORA"
+    timeout 200 python -u scripts/kernel_sweep.py --misses 2>&1 | tee "$OUT/kernel-sweep-misses.txt" | tail -17
+    timeout 120 python scripts/profile_batch.py --phase prefill --rows 256 --adapters 8 --iters 3 2>&1 \
+      | grep -v USDT | tee "$OUT/profile-prefill.txt" | head -8
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of
