@@ -20,6 +20,7 @@
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
 #   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
+#   bash scripts/gpu_session.sh streamk      the stream-K Triton GEMM against cuBLAS per 8B GEMM (gemm_probe.py --streamk)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -418,6 +419,11 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 200 python -u scripts/kernel_sweep.py --misses 2>&1 | tee "$OUT/kernel-sweep-misses.txt" | tail -17
     timeout 120 python scripts/profile_batch.py --phase prefill --rows 256 --adapters 8 --iters 3 2>&1 \
       | grep -v USDT | tee "$OUT/profile-prefill.txt" | head -8
+    ;;
+  streamk)  # twenty-fifth session: the stream-K Triton GEMM (mlora.kernels.streamk, an experiment) against
+    # cuBLAS per Llama-3-8B GEMM at 128 / 256 rows (~5 min)
+    timeout 120 python -m pytest -q tests/test_streamk.py 2>&1 | tail -2
+    timeout 420 python -u scripts/gemm_probe.py --rows 128,256 --streamk 2>&1 | tee "$OUT/gemm-probe-streamk.txt" | tail -14
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of
