@@ -625,3 +625,49 @@ def test_forward_runs_its_gemms_under_the_rows_preference(checkpoints, monkeypat
     runner.step([("a", tokens(5, 1)), ("b", tokens(2, 2))])
     runner.step([("a", [3]), ("b", [4])])
     assert seen == [(7, "cpu"), (2, "cpu")]
+
+
+def test_streamk_route_by_rows(monkeypatch):
+    """MLORA_STREAMK_ROWS (default off) routes CUDA forwards of its rows to the stream-K GEMM;
+    never on the CPU; a malformed range refused naming the variable."""
+    from mlora.batch.gemms import streamk_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("MLORA_STREAMK_ROWS", raising=False)
+    assert not any(streamk_for(r, cuda) for r in (1, 64, 256))
+    monkeypatch.setenv("MLORA_STREAMK_ROWS", "129:256")
+    assert [streamk_for(r, cuda) for r in (128, 129, 256, 257)] == [False, True, True, False]
+    assert not streamk_for(200, cpu)
+    monkeypatch.setenv("MLORA_STREAMK_ROWS", "all")
+    with pytest.raises(ValueError, match=r"MLORA_STREAMK_ROWS='all'.*unset it for the default, off"):
+        streamk_for(8, cuda)
+
+
+def test_linear_on_the_streamk_route_equals_f_linear(monkeypatch):
+    """gemms.linear inside a stream-K route: 16-bit GEMMs through streamk_linear (the bias added
+    after) equal F.linear; float32 ones and a K the tile depth does not divide stay on F.linear.
+    (On the CPU the route is forced and the kernel interpreted at small tiles.)"""
+    import mlora.batch.gemms as gemms
+    import mlora.kernels.streamk as streamk
+
+    calls = []
+    real = streamk.streamk_linear
+
+    def counted(*a, **k):
+        calls.append(a[1].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(streamk, "streamk_linear", counted)
+    monkeypatch.setattr(gemms, "streamk_config",
+                        lambda N, K: dict(bm=16, bn=32, bk=32, stages=2, warps=4, mode="sk", programs=3))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 64, generator=g)
+    w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    monkeypatch.setattr(gemms._route, "streamk", True, raising=False)
+    for dt in (torch.bfloat16, torch.float32):
+        got = gemms.linear(x.to(dt), w.to(dt), bias.to(dt))
+        ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    odd = torch.randn(20, 40, generator=g).bfloat16()
+    gemms.linear(odd, torch.randn(8, 40, generator=g).bfloat16())
+    assert calls == [(48, 64)]  # only the bf16 call with K a multiple of 32

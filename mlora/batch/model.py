@@ -28,7 +28,7 @@ and Qwen3 q/k/v/o biases; Qwen2 always has q/k/v biases; Mistral has none.
 from __future__ import annotations
 
 from mlora.batch.errors import CodedError
-from mlora.batch.gemms import blas_library
+from mlora.batch.gemms import blas_library, linear
 
 import json
 import math
@@ -297,7 +297,7 @@ class DecoderLayer(torch.nn.Module):
         prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
         if prepare is not None:
             prepare(i, "qkv", x)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
         if c.qk_norm:  # per-head norms before the rotation: the reference path
@@ -313,20 +313,20 @@ class DecoderLayer(torch.nn.Module):
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
         if prepare is not None:
             prepare(i, "o", a)
-        o = F.linear(a, self.o_weight, self.o_bias)
+        o = linear(a, self.o_weight, self.o_bias)
         if lora is not None:
             lora.apply(i, "o", a, o)
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         if prepare is not None:
             prepare(i, "gate_up", x)
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight)
         if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
             m = apply_silu_mul(lora, i, x, gate_up, c.intermediate_size, ops)
         else:
             m = ops.silu_mul(gate_up, c.intermediate_size)
         if prepare is not None:
             prepare(i, "down", m)
-        down = F.linear(m, self.down_weight)
+        down = linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)
         return h, down
@@ -379,7 +379,7 @@ class DecoderModel(torch.nn.Module):
             if delta is not None:  # the last layer's MLP output, for the sampled rows only
                 h = h + delta.index_select(0, sample_rows)
             h = rms_norm(h, self.norm_weight, self.config.rms_norm_eps)
-            return F.linear(h, self.lm_head_weight).float()
+            return linear(h, self.lm_head_weight).float()
 
     # ------------------------------------------------------------ loading
 
