@@ -15,13 +15,11 @@ L2, replayed, CUDA events, median of 20 replays over ``copies``.
   mm_transposed torch.mm(W, x.T): the transposed problem (y^T, [N, M]); other tile choices
   split2        (gate/up only) two F.linear over the two halves of W
   split2_out    (gate/up only) two torch.mm into the halves of one output (what an engine split would run)
-  sk_*          (--streamk) mlora.kernels.streamk's Triton GEMM: schedule (hybrid / dp / sk), tile
-                BMxBNxBK, pipeline stages, warps (twenty-fifth session)
 
 Each figure beside its floor: max(bytes / 4.2 TB/s, flops / the matmul rate measured here
 at 8192^3) with bytes = W + x + y. Then per variant the layer's sum over 32 layers + lm_head.
 
-    PYTHONPATH=. python scripts/gemm_probe.py [--rows 64,256] [--streamk]
+    PYTHONPATH=. python scripts/gemm_probe.py [--rows 64,256]
 """
 
 from __future__ import annotations
@@ -40,13 +38,6 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gateup", 28672, 4096), ("dow
           ("lm_head", 128256, 4096)]
 ROWS = (64, 256)  # --rows 32,96,128 for others
 LAYERS = 32
-# (mode, BM, BN, BK, stages, warps, tensor descriptors) of the stream-K variants (--streamk)
-STREAMK = [("hybrid", 128, 256, 64, 3, 8, False), ("hybrid", 128, 256, 64, 3, 8, True),
-           ("dp", 128, 256, 64, 3, 8, True), ("hybrid", 128, 128, 64, 4, 8, False),
-           ("hybrid", 128, 128, 64, 4, 8, True), ("sk", 128, 128, 64, 4, 8, True),
-           ("hybrid", 64, 256, 64, 4, 4, True), ("hybrid", 128, 128, 128, 3, 8, True),
-           ("hybrid", 256, 128, 64, 3, 8, True)]
-WITH_STREAMK = False
 L2_CLEAR_BYTES = 200 << 20  # weight copies cycled per graph: together at least this much
 
 
@@ -62,12 +53,6 @@ def variants(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) ->
             torch.mm(x, w[half:].t(), out=y[:, half:])
             return y
         out["split2_out"] = split2_out
-    if WITH_STREAMK:
-        from mlora.kernels.streamk import streamk_linear
-        for mode, bm, bn, bk, st, wp, tma in STREAMK:
-            out[f"sk_{mode}_{bm}x{bn}x{bk}_s{st}_w{wp}{'_tma' if tma else ''}"] = (
-                lambda mode=mode, bm=bm, bn=bn, bk=bk, st=st, wp=wp, tma=tma:
-                streamk_linear(x, w, bm=bm, bn=bn, bk=bk, stages=st, warps=wp, mode=mode, tma=tma))
     return out
 
 
@@ -80,8 +65,7 @@ def time_call(make, weights, flush, blas: str | None) -> float:
 
 
 def main() -> None:
-    global ROWS, WITH_STREAMK
-    WITH_STREAMK = "--streamk" in sys.argv
+    global ROWS
     if "--rows" in sys.argv:
         ROWS = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
     ceil = measure_ceilings()
@@ -123,12 +107,6 @@ def main() -> None:
                             row[key] = f"WRONG {err:.3g}"
                             continue
                         t = time_call(make, weights, flush, blas)
-                        if vname.startswith("sk_"):  # after many replays: the workspace was left zero each time
-                            again = make(weights[0])()
-                            err2 = ((again.float() - ref).abs().max() / ref.abs().max()).item()
-                            if err2 > 2e-2:
-                                row[key] = f"WRONG AFTER REPLAYS {err2:.3g}"
-                                continue
                     except Exception as exc:  # a BLAS choice this build lacks
                         row[key] = f"FAILED {type(exc).__name__}: {exc}"[:120]
                         continue

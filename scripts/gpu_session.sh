@@ -20,8 +20,7 @@
 #   bash scripts/gpu_session.sh dense-shrink  dense (cuBLAS) and grouped (torch._grouped_mm) LoRA shrinks and pairs against the segmented ones: decode layers, then --grid (bench kernels misses)
 #   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
 #   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
-#   bash scripts/gpu_session.sh streamk      the stream-K Triton GEMM against cuBLAS per 8B GEMM (gemm_probe.py --streamk)
-#   bash scripts/gpu_session.sh streamk-ab   the engine's 256-row decode with MLORA_STREAMK_ROWS (A/B), bf16 demo through it
+#   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -421,17 +420,22 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
     timeout 120 python scripts/profile_batch.py --phase prefill --rows 256 --adapters 8 --iters 3 2>&1 \
       | grep -v USDT | tee "$OUT/profile-prefill.txt" | head -8
     ;;
-  streamk)  # twenty-fifth session: the stream-K Triton GEMM (mlora.kernels.streamk, an experiment) against
-    # cuBLAS per Llama-3-8B GEMM at 128 / 256 rows (~5 min)
-    timeout 120 python -m pytest -q tests/test_streamk.py 2>&1 | tail -2
-    timeout 420 python -u scripts/gemm_probe.py --rows 128,256 --streamk 2>&1 | tee "$OUT/gemm-probe-streamk.txt" | tail -14
-    ;;
-  streamk-ab)  # twenty-fifth session, after streamk: the engine's 256-row decode with the stream-K GEMMs (A/B),
-    # the bf16 demo through them (~5 min)
-    MLORA_STREAMK_ROWS=1:512 demo_gpu streamk bfloat16
-    timeout 120 env MLORA_STREAMK_ROWS=1:512 python -m pytest -q tests/test_batch_model.py tests/test_batch_graphs.py 2>&1 | tail -2
-    timeout 400 python -m mlora bench batch --rows 1024 --adapters 0 --ab MLORA_STREAMK_ROWS=off,129:256 --ab-repeats 2 \
-      --out "$OUT/batch-streamk-ab.json" 2>&1 | grep -E "adapters|MLORA"
+  logits-bf16)  # twenty-fifth session: the forward's logits in the model's dtype (no float32 copy): GPU tests,
+    # demo x3, then base decode at 256 rows against the same code with the copy put back (forward(...).float()),
+    # two processes each, alternating (~8 min)
+    timeout 200 python -m pytest -q tests/test_batch_model.py tests/test_batch_graphs.py tests/test_batch_sampling.py \
+      tests/test_batch_lookahead.py 2>&1 | tail -2
+    for dt in float32 bfloat16; do demo_gpu "logits-$dt" "$dt"; done
+    MLORA_DEBUG_GRAPHS=1 demo_gpu logits-debug-graphs bfloat16
+    copy="import mlora.batch.model as m; f = m.DecoderModel.forward
+m.DecoderModel.forward = lambda *a, **k: f(*a, **k).float()
+from mlora.cli.app import app; app()"
+    for i in 1 2; do
+      timeout 150 python -m mlora bench batch --rows 1024 --adapters 0 --out "$OUT/batch-logits-model-dtype-$i.json" \
+        2>&1 | grep adapters | sed 's/^/model dtype: /'
+      timeout 150 python -c "$copy" bench batch --rows 1024 --adapters 0 --out "$OUT/batch-logits-float32-$i.json" \
+        2>&1 | grep adapters | sed 's/^/float32 copy: /'
+    done
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

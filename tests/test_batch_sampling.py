@@ -20,6 +20,19 @@ def test_greedy_is_argmax_lowest_index_on_ties():
     assert got == expect and got[2] == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_as_their_float32_values(dtype):
+    """The model hands over logits in its own dtype: greedy and drawn tokens equal those of the
+    same values widened to float32, ties (frequent at 16 bits) included."""
+    x = (_logits(5, rows=8, vocab=300) * 4).to(dtype)
+    x[3, 10] = x[3, 200] = x[3].max() + 1  # a tie at the top: the lower index wins
+    keys, idx = [row_key(4, str(i)) for i in range(8)], list(range(8))
+    greedy = sample(x, SamplingParams(), keys, idx)
+    assert greedy == sample(x.float(), SamplingParams(), keys, idx) and greedy[3] == 10
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=4)
+    assert sample(x, p, keys, idx) == sample(x.float(), p, keys, idx)
+
+
 def test_row_stream_does_not_depend_on_the_batch():
     p = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=7)
     x = _logits(1)

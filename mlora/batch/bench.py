@@ -219,7 +219,7 @@ def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: i
         + (2 * c.num_layers + 1) * c.hidden_size * itemsize
     kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
     per_row_act = c.num_layers * (4 * c.hidden_size + 2 * c.q_out + 2 * c.kv_out + 3 * c.intermediate_size) * itemsize
-    act = rows * per_row_act + sampled * c.vocab_size * (itemsize + 4)
+    act = rows * per_row_act + sampled * c.vocab_size * itemsize  # logits written once, in the model's dtype
     total = weights + distinct * adapter_bytes(c, rank, itemsize) + kv_tokens * kv_per_token + act
     flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
         + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)

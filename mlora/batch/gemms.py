@@ -18,11 +18,6 @@ the demo's check, equal). CPU forwards are untouched. Measured on the H200 only:
 GPU, ``scripts/gemm_probe.py --rows 32,64,128,256`` and ``mlora bench batch --ab
 MLORA_BLAS_ROWS=off,1:128`` say whether the range suits it.
 
-``MLORA_STREAMK_ROWS`` (``LO:HI``; default off) routes a forward's 16-bit base GEMMs through
-the stream-K Triton GEMM of ``mlora.kernels.streamk`` instead (:func:`linear`): an experiment
-of the twenty-fifth session for the compute-bound 256-row decode GEMMs, where cuBLAS's last
-partial wave of tiles leaves SMs idle.
-
 Measured and not adopted (same probe, then ``bench batch --ab``): the fused gate/up GEMM as
 two GEMMs over the weight's halves, 92.6 against 99.0 us alone at 256 rows, changed nothing
 in the engine's iteration (13.46-13.48 against 13.45-13.50 ms).
@@ -40,10 +35,6 @@ from mlora.batch.envknobs import env_row_range
 
 BLAS_ROWS_ENV = "MLORA_BLAS_ROWS"
 BLAS_ROWS_DEFAULT = (1, 128)
-STREAMK_ROWS_ENV = "MLORA_STREAMK_ROWS"
-STREAMK_ROWS_DEFAULT = None  # off: an experiment (twenty-fifth session) until the engine A/B says otherwise
-
-_route = threading.local()  # .streamk: the current forward runs its 16-bit GEMMs through streamk_linear
 
 _notice_lock = threading.Lock()
 _notice_done = False
@@ -58,46 +49,9 @@ def blas_for(rows: int, device: torch.device) -> str | None:
     return "cublaslt"
 
 
-def streamk_for(rows: int, device: torch.device) -> bool:
-    """True for a CUDA forward of ``rows`` rows inside ``MLORA_STREAMK_ROWS`` (default: off)."""
-    bounds = env_row_range(STREAMK_ROWS_ENV, STREAMK_ROWS_DEFAULT)
-    return device.type == "cuda" and bounds is not None and bounds[0] <= rows <= bounds[1]
-
-
-@contextlib.contextmanager
 def blas_library(rows: int, device: torch.device):
-    """A forward's GEMMs under :func:`blas_for`'s preference and :func:`streamk_for`'s route
-    (a context manager; :func:`linear` reads the route)."""
-    saved = getattr(_route, "streamk", False)
-    _route.streamk = streamk_for(rows, device)
-    try:
-        with preferring(blas_for(rows, device)):
-            yield
-    finally:
-        _route.streamk = saved
-
-
-def streamk_config(N: int, K: int) -> dict:
-    """The stream-K launch for a ``[*, K] x [N, K]`` GEMM: 128x256 tiles for the wide gate/up
-    and lm_head outputs, 128x128 for the rest; 64-deep K steps through tensor descriptors.
-    Written from one probe (``scripts/gemm_probe.py --streamk``), not generated: an experiment."""
-    if N >= 16384:
-        return dict(bm=128, bn=256, bk=64, stages=3, warps=8, mode="hybrid", tma=True)
-    return dict(bm=128, bn=128, bk=64, stages=4, warps=8, mode="hybrid", tma=True)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``; inside a :func:`blas_library` block whose forward is routed to
-    stream-K, 16-bit CUDA GEMMs whose K divides the tile depth run through
-    ``mlora.kernels.streamk.streamk_linear`` (the bias added after)."""
-    if not getattr(_route, "streamk", False) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
-        return torch.nn.functional.linear(x, w, bias)
-    from mlora.kernels.streamk import streamk_linear
-    cfg = streamk_config(w.shape[0], w.shape[1])
-    if w.shape[1] % cfg["bk"] or not x.is_contiguous() or not w.is_contiguous():
-        return torch.nn.functional.linear(x, w, bias)
-    y = streamk_linear(x, w, **cfg)
-    return y if bias is None else y.add_(bias)
+    """A forward's GEMMs under :func:`blas_for`'s preference (a context manager)."""
+    return preferring(blas_for(rows, device))
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ Owns the static device buffers a captured decode step reads, one CUDA graph
 per batch-size bucket, and the per-iteration refill of those buffers. Must not
 schedule, sample or touch the block allocator: the engine hands it one
 decode-only iteration (every sequence one new row, every row sampled) as host
-lists and gets float32 logits back.
+lists and gets logits (the model's dtype) back.
 
 A decode iteration of ``b`` sequences runs the graph of the smallest bucket
 ``>= b``. Rows ``b .. bucket-1`` are padding: token 0 at position 0, context

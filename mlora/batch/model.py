@@ -28,7 +28,7 @@ and Qwen3 q/k/v/o biases; Qwen2 always has q/k/v biases; Mistral has none.
 from __future__ import annotations
 
 from mlora.batch.errors import CodedError
-from mlora.batch.gemms import blas_library, linear
+from mlora.batch.gemms import blas_library
 
 import json
 import math
@@ -297,7 +297,7 @@ class DecoderLayer(torch.nn.Module):
         prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
         if prepare is not None:
             prepare(i, "qkv", x)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
         if c.qk_norm:  # per-head norms before the rotation: the reference path
@@ -313,20 +313,20 @@ class DecoderLayer(torch.nn.Module):
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
         if prepare is not None:
             prepare(i, "o", a)
-        o = linear(a, self.o_weight, self.o_bias)
+        o = F.linear(a, self.o_weight, self.o_bias)
         if lora is not None:
             lora.apply(i, "o", a, o)
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         if prepare is not None:
             prepare(i, "gate_up", x)
-        gate_up = linear(x, self.gate_up_weight)
+        gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
             m = apply_silu_mul(lora, i, x, gate_up, c.intermediate_size, ops)
         else:
             m = ops.silu_mul(gate_up, c.intermediate_size)
         if prepare is not None:
             prepare(i, "down", m)
-        down = linear(m, self.down_weight)
+        down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)
         return h, down
@@ -366,7 +366,7 @@ class DecoderModel(torch.nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
                 lora: LoraContext | None, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Packed rows [T] -> float32 logits [B, vocab] of the rows in ``sample_rows``.
+        """Packed rows [T] -> logits [B, vocab] of the rows in ``sample_rows``, in the model's dtype.
         Writes every layer's K/V of the T rows into ``kv`` at ``meta.slot_mapping``."""
         kv.begin(meta.slot_mapping)  # inside a graph capture: captured, recomputed on every replay
         h = F.embedding(input_ids, self.embed_weight)
@@ -375,11 +375,15 @@ class DecoderModel(torch.nn.Module):
         with blas_library(input_ids.shape[0], h.device):  # cuBLASLt at decode sizes (mlora.batch.gemms)
             for layer in self.layers:
                 h, delta = layer(h, cos, sin, meta, kv, lora, delta)
+            ops = ops_for(h.device)
             h = h.index_select(0, sample_rows)
-            if delta is not None:  # the last layer's MLP output, for the sampled rows only
-                h = h + delta.index_select(0, sample_rows)
-            h = rms_norm(h, self.norm_weight, self.config.rms_norm_eps)
-            return linear(h, self.lm_head_weight).float()
+            if delta is None:
+                h = ops.rms_norm(h, self.norm_weight, self.config.rms_norm_eps)
+            else:  # plus the last layer's MLP output, for the sampled rows only; add and norm in one launch
+                _, h = ops.add_rms_norm(h, delta.index_select(0, sample_rows), self.norm_weight, self.config.rms_norm_eps)
+            # in the model's dtype: the GEMM's output rounding is all there is, so a float32 copy
+            # (a pass over sampled rows x vocab) would change no argmax; the sampler upcasts where it computes
+            return F.linear(h, self.lm_head_weight)
 
     # ------------------------------------------------------------ loading
 

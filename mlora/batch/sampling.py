@@ -1,7 +1,9 @@
 """Token sampling with per-row random streams independent of batch composition.
 
-Owns the choice of the next token from a row's float32 logits. Greedy (the
-default, temperature 0) is the argmax, lowest index on ties. Otherwise:
+Owns the choice of the next token from a row's logits (the model's dtype: the
+LM head's output as it is rounded; nothing is gained by widening it). Greedy
+(the default, temperature 0) is the argmax over them, lowest index on ties,
+which is the argmax of their float32 values. Otherwise, in float32:
 temperature scaling, then top-k, then top-p (nucleus: the smallest prefix of
 the probability-sorted tokens whose mass reaches p), then one draw by inverse
 CDF with a uniform number that depends only on (job seed, row id, token
@@ -62,7 +64,7 @@ def uniform(key: int, index: int) -> float:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], indices: list[int]) -> list[int]:
-    """Next token of each row of ``logits`` [B, V] (float32); ``keys`` and
+    """Next token of each row of ``logits`` [B, V] (any float dtype); ``keys`` and
     ``indices`` give each row's stream and token index."""
     if logits.shape[0] == 0:
         return []

@@ -25,7 +25,7 @@ from .catalog import PinnedAdapter
 from .engine import Engine, Request, Result
 from .envknobs import env_int
 from .gcpauses import GcRegime
-from .gemms import blas_for, streamk_for
+from .gemms import blas_for
 from .job import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
 from .sampling import SamplingParams
 
@@ -48,7 +48,6 @@ class EngineSession:
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
         self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
         blas_for(1, device)  # MLORA_BLAS_ROWS, the same (every forward reads it)
-        streamk_for(1, device)  # MLORA_STREAMK_ROWS, the same
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
         self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         config = model.config
