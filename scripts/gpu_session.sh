@@ -21,7 +21,6 @@
 #   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
 #   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
 #   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
-#   bash scripts/gpu_session.sh base-pdl     base-path Triton kernels with PDL: GPU tests, demo x3, bench batch A/B MLORA_BASE_PDL=0,1
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -437,15 +436,6 @@ from mlora.cli.app import app; app()"
       timeout 150 python -c "$copy" bench batch --rows 1024 --adapters 0 --out "$OUT/batch-logits-float32-$i.json" \
         2>&1 | grep adapters | sed 's/^/float32 copy: /'
     done
-    ;;
-  base-pdl)  # twenty-fifth session: the base path's Triton kernels launched with PDL (MLORA_BASE_PDL, mlora.batch.pdl):
-    # GPU tests, demo x3, then bench batch A/B at 256 rows, base and 64 adapters (~8 min)
-    timeout 240 python -m pytest -q tests/test_batch_attention.py tests/test_batch_fused.py tests/test_batch_model.py \
-      tests/test_batch_graphs.py tests/test_batch_lookahead.py tests/test_kernels_triton.py 2>&1 | tail -2
-    for dt in float32 bfloat16; do demo_gpu "pdl-$dt" "$dt"; done
-    MLORA_DEBUG_GRAPHS=1 demo_gpu pdl-debug-graphs bfloat16
-    timeout 330 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_BASE_PDL=0,1 \
-      --out "$OUT/batch-base-pdl.json" 2>&1 | grep -E "adapters"
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

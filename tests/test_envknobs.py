@@ -1,7 +1,6 @@
 """The environment's integer knobs: one parser, the same refusal for every variable."""
 
 import pytest
-import torch
 
 from mlora.batch.envknobs import env_int, env_row_range
 from mlora.batch.session import SWITCH_INTERVAL_US, switch_interval_s
@@ -70,17 +69,3 @@ def test_env_row_range_reads_off_and_refuses(monkeypatch):
         monkeypatch.setenv("MLORA_TEST_RANGE", bad)
         with pytest.raises(ValueError, match=r"MLORA_TEST_RANGE=.*expected LO:HI.*the default, off\)"):
             env_row_range("MLORA_TEST_RANGE")
-
-
-def test_base_pdl_knob(monkeypatch):
-    """MLORA_BASE_PDL: on by default where PDL is supported, never on the CPU (nor under the
-    interpreter); 0 turns it off; anything else is refused naming the variable."""
-    from mlora.batch.pdl import base_pdl, pdl_launch
-
-    monkeypatch.delenv("MLORA_BASE_PDL", raising=False)
-    assert base_pdl(torch.device("cpu")) is False and pdl_launch(torch.device("cpu")) == {}
-    monkeypatch.setenv("MLORA_BASE_PDL", "0")
-    assert base_pdl(torch.device("cpu")) is False
-    monkeypatch.setenv("MLORA_BASE_PDL", "yes")
-    with pytest.raises(ValueError, match=r"MLORA_BASE_PDL='yes'"):
-        base_pdl(torch.device("cpu"))

@@ -26,7 +26,6 @@ try:  # the CPU-only CI installs triton too; guard anyway: the references need n
     import triton
     import triton.language as tl
 
-    from mlora.batch.pdl import pdl_launch, pdl_prologue
     from mlora.kernels.triton_act import _silu_product  # the one rounding of silu(g) * u
 except ImportError:  # pragma: no cover
     triton = None
@@ -85,8 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, x_ptr, n, eps, stride_h, stride_d, stride_ho, stride_x,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-        pdl_prologue(USE_PDL)
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -107,7 +105,7 @@ if triton is not None:
                         k_ptr, v_ptr, slot_ptr, q_heads, kv_heads, block_size,
                         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                         HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr, WRITE_KV: tl.constexpr = False,
-                        KV_P2: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                        KV_P2: tl.constexpr = 1):
         """Rotate q and k of one row in place; with ``WRITE_KV`` also store the rotated k heads
         and the row's v heads at its cache slot (block ``slot // block_size``, offset ``slot %
         block_size``; cache strides per block, offset and head, head_dim contiguous)."""
@@ -145,9 +143,7 @@ if triton is not None:
             tl.store(v_ptr + blk * stride_vb + off * stride_vo + vh * stride_vh + d, vv, mask=vmask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-        pdl_prologue(USE_PDL)
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
@@ -175,7 +171,7 @@ def add_rms_norm_triton(h, delta, weight, eps):
         block = _pow2(n)
         _add_rms_norm_kernel[(h2.shape[0],)](
             h2, d2, weight, hout, x, n, eps, h2.stride(0), d2.stride(0), hout.stride(0), x.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4, **pdl_launch(h.device))
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return hout.view(h.shape), x.view(h.shape)
 
 
@@ -184,8 +180,7 @@ def rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim):
         heads = q_heads + kv_heads
         _rope_qk_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
                                          head_dim // 2, qkv, qkv, qkv, 0, 0, 1, 0, 0, 0, 0, 0, 0,
-                                         HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), num_warps=4,
-                                         **pdl_launch(qkv.device))
+                                         HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), num_warps=4)
     return qkv
 
 
@@ -205,8 +200,7 @@ def rope_qk_kv_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, sl
             qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads, head_dim // 2,
             kc, vc, slot_mapping, q_heads, kv_heads, kv.block_size, kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2),
-            HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), WRITE_KV=True, KV_P2=_pow2(kv_heads), num_warps=4,
-            **pdl_launch(qkv.device))
+            HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), WRITE_KV=True, KV_P2=_pow2(kv_heads), num_warps=4)
     return qkv
 
 
@@ -215,8 +209,7 @@ def silu_mul_triton(gate_up, inter):
     if gate_up.shape[0]:
         block = min(_pow2(inter), 2048)
         _silu_mul_kernel[(gate_up.shape[0], -(-inter // block))](gate_up, out, inter, gate_up.stride(0),
-                                                                 out.stride(0), BLOCK=block, num_warps=4,
-                                                                 **pdl_launch(gate_up.device))
+                                                                 out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 
