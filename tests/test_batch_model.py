@@ -627,4 +627,3 @@ def test_forward_runs_its_gemms_under_the_rows_preference(checkpoints, monkeypat
     runner.step([("a", tokens(5, 1)), ("b", tokens(2, 2))])
     runner.step([("a", [3]), ("b", [4])])
     assert seen == [(7, "cpu"), (2, "cpu")]
-

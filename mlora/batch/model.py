@@ -380,7 +380,8 @@ class DecoderModel(torch.nn.Module):
             if delta is None:
                 h = ops.rms_norm(h, self.norm_weight, self.config.rms_norm_eps)
             else:  # plus the last layer's MLP output, for the sampled rows only; add and norm in one launch
-                _, h = ops.add_rms_norm(h, delta.index_select(0, sample_rows), self.norm_weight, self.config.rms_norm_eps)
+                delta = delta.index_select(0, sample_rows)
+                _, h = ops.add_rms_norm(h, delta, self.norm_weight, self.config.rms_norm_eps)
             # in the model's dtype: the GEMM's output rounding is all there is, so a float32 copy
             # (a pass over sampled rows x vocab) would change no argmax; the sampler upcasts where it computes
             return F.linear(h, self.lm_head_weight)
