@@ -4,7 +4,11 @@ Builds the ``mlora bench batch`` model (random weights, a shape preset), fills
 the engine with ``--rows`` rows, runs until every row is decoding, then
 profiles ``--iters`` decode iterations with torch.profiler and prints: wall
 time per iteration split into host stages (schedule, input build, forward
-launch, sampling sync), and the GPU kernels by total time.
+launch, sampling sync), and the GPU kernels by total time. With ``--graphs``
+also the GPU time of the decode step alone: the batch's graph replayed back to
+back with the greedy argmax after each (no host work in between; CUDA events),
+against the engine's wall time per iteration: the difference is the time the
+GPU waits for the host between iterations.
 
     PYTHONPATH=. python scripts/profile_batch.py --rows 256 --adapters 8
 """
@@ -85,6 +89,24 @@ def main() -> None:
     print(f"{len(eng.running)} running rows, {args.adapters} adapters: {wall * 1e3:.2f} ms per {args.phase} iteration")
     for k, v in stages.items():
         print(f"  {k:28s} {v / args.iters * 1e3:8.2f} ms")
+
+    if eng.graphs is not None and args.phase == "decode":  # the device alone: replays back to back
+        graph, logits = eng.graphs.graphs[eng.graphs.bucket(len(eng.running))]
+
+        def device_step():
+            graph.replay()
+            torch.argmax(logits, dim=-1)
+
+        device_step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            device_step()
+        end.record()
+        end.synchronize()
+        gpu = start.elapsed_time(end) / 1e3 / args.iters
+        print(f"  device alone (replay + argmax)  {gpu * 1e3:8.2f} ms; the GPU waits for the host "
+              f"{(wall - gpu) * 1e3:.2f} ms an iteration ({(wall - gpu) / wall:.1%})")
 
     from torch.profiler import ProfilerActivity, profile
 
