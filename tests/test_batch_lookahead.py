@@ -5,7 +5,9 @@ Every test compares against the same engine without lookahead: same tokens, same
 iteration counts, and each taken lookahead plan equal to the plan ``schedule``
 returns at that moment."""
 
+import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -41,9 +43,11 @@ def _requests(n, adapters, vocab, seed, eos_every=0):
                     adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, 14)) for i in range(n)]
 
 
-def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine):
+def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine,
+         chain=False):
     eng = cls(model, bank, pinned, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-              max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=graphs, lookahead=lookahead)
+              max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=graphs, lookahead=lookahead,
+              chain=chain)
     for r in reqs:
         assert eng.add(r) is None
     out = {r.row: (r.token_ids, r.finish_reason) for r in eng.drain()}
@@ -117,3 +121,72 @@ def test_a_row_that_arrives_with_a_free_seat_is_admitted_instead_of_the_lookahea
     assert eng.lookahead_used == used  # dropped: the schedule had a row to admit
     late = next(s for s in eng.running if s.req.row == 9)
     assert late.num_computed == 3  # admitted and prefilled in this very step
+
+
+@pytest.mark.parametrize("max_num_seqs,num_blocks,eos,adapters", [(6, 256, False, True), (16, 256, True, False),
+                                                                   (8, 14, False, False)])
+def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, adapters):
+    """Engine(chain=True) on the (emulated) decode graphs launches the looked-ahead iteration
+    from the device's argmax before reading the tokens: rows that finish (length; with ``eos``
+    also end-of-sequence tokens) while the chained iteration runs have their extra row dropped,
+    waiting rows are admitted one iteration later, a small cache (14 blocks) preempts and the
+    lookahead declines. Every row's tokens and finish reason equal the plain engine's; every
+    block comes back. With ``adapters`` a slot bank (its Triton kernels interpreted on the
+    CPU under graphs: few rows)."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    bank, pinned = random_bank(model, 2, 4, seed=3, backend="triton") if adapters else (None, {})
+    names = [None, "bench-0", "bench-1"] if adapters else [None]
+    reqs = _requests(8 if adapters else 24, names, config.vocab_size, seed=4)
+    if eos:  # the three tokens the model generates most become end-of-sequence: many rows stop early
+        free, _ = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+        common = Counter(t for toks, _ in free.values() for t in toks).most_common(3)
+        model.config = dataclasses.replace(model.config, eos_token_ids=tuple(t for t, _ in common))
+    plain, ref = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+    chained, eng = _run(model, bank, pinned, reqs, lookahead=True, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                        graphs=True, chain=True)
+    assert chained == plain and len(plain) == len(reqs)
+    assert eng.chained > 0 and eng.graphs.replays > 0
+    assert eng.stats["generated_tokens"] == ref.stats["generated_tokens"]
+    assert eng.allocator.num_free == num_blocks
+    if eos:
+        assert sum(reason == "stop" for _, reason in plain.values()) > 3
+    if num_blocks == 14:
+        assert ref.stats["preemptions"] > 0 and eng.stats["preemptions"] > 0
+
+
+def test_chained_decode_drops_the_token_of_a_row_that_finished():
+    """Two rows decode in a chain; one reaches max_new_tokens: the chained iteration launched
+    before its last token was read still ran it, and that row's token from it is dropped
+    (the row keeps exactly max_new_tokens tokens), while the other row goes on."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=5)
+    reqs = [Request(row=0, id="0", prompt_ids=[3, 4, 5], adapter=None, max_new_tokens=4),
+            Request(row=1, id="1", prompt_ids=[6, 7], adapter=None, max_new_tokens=9)]
+    plain, _ = _run(model, None, {}, reqs, lookahead=False, max_num_seqs=2)
+    eng = Engine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=2, max_batch_tokens=64,
+                 cuda_graphs=True, lookahead=True, chain=True)
+    for r in reqs:
+        eng.add(r)
+    done = {}
+    while eng.has_work():
+        for r in eng.step():
+            done[r.row] = (r.token_ids, r.finish_reason)
+            if r.row == 0:
+                assert eng._inflight is not None  # launched before row 0's last token was read
+    assert done == plain and len(done[0][0]) == 4 and eng.chained > 0
+
+
+def test_chain_is_off_by_default_and_needs_graphs_and_lookahead(monkeypatch):
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
+    kw = dict(num_blocks=8, block_size=4, max_num_seqs=2, max_batch_tokens=64)
+    monkeypatch.delenv("MLORA_CHAIN_DECODE", raising=False)
+    assert not Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
+    monkeypatch.setenv("MLORA_CHAIN_DECODE", "1")
+    assert Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
+    assert not Engine(model, None, {}, cuda_graphs=False, lookahead=True, **kw).chain
+    assert not Engine(model, None, {}, cuda_graphs=True, lookahead=False, **kw).chain
+    monkeypatch.setenv("MLORA_CHAIN_DECODE", "yes")
+    with pytest.raises(ValueError, match="MLORA_CHAIN_DECODE='yes'"):
+        Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw)

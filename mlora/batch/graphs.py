@@ -112,6 +112,7 @@ class DecodeGraphs:
         # the copies out of it (two stages ago) completed, so no copy reads a half-written set
         self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self._turn = 0
+        self._tok_host: torch.Tensor | None = None  # chain(): the last iteration's tokens, read by the host
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 1 <= num_seqs <= self.max_seqs and max_blocks <= self.width
@@ -207,7 +208,7 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             context_lens: list[int], row_slots: list[int] | None, staged: bool = False) -> torch.Tensor:
-        """Logits [len(ids), vocab] (float32) of one decode iteration; valid until the next call.
+        """Logits [len(ids), vocab] (the model's dtype) of one decode iteration; valid until the next call.
         ``staged``: :meth:`stage` already queued this iteration's positions, slots, tables and
         context lengths (the same lists)."""
         n = len(ids)
@@ -239,6 +240,42 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return logits[:n]
+
+    def chain(self, logits: torch.Tensor, n: int, row_slots: list[int] | None):
+        """Launch the next decode iteration of the same ``n`` rows (its inputs staged already),
+        with the greedy tokens of ``logits`` (the last iteration's, ``[n, vocab]``, still in its
+        bucket's static buffer) as its token ids, copied on the device; ``row_slots`` as the last
+        run's. Returns (the new iteration's logits, valid until the next call; a function that
+        waits for the last iteration's tokens alone and returns them as a list). The argmax and
+        its copy to the host are queued before the replay, which overwrites ``logits``."""
+        b = self.bucket(n)
+        tok = torch.argmax(logits, dim=-1)
+        if self._tok_host is None:
+            self._tok_host = torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=not self.emulated)
+        host = self._tok_host[:n]
+        host.copy_(tok, non_blocking=True)
+        event = None
+        if not self.emulated:
+            event = torch.cuda.Event()
+            event.record()
+        self._pad(n, b)
+        self.ids[:n].copy_(tok, non_blocking=True)
+        if self.bank is not None:
+            padded = (row_slots or [-1] * n) + [-1] * (b - n)
+            static = self.members if self.members is not None else self.launch[b]
+            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
+        graph, out = self.graphs[b]
+        if self.checked:
+            self.check_buffers(b, n)
+        graph.replay()
+        self.replays += 1
+
+        def tokens() -> list[int]:
+            if event is not None:
+                event.synchronize()
+            return host.tolist()
+
+        return out[:n], tokens
 
     @staticmethod
     def _tile_order(context_lens: list[int], b: int) -> torch.Tensor:

@@ -158,6 +158,8 @@ class EngineSession:
                       **self.gc.stats())
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
+        if self.engine.chain:  # of those, launched before the iteration ahead of them was sampled
+            engine["chained_iterations"] = self.engine.chained
         if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
             engine["graph_replays"] = self.engine.graphs.replays
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
