@@ -21,6 +21,7 @@
 #   bash scripts/gpu_session.sh misses       kernel_sweep.py --misses: launch-bound misses under taller row tiles
 #   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
 #   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
+#   bash scripts/gpu_session.sh chain        chained decode (MLORA_CHAIN_DECODE=1): GPU tests, demo x3, host-wait profile, bench A/B 256 and 64 rows
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -436,6 +437,20 @@ from mlora.cli.app import app; app()"
       timeout 150 python -c "$copy" bench batch --rows 1024 --adapters 0 --out "$OUT/batch-logits-float32-$i.json" \
         2>&1 | grep adapters | sed 's/^/float32 copy: /'
     done
+    ;;
+  chain)  # twenty-fifth session (built on the CPU, not run yet): chained decode (MLORA_CHAIN_DECODE=1): GPU tests and
+    # demo x3 with it, the GPU's wait for the host with and without it, then bench batch A/B at 256 and 64 rows (~9 min)
+    MLORA_CHAIN_DECODE=1 timeout 150 python -m pytest -q tests/test_batch_lookahead.py tests/test_batch_graphs.py 2>&1 | tail -2
+    for dt in float32 bfloat16; do MLORA_CHAIN_DECODE=1 demo_gpu "chain-$dt" "$dt"; done
+    MLORA_CHAIN_DECODE=1 MLORA_DEBUG_GRAPHS=1 demo_gpu chain-debug-graphs bfloat16
+    for c in 0 1; do
+      MLORA_CHAIN_DECODE=$c timeout 100 python scripts/profile_batch.py --rows 256 --adapters 8 --graphs --iters 20 2>&1 \
+        | grep -E "per decode|device alone" | sed "s/^/chain $c: /"
+    done
+    timeout 240 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=0,1 \
+      --out "$OUT/batch-chain.json" 2>&1 | grep -E "adapters"
+    timeout 150 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --ab MLORA_CHAIN_DECODE=0,1 \
+      --out "$OUT/batch-chain-64.json" 2>&1 | grep -E "adapters"
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

@@ -224,7 +224,6 @@ class Engine:
         # frees KV pages the ledger may hand to an adapter load on another stream at once
         self.chain = bool(chain) and lookahead and cuda_graphs and not self.joint
         self._inflight: tuple[IterationPlan, torch.Tensor] | None = None  # launched, not yet sampled
-        self._last_slots: list[int] | None = None  # the slot per row of the last graph launch
         self.chained = 0
         self.metrics = metrics  # mlora.batch.metrics.JobMetrics or None
         # called once per iteration after its host work, right before sampling waits for the
@@ -694,7 +693,6 @@ class Engine:
         # decode-only (one row per sequence, every row sampled): replay a captured graph
         if self.graphs is not None and plan.doff == 0 and len(sample_rows) == len(ids) \
                 and self.graphs.fits(len(ids), max(len(t) for t in tables)):
-            self._last_slots = slot_list  # a chained next iteration (_chain) runs the same rows
             return self.graphs.run(ids, pos, slots_map, tables, ctx, slot_list, staged=staged)
         lora = self.bank.context(torch.tensor(slot_list, dtype=torch.int32)) if slot_list is not None else None
         meta = AttentionMetadata(
@@ -829,7 +827,9 @@ class Engine:
         0.28 of 6.39 at 64 rows on the H200, ``scripts/profile_batch.py --graphs``, twenty-fifth
         session). The next step takes the launched iteration as its plan (``_inflight``); a row
         that finishes here was computed there too and its token is dropped (its KV write lands in
-        its own freed block, before any later forward on the stream can reuse it). None (the
+        its own freed block, before any later forward on the stream can reuse it). The launch
+        skips ``_ensure`` and the bank's context: the rows, their adapters, leases and slots are
+        the last launch's, and so are the graph's LoRA buffers. None (the
         caller samples as usual) unless the lookahead's inputs are staged in the decode graphs and
         sampling is greedy (the device's argmax is then exactly ``sample``'s choice)."""
         ahead = self._next
@@ -837,7 +837,7 @@ class Engine:
             return None
         self._next = None  # consumed here, not by the next step's _take
         n = len(ahead.seqs)
-        next_logits, tokens = self.graphs.chain(logits, n, self._last_slots)
+        next_logits, tokens = self.graphs.chain(logits, n)
         self._inflight = (IterationPlan(seqs=list(ahead.seqs), new_tokens=[1] * n, sample=[True] * n,
                                         prefill_indptr=[0], doff=0), next_logits)
         self.stats["iterations"] += 1

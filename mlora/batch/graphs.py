@@ -241,13 +241,16 @@ class DecodeGraphs:
         self.replays += 1
         return logits[:n]
 
-    def chain(self, logits: torch.Tensor, n: int, row_slots: list[int] | None):
-        """Launch the next decode iteration of the same ``n`` rows (its inputs staged already),
-        with the greedy tokens of ``logits`` (the last iteration's, ``[n, vocab]``, still in its
-        bucket's static buffer) as its token ids, copied on the device; ``row_slots`` as the last
-        run's. Returns (the new iteration's logits, valid until the next call; a function that
+    def chain(self, logits: torch.Tensor, n: int):
+        """Launch the next decode iteration of the same ``n`` rows as the last replay (its
+        inputs staged already), with the greedy tokens of ``logits`` (the last iteration's,
+        ``[n, vocab]``, still in its bucket's static buffer) as its token ids, copied on the
+        device. Returns (the new iteration's logits, valid until the next call; a function that
         waits for the last iteration's tokens alone and returns them as a list). The argmax and
-        its copy to the host are queued before the replay, which overwrites ``logits``."""
+        its copy to the host are queued before the replay, which overwrites ``logits``. The
+        LoRA buffers are not refilled: they hold the last replay's rows, which are these (the
+        bank's context would also copy the row slots to the device, a copy that waits for the
+        stream, i.e. for the running iteration)."""
         b = self.bucket(n)
         tok = torch.argmax(logits, dim=-1)
         if self._tok_host is None:
@@ -260,10 +263,6 @@ class DecodeGraphs:
             event.record()
         self._pad(n, b)
         self.ids[:n].copy_(tok, non_blocking=True)
-        if self.bank is not None:
-            padded = (row_slots or [-1] * n) + [-1] * (b - n)
-            static = self.members if self.members is not None else self.launch[b]
-            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
         graph, out = self.graphs[b]
         if self.checked:
             self.check_buffers(b, n)
