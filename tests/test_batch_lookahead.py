@@ -177,6 +177,27 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
     assert done == plain and len(done[0][0]) == 4 and eng.chained > 0
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):
+    """On a GPU: the chained launch (argmax, its copies to the host and into the token-id
+    buffer, then the replay, all queued on the stream while the last iteration may still run)
+    gives the tokens of the same engine without chaining (the same graphs: equal in bfloat16
+    too), and in float32 the eager engine's; a Triton slot bank, rows finishing at different
+    iterations."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cuda"), dtype, seed=3)
+    bank, pinned = random_bank(model, 3, 4, seed=3, backend="triton")
+    reqs = _requests(23, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
+    graphed, _ = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
+    chained, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True, chain=True)
+    assert eng.chained > 0 and eng.graphs.replays > 0
+    assert chained == graphed
+    if dtype == torch.float32:
+        eager, _ = _run(model, bank, pinned, reqs, lookahead=False, max_num_seqs=16)
+        assert chained == eager
+
+
 def test_chain_is_off_by_default_and_needs_graphs_and_lookahead(monkeypatch):
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
