@@ -411,3 +411,27 @@ def test_bundle_bench_refuses_an_unknown_run(tmp_path, run_cli):
                               "--runs", "bundle,bundel")
     assert code == 2 and "bundel" in stderr and "bundle-triton" in stderr, stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_recording_engine_records_chained_iterations_too():
+    """bench batch times every step against its plan's floor: a chained step (launched by the
+    step before, MLORA_CHAIN_DECODE=1) has a plan recorded like any other, so an A/B of the
+    knob compares all decode iterations (emulated decode graphs on the CPU)."""
+    from mlora.batch.bench import _RecordingEngine, random_model
+    from mlora.batch.engine import Request
+
+    config = preset_config("tiny", "float32")
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=2)
+    eng = _RecordingEngine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64,
+                           cuda_graphs=True, lookahead=True, chain=True)
+    for i in range(3):
+        eng.add(Request(row=i, id=str(i), prompt_ids=[3 + i, 4, 5], adapter=None, max_new_tokens=12))
+    steps = recorded = 0
+    while eng.has_work():
+        eng.last_plan = None
+        eng.step()
+        steps += 1
+        recorded += eng.last_plan is not None
+    assert eng.chained > 0 and recorded == steps
+    # the last chained launch ran rows that had all finished: counted, never stepped
+    assert eng._inflight is not None and eng.stats["iterations"] == steps + 1

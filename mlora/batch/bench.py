@@ -200,9 +200,9 @@ class _RecordingEngine(Engine):
 
     last_plan = None
 
-    def _forward(self, plan, ahead=None):  # every iteration's plan, scheduled or looked ahead
+    def _advance(self, plan, logits):  # every iteration's plan: scheduled, looked ahead or chained
         self.last_plan = plan
-        return super()._forward(plan, ahead)
+        return super()._advance(plan, logits)
 
 
 def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: int, kv_tokens: int, sampled: int,
