@@ -298,17 +298,20 @@ def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path,
         _demo_job_gives_the_expected_rows(tmp_path / "c")
 
 
-def test_malformed_blas_rows_refused_before_the_weights_load(tmp_path, monkeypatch):
-    """MLORA_BLAS_ROWS is read by every forward; a malformed value stops the job when its
-    session is built, before the base weights are read, with the variable named."""
+@pytest.mark.parametrize("var, value, message", [("MLORA_BLAS_ROWS", "1-64", r"MLORA_BLAS_ROWS='1-64': expected LO:HI"),
+                                                  ("MLORA_CHAIN_DECODE", "yes", r"MLORA_CHAIN_DECODE='yes'")])
+def test_malformed_knob_refused_before_the_weights_load(tmp_path, monkeypatch, var, value, message):
+    """MLORA_BLAS_ROWS (read by every forward) and MLORA_CHAIN_DECODE (read by the engine): a
+    malformed value stops the job when its session is built, before the base weights are
+    read, with the variable named."""
     from mlora.batch import model as model_mod
 
     def no_load(*a, **k):
         raise AssertionError("the weights were loaded before the knob was checked")
 
-    monkeypatch.setenv("MLORA_BLAS_ROWS", "1-64")
+    monkeypatch.setenv(var, value)
     monkeypatch.setattr(model_mod.DecoderModel, "from_pretrained", no_load)
-    with pytest.raises(ValueError, match=r"MLORA_BLAS_ROWS='1-64': expected LO:HI"):
+    with pytest.raises(ValueError, match=message):
         _demo_job_gives_the_expected_rows(tmp_path / "a")
 
 

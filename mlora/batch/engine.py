@@ -47,6 +47,11 @@ from .waiting import WaitingQueue
 CHAIN_ENV = "MLORA_CHAIN_DECODE"
 
 
+def chain_from_env() -> bool:
+    """``MLORA_CHAIN_DECODE`` (``0``, the default, or ``1``; anything else refused, named)."""
+    return env_choice(CHAIN_ENV, ("0", "1"), "0") == "1"
+
+
 @dataclass
 class Request:
     row: int  # global input row position
@@ -219,7 +224,7 @@ class Engine:
         self._next: Lookahead | None = None
         self.lookahead_used = 0
         if chain is None:
-            chain = env_choice(CHAIN_ENV, ("0", "1"), "0") == "1"
+            chain = chain_from_env()
         # not in the joint memory mode: a row that finishes while the chained iteration runs
         # frees KV pages the ledger may hand to an adapter load on another stream at once
         self.chain = bool(chain) and lookahead and cuda_graphs and not self.joint
@@ -291,9 +296,9 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is not None and not any(s.is_running for s in inflight[0].seqs):
             inflight = None  # every row of the chained iteration finished before it: nothing to read
-        t0 = time.perf_counter()
         if inflight is not None:  # launched by the last step (_chain): its rows, one token each
             plan, logits = inflight
+            t0 = time.perf_counter()
         else:
             ahead, self._next = self._next, None
             plan = self._take(ahead) if ahead is not None else None

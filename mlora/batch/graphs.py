@@ -234,6 +234,11 @@ class DecodeGraphs:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
             static = self.members if self.members is not None else self.launch[b]
             self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
+        return self._replay(b, n)
+
+    def _replay(self, b: int, n: int) -> torch.Tensor:
+        """Replay bucket ``b``'s graph over buffers holding ``n`` real rows (checked first where
+        ``checked``); its logits' first ``n`` rows."""
         graph, logits = self.graphs[b]
         if self.checked:
             self.check_buffers(b, n)
@@ -263,18 +268,14 @@ class DecodeGraphs:
             event.record()
         self._pad(n, b)
         self.ids[:n].copy_(tok, non_blocking=True)
-        graph, out = self.graphs[b]
-        if self.checked:
-            self.check_buffers(b, n)
-        graph.replay()
-        self.replays += 1
+        out = self._replay(b, n)
 
         def tokens() -> list[int]:
             if event is not None:
                 event.synchronize()
             return host.tolist()
 
-        return out[:n], tokens
+        return out, tokens
 
     @staticmethod
     def _tile_order(context_lens: list[int], b: int) -> torch.Tensor:

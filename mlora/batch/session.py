@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from .catalog import PinnedAdapter
-from .engine import Engine, Request, Result
+from .engine import Engine, Request, Result, chain_from_env
 from .envknobs import env_int
 from .gcpauses import GcRegime
 from .gemms import blas_for
@@ -48,6 +48,7 @@ class EngineSession:
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
         self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
         blas_for(1, device)  # MLORA_BLAS_ROWS, the same (every forward reads it)
+        chain_from_env()  # MLORA_CHAIN_DECODE, the same (the engine reads it once it is built)
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
         self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         config = model.config
