@@ -22,6 +22,7 @@
 #   bash scripts/gpu_session.sh drain        256-row job A/B of MLORA_BLAS_ROWS=1:128,off (its drain), --misses, prefill profile
 #   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
 #   bash scripts/gpu_session.sh chain        chained decode (MLORA_CHAIN_DECODE=1): GPU tests, demo x3, host-wait profile, bench A/B 256 and 64 rows
+#   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -89,7 +90,8 @@ case "${1:-quick}" in
     timeout 300 python -m pytest -q tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py \
       tests/test_residency.py tests/test_residency_validate.py tests/test_kernels_triton.py tests/test_kernels_slices.py \
       tests/test_batch_fused.py tests/test_bundle_serving.py tests/test_batch_lookahead.py tests/test_residency_pinned.py \
-      tests/test_kernels_fused.py tests/test_bundle_triton.py 2>&1 | tail -15
+      tests/test_kernels_fused.py tests/test_bundle_triton.py \
+      tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too 2>&1 | tail -15
     for dt in float32 bfloat16; do
       rm -rf "/tmp/demo-$dt"
       timeout 90 python -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo-$dt" --base examples/demo/base \
@@ -451,6 +453,11 @@ from mlora.cli.app import app; app()"
       --out "$OUT/batch-chain.json" 2>&1 | grep -E "adapters"
     timeout 150 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --ab MLORA_CHAIN_DECODE=0,1 \
       --out "$OUT/batch-chain-64.json" 2>&1 | grep -E "adapters"
+    ;;
+  chain-ab)  # twenty-sixth session: chained decode (now the default) against unchained, reversed order and
+    # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
+    timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
+      --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

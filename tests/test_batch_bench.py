@@ -416,14 +416,15 @@ def test_bundle_bench_refuses_an_unknown_run(tmp_path, run_cli):
 def test_recording_engine_records_chained_iterations_too():
     """bench batch times every step against its plan's floor: a chained step (launched by the
     step before, MLORA_CHAIN_DECODE=1) has a plan recorded like any other, so an A/B of the
-    knob compares all decode iterations (emulated decode graphs on the CPU)."""
+    knob compares all decode iterations (real decode graphs on a GPU, emulated on the CPU)."""
     from mlora.batch.bench import _RecordingEngine, random_model
     from mlora.batch.engine import Request
 
     config = preset_config("tiny", "float32")
-    model = random_model(config, torch.device("cpu"), torch.float32, seed=2)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real graphs on a GPU
+    model = random_model(config, device, torch.float32, seed=2)
     eng = _RecordingEngine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64,
-                           cuda_graphs=True, lookahead=True, chain=True)
+                           device=device, dtype=model.dtype, cuda_graphs=True, lookahead=True, chain=True)
     for i in range(3):
         eng.add(Request(row=i, id=str(i), prompt_ids=[3 + i, 4, 5], adapter=None, max_new_tokens=12))
     steps = recorded = 0

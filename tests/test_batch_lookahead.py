@@ -16,6 +16,9 @@ from mlora.batch.bench import preset_config, random_bank, random_model
 from mlora.batch.engine import Engine, Request
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+# the chained-decode tests run on real CUDA graphs where there is a GPU, emulated ones on the CPU
+# (Triton kernels cannot take CPU tensors once a GPU is visible: no interpreter then)
+GRAPHS_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class CheckedEngine(Engine):
@@ -134,7 +137,7 @@ def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, ada
     block comes back. With ``adapters`` a slot bank (its Triton kernels interpreted on the
     CPU under graphs: few rows)."""
     config = preset_config("tiny", "float32")
-    model = random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=3)
     bank, pinned = random_bank(model, 2, 4, seed=3, backend="triton") if adapters else (None, {})
     names = [None, "bench-0", "bench-1"] if adapters else [None]
     reqs = _requests(8 if adapters else 24, names, config.vocab_size, seed=4)
@@ -160,12 +163,12 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
     before its last token was read still ran it, and that row's token from it is dropped
     (the row keeps exactly max_new_tokens tokens), while the other row goes on."""
     config = preset_config("tiny", "float32")
-    model = random_model(config, torch.device("cpu"), torch.float32, seed=5)
+    model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=5)
     reqs = [Request(row=0, id="0", prompt_ids=[3, 4, 5], adapter=None, max_new_tokens=4),
             Request(row=1, id="1", prompt_ids=[6, 7], adapter=None, max_new_tokens=9)]
     plain, _ = _run(model, None, {}, reqs, lookahead=False, max_num_seqs=2)
     eng = Engine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=2, max_batch_tokens=64,
-                 cuda_graphs=True, lookahead=True, chain=True)
+                 device=model.device, dtype=model.dtype, cuda_graphs=True, lookahead=True, chain=True)
     for r in reqs:
         eng.add(r)
     done = {}
@@ -198,11 +201,13 @@ def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):
         assert chained == eager
 
 
-def test_chain_is_off_by_default_and_needs_graphs_and_lookahead(monkeypatch):
+def test_chain_is_on_by_default_and_needs_graphs_and_lookahead(monkeypatch):
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
     kw = dict(num_blocks=8, block_size=4, max_num_seqs=2, max_batch_tokens=64)
     monkeypatch.delenv("MLORA_CHAIN_DECODE", raising=False)
+    assert Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
+    monkeypatch.setenv("MLORA_CHAIN_DECODE", "0")
     assert not Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
     monkeypatch.setenv("MLORA_CHAIN_DECODE", "1")
     assert Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain

@@ -48,8 +48,9 @@ CHAIN_ENV = "MLORA_CHAIN_DECODE"
 
 
 def chain_from_env() -> bool:
-    """``MLORA_CHAIN_DECODE`` (``0``, the default, or ``1``; anything else refused, named)."""
-    return env_choice(CHAIN_ENV, ("0", "1"), "0") == "1"
+    """``MLORA_CHAIN_DECODE`` (``1``, the default since the twenty-sixth session, or ``0``;
+    anything else refused, named)."""
+    return env_choice(CHAIN_ENV, ("0", "1"), "1") == "1"
 
 
 @dataclass
@@ -165,10 +166,10 @@ class Engine:
         ``num_blocks`` must be the arena's ledger pages) and cold adapters always loaded
         asynchronously (a load reserves its slot's pages when the row is admitted).
 
-        ``chain`` (None: ``MLORA_CHAIN_DECODE``, default ``0``; an experiment of the
-        twenty-fifth session, see :meth:`_chain`): with lookahead, decode graphs and greedy
-        sampling, launch the looked-ahead decode iteration from the device's argmax before
-        reading this iteration's tokens."""
+        ``chain`` (None: ``MLORA_CHAIN_DECODE``, default ``1``; see :meth:`_chain`): with
+        lookahead, decode graphs and greedy sampling (and not in the joint memory mode), launch
+        the looked-ahead decode iteration from the device's argmax before reading this
+        iteration's tokens."""
         cfg = model.config
         if stop_strings and detokenize is None:
             raise ValueError("stop strings need a detokenizer")
