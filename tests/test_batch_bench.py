@@ -24,6 +24,8 @@ def test_bench_runs_every_row_to_max_new_tokens():
         assert s["generated_tokens"] == 10 * 6  # EOS removed: every row runs to max_new_tokens
         d = s["decode"]
         assert d["iterations"] > 0 and d["median_floor_s"] > 0 and d["median_s"] > 0
+        # no decode graphs on the CPU: looked-ahead iterations, none chained
+        assert s["lookahead_iterations"] > 0 and s["chained_iterations"] == 0
     first, again = r["scenarios"][0], r["scenarios"][2]
     fastest = max(first["tokens_per_s"], again["tokens_per_s"])
     assert max(first["tokens_per_s_vs_base"], again["tokens_per_s_vs_base"]) == 1.0

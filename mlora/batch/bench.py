@@ -360,7 +360,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                                floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
                                ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
                   adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
-                  gc=regime.stats())
+                  gc=regime.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained)
     # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
     # the decode outliers (max_s: kernel compiles) it shows where a gap to the
     # medians comes from

@@ -184,7 +184,8 @@ def bench_batch(
                   + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms (staged "
                      f"{d['median_staged_floor_s'] * 1e3:.2f})" if d else "")
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
-                  + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms)" if dd else "0")
+                  + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms, {s['chained_iterations']} of "
+                     f"{dd['iterations']} chained)" if dd else "0")
                   + f" + {s['outside_iterations_s']:.1f} outside"
                   + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.1f} ms in "
                      f"{sum(s['gc']['gc_collections'].values())} collections (longest {s['gc']['gc_pause_max_ms']:.1f})"
