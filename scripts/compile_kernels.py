@@ -114,9 +114,11 @@ def main() -> int:
         # sizes that are multiples of 16; not the slot tables' strides (their slot count is any
         # number). Without the marks, loads are not vectorised: the decode attention kernel
         # needs 255 registers and spills instead of 94 (thirteenth session).
+        # a parameter the kernel declares do_not_specialize gets no mark at a launch either
+        unmarked = set(getattr(kernel, "do_not_specialize", ()) or ())
         attrs = {} if args.no_marks else {
             (i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-            if n not in consts and (signature[n].startswith("*") or n in DIVISIBLE
+            if n not in consts and n not in unmarked and (signature[n].startswith("*") or n in DIVISIBLE
                                     or (n.startswith("stride_") and n not in ("stride_rj", "stride_rs")))}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                                   target=target, options=options or None)

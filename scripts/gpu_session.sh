@@ -23,6 +23,7 @@
 #   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
 #   bash scripts/gpu_session.sh chain        chained decode (MLORA_CHAIN_DECODE=1): GPU tests, demo x3, host-wait profile, bench A/B 256 and 64 rows
 #   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
+#   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
 #   bash scripts/gpu_session.sh blas         cuBLASLt for small forwards (default): GPU tests, demo x3, 8B logits, 256-row A/B
@@ -458,6 +459,15 @@ from mlora.cli.app import app; app()"
     # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    ;;
+  compiles)  # twenty-sixth session (built on the CPU, not run): the LoRA kernels no longer specialise on their scalar
+    # metadata pointers' alignment or the SiLU launch's tile_cap, and bench batch warms up on a short-prompt chunk
+    # too: GPU kernel tests, then the compiles of a 64-adapter bench (32 before, two of them inside the timed
+    # prefill: benchmarks/batch-compiles-session26-quick.txt) and its prefill (~3 min)
+    timeout 200 python -m pytest -q tests/test_kernels_triton.py tests/test_kernels_act.py tests/test_kernels_slices.py \
+      tests/test_batch_fused.py tests/test_kernels_fused.py 2>&1 | tail -1
+    timeout 200 python -u scripts/compile_log.py bench batch --rows 1024 --adapters 64 --no-repeat-base \
+      > "$OUT/batch-compiles.txt" 2>&1; grep -E "adapters:|compiles$|^ +[0-9]+  " "$OUT/batch-compiles.txt"
     ;;
   gemm-group)  # twenty-fourth session: the base GEMMs at 64 / 256 rows against other cuBLAS call shapes
     # (gemm_probe.py), then the mixed-rank cases (~4 min; the session's run also had column groups of

@@ -265,6 +265,16 @@ def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: 
     return out
 
 
+def _short_requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, seed: int, length: int = 16):
+    """Up to 96 prompts of ``length`` tokens (as many as one chunk and the seats hold), the
+    adapters taken in turn, one new token each: the bench's second warm-up."""
+    rng = random.Random(seed)
+    count = max(1, min(96, o.max_num_seqs, o.max_batch_tokens // length))
+    return [Request(row=i, id=f"short-{i}", prompt_ids=[rng.randrange(config.vocab_size) for _ in range(length)],
+                    adapter=f"bench-{i % n_adapters}" if n_adapters else None, max_new_tokens=1)
+            for i in range(count)]
+
+
 def _num_blocks(o: BatchBenchOptions) -> int:
     """Enough KV blocks that ``max_num_seqs`` full-length rows never preempt each other."""
     per_seq = -(-(o.prompt_max + o.max_new_tokens) // o.block_size)
@@ -293,6 +303,15 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up)
     warm = engine()
     for r in _requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99):
+        warm.add(r)
+    while warm.has_work():
+        warm.step()
+    # then one chunk of short prompts, over 1,024 rows when the limits allow: with many adapters
+    # its segments average under 32 rows, so it runs the 16-row-tile variants of the fused SiLU
+    # launch (invocations of >= 1,024 rows) that the job's mixed iterations need and full
+    # chunks never compile (the first 64-adapter scenario of a run paid ~1.3 s of them inside
+    # its timed prefill, twenty-sixth session)
+    for r in _short_requests(o, model.config, n_adapters, o.seed + 98):
         warm.add(r)
     while warm.has_work():
         warm.step()

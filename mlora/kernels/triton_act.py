@@ -80,7 +80,9 @@ def _silu_product(g, u, dt: tl.constexpr):
     return (act.to(tl.float32) * u.to(tl.float32)).to(dt)
 
 
-@triton.jit(do_not_specialize=["group_tiles"])
+# tile_cap (a bound) and the scalar metadata never specialised: each 16-divisibility or alignment
+# variant was one more compile of this kernel (mlora.kernels.triton_sgmv._shrink_kernel)
+@triton.jit(do_not_specialize=["group_tiles", "tile_cap", "ranks_ptr", "scales_ptr"])
 def _expand_silu_kernel(
     zp_ptr, b_ptr, gu_ptr, out_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     base_rows_ptr, num_base_ptr, ranks_ptr, scales_ptr,

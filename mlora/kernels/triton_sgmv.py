@@ -124,7 +124,10 @@ def _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, 
     return slot, u, m_ok, rows, rank
 
 
-@triton.jit(do_not_specialize=["split"])
+# per-program scalar metadata (ranks, scales, bank rows, the tile count): never specialised on their
+# 16-byte alignment, which varies between a bank's modules and buys nothing for one scalar load;
+# each specialisation was one more compile (twice the kernels, some inside a job's timed part)
+@triton.jit(do_not_specialize=["split", "ranks_ptr", "bank_rows_ptr"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
     bank_rows_ptr,
@@ -253,7 +256,8 @@ def _slice_of(pid_g, G1, G2, G3, O1, O2, O3, O4, D0, D1, D2, D3, N_SLICES: tl.co
     return j, g_lo, n_lo, n_hi, dy
 
 
-@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3"])
+@triton.jit(do_not_specialize=["group_tiles", "G1", "G2", "G3", "num_tiles_ptr", "ranks_ptr", "scales_ptr",
+                            "bank_rows_ptr"])  # the metadata: see _shrink_kernel
 def _expand_kernel(
     zp_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     ranks_ptr, scales_ptr, bank_rows_ptr, core_ptr,
