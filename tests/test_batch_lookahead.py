@@ -180,6 +180,52 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
     assert done == plain and len(done[0][0]) == 4 and eng.chained > 0
 
 
+def test_chained_decode_with_stop_strings_gives_the_same_rows():
+    """Rows stopped by a stop string (found on the host after the next iteration was launched)
+    keep the plain engine's tokens, text and finish reason; the chain still engages."""
+    from mlora.batch.engine import Engine as PlainEngine
+
+    config = preset_config("tiny", "float32")
+    model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=6)
+    reqs = _requests(16, [None], config.vocab_size, seed=8)
+
+    def detok(ids):
+        return "".join(chr(97 + t % 3) for t in ids)  # a three-letter alphabet: stop strings are met early
+
+    def run(**kw):
+        eng = PlainEngine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
+                          device=model.device, dtype=model.dtype, stop_strings=("ab", "ca"), detokenize=detok, **kw)
+        for r in reqs:
+            eng.add(r)
+        return {r.row: (r.token_ids, r.text, r.finish_reason) for r in eng.drain()}, eng
+
+    plain, _ = run(lookahead=False)
+    chained, eng = run(lookahead=True, cuda_graphs=True, chain=True)
+    assert chained == plain and len(plain) == len(reqs)
+    assert sum(reason == "stop" for _, _, reason in plain.values()) > 3 and eng.chained > 0
+
+
+def test_sampled_decode_is_never_chained():
+    """With temperature sampling the device's argmax is not the token: the chain declines every
+    iteration (none chained) and the rows equal the same engine's without it (same seeds)."""
+    from mlora.batch.sampling import SamplingParams
+
+    config = preset_config("tiny", "float32")
+    model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=7)
+    reqs = _requests(12, [None], config.vocab_size, seed=9)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    out = []
+    for chain in (False, True):
+        eng = Engine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=8, max_batch_tokens=64,
+                     device=model.device, dtype=model.dtype, sampling=sampling, cuda_graphs=True, lookahead=True,
+                     chain=chain)
+        for r in reqs:
+            eng.add(r)
+        out.append({r.row: r.token_ids for r in eng.drain()})
+        assert eng.chained == 0 and eng.lookahead_used > 0
+    assert out[0] == out[1]
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):

@@ -104,19 +104,20 @@ def test_outputs_equal_transformers_and_peft_row_by_row(env, tmp_path, seqs, bud
     assert list(rows) == [f"r{k}" for k in range(len(ROW_ADAPTERS))]  # shards follow input order
 
 
-@pytest.mark.parametrize("ledger, chain", [("split", "0"), ("joint", "0"), ("split", "1")])
+@pytest.mark.parametrize("ledger, chain", [("split", "0"), ("joint", "1"), ("split", "1")])
 def test_emulated_decode_graphs_job_equals_peft(env, tmp_path, monkeypatch, ledger, chain):
     """The whole job with its decode steps through the decode graphs, emulated on the CPU
     (MLORA_EMULATE_GRAPHS=1: static buffers, buckets, padding, staging, the Triton kernels
     interpreted, every replay's buffers checked), in both memory ledgers (the joint one with
-    the graphs' spare page), and with chained decode (MLORA_CHAIN_DECODE=1): every row equals
-    transformers + PEFT."""
+    the graphs' spare page), with and without chained decode (MLORA_CHAIN_DECODE; the joint
+    ledger never chains: a freed KV page may become a slot while a chained iteration writes
+    it): every row equals transformers + PEFT."""
     monkeypatch.setenv("MLORA_EMULATE_GRAPHS", "1")
     monkeypatch.setenv("MLORA_CHAIN_DECODE", chain)
     summary = _run(env, tmp_path / "out", max_num_seqs=5, memory_ledger=ledger)
     rows = _rows(tmp_path / "out")
     assert summary.engine.get("graph_replays", 0) > 0, summary.engine
-    assert (summary.engine.get("chained_iterations", 0) > 0) == (chain == "1"), summary.engine
+    assert (summary.engine.get("chained_iterations", 0) > 0) == (chain == "1" and ledger == "split"), summary.engine
     for rid, want in env["expected"].items():
         assert rows[rid]["completion_token_ids"] == want, (rid, rows[rid]["adapter"])
 
