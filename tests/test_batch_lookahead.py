@@ -183,8 +183,6 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
 def test_chained_decode_with_stop_strings_gives_the_same_rows():
     """Rows stopped by a stop string (found on the host after the next iteration was launched)
     keep the plain engine's tokens, text and finish reason; the chain still engages."""
-    from mlora.batch.engine import Engine as PlainEngine
-
     config = preset_config("tiny", "float32")
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=6)
     reqs = _requests(16, [None], config.vocab_size, seed=8)
@@ -193,8 +191,8 @@ def test_chained_decode_with_stop_strings_gives_the_same_rows():
         return "".join(chr(97 + t % 3) for t in ids)  # a three-letter alphabet: stop strings are met early
 
     def run(**kw):
-        eng = PlainEngine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
-                          device=model.device, dtype=model.dtype, stop_strings=("ab", "ca"), detokenize=detok, **kw)
+        eng = Engine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
+                     device=model.device, dtype=model.dtype, stop_strings=("ab", "ca"), detokenize=detok, **kw)
         for r in reqs:
             eng.add(r)
         return {r.row: (r.token_ids, r.text, r.finish_reason) for r in eng.drain()}, eng
