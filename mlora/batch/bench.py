@@ -300,21 +300,19 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
 
     # compile the kernels outside the timed job: enough rows for full prefill chunks and
     # most of the integer specialisations Triton compiles lazily (the first scenario of
-    # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up)
-    warm = engine()
-    for r in _requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99):
-        warm.add(r)
-    while warm.has_work():
-        warm.step()
+    # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up),
     # then one chunk of short prompts, over 1,024 rows when the limits allow: with many adapters
     # its segments average under 32 rows, so it runs the 16-row-tile variants of the fused SiLU
     # launch (invocations of >= 1,024 rows) that the job's mixed iterations need and full
     # chunks never compile (the first 64-adapter scenario of a run paid ~1.3 s of them inside
     # its timed prefill, twenty-sixth session)
-    for r in _short_requests(o, model.config, n_adapters, o.seed + 98):
-        warm.add(r)
-    while warm.has_work():
-        warm.step()
+    warm = engine()
+    for batch in (_requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99),
+                  _short_requests(o, model.config, n_adapters, o.seed + 98)):
+        for r in batch:
+            warm.add(r)
+        while warm.has_work():
+            warm.step()
     del warm
 
     eng = engine()

@@ -115,6 +115,12 @@ class IterationPlan:
     def num_rows(self) -> int:
         return sum(self.new_tokens)
 
+    @classmethod
+    def decode_only(cls, seqs: list[Sequence]) -> "IterationPlan":
+        """One new row per sequence, every row sampled, no prefill (a looked-ahead iteration)."""
+        n = len(seqs)
+        return cls(seqs=list(seqs), new_tokens=[1] * n, sample=[True] * n, prefill_indptr=[0], doff=0)
+
 
 @dataclass
 class Lookahead:
@@ -678,6 +684,12 @@ class Engine:
                 sample_rows.append(starts[b + 1] - 1)
         return self._launch(plan, ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters)
 
+    def _count(self, plan: IterationPlan) -> None:
+        """The job's iteration and token counters, for an iteration launched now."""
+        self.stats["iterations"] += 1
+        self.stats["prefill_tokens"] += plan.doff
+        self.stats["decode_tokens"] += plan.num_rows - plan.doff
+
     def _launch(self, plan: IterationPlan, ids, pos, slots_map, starts, ctx, tables, sample_rows, row_adapters,
                 staged: bool = False) -> torch.Tensor:
         """Resolve the invocation's adapters to slots (loads, leases) and run the model on the
@@ -693,9 +705,7 @@ class Engine:
                         self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
                         seq.lease = f"row{seq.req.row}"
             slot_list = [slot_of[a] if a is not None else -1 for a in row_adapters]
-        self.stats["iterations"] += 1
-        self.stats["prefill_tokens"] += plan.doff
-        self.stats["decode_tokens"] += plan.num_rows - plan.doff
+        self._count(plan)
         # decode-only (one row per sequence, every row sampled): replay a captured graph
         if self.graphs is not None and plan.doff == 0 and len(sample_rows) == len(ids) \
                 and self.graphs.fits(len(ids), max(len(t) for t in tables)):
@@ -798,7 +808,7 @@ class Engine:
             if not seq.is_running or seq.num_computed != p or len(seq.tokens) != p + 1:
                 return None
         self.lookahead_used += 1
-        return IterationPlan(seqs=list(ahead.seqs), new_tokens=[1] * n, sample=[True] * n, prefill_indptr=[0], doff=0)
+        return IterationPlan.decode_only(ahead.seqs)
 
     def _advance(self, plan: IterationPlan, logits: torch.Tensor) -> list[Result]:
         if self.lookahead:  # before sampling waits for the device: this host work overlaps its forward
@@ -842,12 +852,10 @@ class Engine:
         if not ahead.staged or not self.sampling.greedy:
             return None
         self._next = None  # consumed here, not by the next step's _take
-        n = len(ahead.seqs)
-        next_logits, tokens = self.graphs.chain(logits, n)
-        self._inflight = (IterationPlan(seqs=list(ahead.seqs), new_tokens=[1] * n, sample=[True] * n,
-                                        prefill_indptr=[0], doff=0), next_logits)
-        self.stats["iterations"] += 1
-        self.stats["decode_tokens"] += n
+        plan = IterationPlan.decode_only(ahead.seqs)
+        next_logits, tokens = self.graphs.chain(logits, len(plan.seqs))
+        self._inflight = (plan, next_logits)
+        self._count(plan)
         self.lookahead_used += 1
         self.chained += 1
         return tokens()
