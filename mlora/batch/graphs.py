@@ -41,6 +41,7 @@ from mlora.kernels import empty_launch_plan, tile_capacity
 
 from .attention import AttentionMetadata
 from .bank import BankContext
+from .greedy import greedy_tokens
 from .paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
 
 BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
@@ -257,7 +258,7 @@ class DecodeGraphs:
         bank's context would also copy the row slots to the device, a copy that waits for the
         stream, i.e. for the running iteration)."""
         b = self.bucket(n)
-        tok = torch.argmax(logits, dim=-1)
+        tok = greedy_tokens(logits)  # torch.argmax's choice (two launches on CUDA: mlora.batch.greedy)
         if self._tok_host is None:
             self._tok_host = torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=not self.emulated)
         host = self._tok_host[:n]

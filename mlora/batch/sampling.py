@@ -3,7 +3,7 @@
 Owns the choice of the next token from a row's logits (the model's dtype: the
 LM head's output as it is rounded; nothing is gained by widening it). Greedy
 (the default, temperature 0) is the argmax over them, lowest index on ties,
-which is the argmax of their float32 values. Otherwise, in float32:
+which is the argmax of their float32 values (``mlora.batch.greedy``). Otherwise, in float32:
 temperature scaling, then top-k, then top-p (nucleus: the smallest prefix of
 the probability-sorted tokens whose mass reaches p), then one draw by inverse
 CDF with a uniform number that depends only on (job seed, row id, token
@@ -21,6 +21,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from .greedy import greedy_tokens  # torch.argmax's choice, in two launches on CUDA
 
 _MASK = (1 << 64) - 1
 
@@ -69,7 +71,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], indice
     if logits.shape[0] == 0:
         return []
     if params.greedy:
-        return torch.argmax(logits, dim=-1).tolist()
+        return greedy_tokens(logits).tolist()
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]

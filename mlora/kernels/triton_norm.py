@@ -47,36 +47,56 @@ NORM_WARPS = 4
 @triton.jit
 def _norm_rows(y_ptr, h_ptr, w_ptr, hout_ptr, x_ptr, rows, m_ok, z, b_base, stride_b, rank, R, n, eps,
                stride_y, stride_h, stride_ho, stride_x,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr):
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+               ONE_PASS: tl.constexpr):
     """The module docstring's three lines for ``ROWS`` rows (``m_ok``: which are real). ``z``:
-    the rows' scaled z ``[ROWS, BLOCK_R]`` fp32 (zero past the rank), read with ``HAS_LORA`` only."""
+    the rows' scaled z ``[ROWS, BLOCK_R]`` fp32 (zero past the rank), read with ``HAS_LORA`` only.
+    ``ONE_PASS`` (``BLOCK_N >= n``): one step over the whole width, h' never read back."""
     dt = hout_ptr.dtype.element_ty
-    ss = tl.zeros((ROWS,), dtype=tl.float32)
-    for c0 in range(0, n, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
+    if ONE_PASS:  # the whole width in registers (BLOCK_N >= n): every load issued at once, nothing read back
+        cols = tl.arange(0, BLOCK_N)
         c_ok = cols < n
         mask = m_ok[:, None] & c_ok[None, :]
         yv = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
-        if HAS_LORA:  # y + z @ B[cols].T in fp32, rounded to the activations' dtype
-            bt = _b_tile(b_base, cols, c_ok, tl.arange(0, BLOCK_R), rank, R, stride_b).to(tl.float32)
-            delta = tl.sum(z[:, None, :] * bt[None, :, :], axis=2)
-            yv = (yv.to(tl.float32) + delta).to(dt)
         hv = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=c_ok, other=0.0)
+        if HAS_LORA:
+            bt = _b_tile(b_base, cols, c_ok, tl.arange(0, BLOCK_R), rank, R, stride_b).to(tl.float32)
+            yv = (yv.to(tl.float32) + tl.sum(z[:, None, :] * bt[None, :, :], axis=2)).to(dt)
         hn = (hv.to(tl.float32) + yv.to(tl.float32)).to(dt)
         tl.store(hout_ptr + rows[:, None] * stride_ho + cols[None, :], hn, mask=mask)
         hf = hn.to(tl.float32)
-        ss += tl.sum(hf * hf, axis=1)
-    inv = 1.0 / tl.sqrt(ss / n + eps)
-    tl.debug_barrier()  # h' stored by every thread before any reads it back
-    for c0 in range(0, n, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        c_ok = cols < n
-        mask = m_ok[:, None] & c_ok[None, :]
-        hf = tl.load(hout_ptr + rows[:, None] * stride_ho + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)
         normed = (hf * inv[:, None]).to(dt)
-        w = tl.load(w_ptr + cols, mask=c_ok, other=0.0)
         out = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + rows[:, None] * stride_x + cols[None, :], out, mask=mask)
+    else:
+        ss = tl.zeros((ROWS,), dtype=tl.float32)
+        for c0 in range(0, n, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            c_ok = cols < n
+            mask = m_ok[:, None] & c_ok[None, :]
+            yv = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
+            if HAS_LORA:  # y + z @ B[cols].T in fp32, rounded to the activations' dtype
+                bt = _b_tile(b_base, cols, c_ok, tl.arange(0, BLOCK_R), rank, R, stride_b).to(tl.float32)
+                delta = tl.sum(z[:, None, :] * bt[None, :, :], axis=2)
+                yv = (yv.to(tl.float32) + delta).to(dt)
+            hv = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+            hn = (hv.to(tl.float32) + yv.to(tl.float32)).to(dt)
+            tl.store(hout_ptr + rows[:, None] * stride_ho + cols[None, :], hn, mask=mask)
+            hf = hn.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=1)
+        inv = 1.0 / tl.sqrt(ss / n + eps)
+        tl.debug_barrier()  # h' stored by every thread before any reads it back
+        for c0 in range(0, n, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            c_ok = cols < n
+            mask = m_ok[:, None] & c_ok[None, :]
+            hf = tl.load(hout_ptr + rows[:, None] * stride_ho + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            normed = (hf * inv[:, None]).to(dt)
+            w = tl.load(w_ptr + cols, mask=c_ok, other=0.0)
+            out = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + rows[:, None] * stride_x + cols[None, :], out, mask=mask)
 
 
 # tile_cap (a bound) and the scalar metadata never specialised (mlora.kernels.triton_sgmv._shrink_kernel)
@@ -86,7 +106,7 @@ def _lora_add_rms_norm_kernel(
     num_tiles_ptr, base_rows_ptr, num_base_ptr, ranks_ptr, scales_ptr,
     tile_cap, n, eps, R, stride_rs, stride_zu, stride_bs, stride_bn, stride_y, stride_h, stride_ho, stride_x,
     SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ROUND_Z: tl.constexpr, USE_PDL: tl.constexpr, B_PITCHED: tl.constexpr,
+    ROUND_Z: tl.constexpr, USE_PDL: tl.constexpr, B_PITCHED: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """``ROWS`` rows of one plan tile (``SUB`` programs per tile of ``SUB * ROWS`` rows, for
     ``program_id(0) < tile_cap * SUB``: the slot's
@@ -114,7 +134,7 @@ def _lora_add_rms_norm_kernel(
         if ROUND_Z:  # as the plain expand's native 16-bit dot sees it
             z = z.to(b_ptr.dtype.element_ty).to(tl.float32)
         _norm_rows(y_ptr, h_ptr, w_ptr, hout_ptr, x_ptr, rows, m_ok, z, b_base, stride_b, rank, R, n, eps,
-                   stride_y, stride_h, stride_ho, stride_x, ROWS, BLOCK_N, BLOCK_R, True)
+                   stride_y, stride_h, stride_ho, stride_x, ROWS, BLOCK_N, BLOCK_R, True, ONE_PASS)
     else:
         b0 = (pid - tile_cap * SUB) * ROWS
         n_base = tl.load(num_base_ptr)
@@ -125,7 +145,7 @@ def _lora_add_rms_norm_kernel(
         rows = tl.load(base_rows_ptr + k, mask=m_ok, other=0).to(tl.int64)
         z = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
         _norm_rows(y_ptr, h_ptr, w_ptr, hout_ptr, x_ptr, rows, m_ok, z, b_ptr, stride_bn, 0, R, n, eps,
-                   stride_y, stride_h, stride_ho, stride_x, ROWS, BLOCK_N, BLOCK_R, False)
+                   stride_y, stride_h, stride_ho, stride_x, ROWS, BLOCK_N, BLOCK_R, False, ONE_PASS)
 
 
 def lora_add_rms_norm_triton(h, y, x, weight, eps: float, lora_a, lora_b, lp: LaunchPlan, ranks, scales,
@@ -152,6 +172,7 @@ def lora_add_rms_norm_triton(h, y, x, weight, eps: float, lora_a, lora_b, lp: La
     rows = int(config.pop("norm_rows", NORM_ROWS))
     block_n = int(config.pop("norm_block_n", NORM_BLOCK_N))
     warps = int(config.pop("norm_warps", NORM_WARPS))
+    block_n = min(block_n, triton.next_power_of_2(n))
     bm = lp.block_m
     if bm % rows:
         rows = bm
@@ -165,7 +186,7 @@ def lora_add_rms_norm_triton(h, y, x, weight, eps: float, lora_a, lora_b, lp: La
         lp.base_rows, lp.num_base, ranks, scales,
         lp.tile_capacity, n, eps, R, ranks.stride(1), zp.stride(1), lora_b.stride(0), lora_b.stride(1),
         y.stride(0), h.stride(0), hout.stride(0), out.stride(0),
-        SUB=bm // rows, ROWS=rows, BLOCK_N=min(block_n, triton.next_power_of_2(n)), BLOCK_R=cfg["block_r_expand"],
-        ROUND_Z=native_b, USE_PDL=pdl, B_PITCHED=pitched, num_warps=warps, **extra,
+        SUB=bm // rows, ROWS=rows, BLOCK_N=block_n, BLOCK_R=cfg["block_r_expand"],
+        ROUND_Z=native_b, USE_PDL=pdl, B_PITCHED=pitched, ONE_PASS=block_n >= n, num_warps=warps, **extra,
     )
     return hout, out
