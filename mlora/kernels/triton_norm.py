@@ -39,9 +39,9 @@ from .triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_suppo
 
 #: Launch defaults: rows per program, columns per step, warps (H200 sweep:
 #: ``scripts/kernel_sweep.py --norm``; BENCHMARKS.md, twenty-seventh session).
-NORM_ROWS = 4
-NORM_BLOCK_N = 256
-NORM_WARPS = 4
+NORM_ROWS = 1
+NORM_BLOCK_N = 4096
+NORM_WARPS = 8
 
 
 @triton.jit
