@@ -23,8 +23,7 @@
 #   bash scripts/gpu_session.sh logits-bf16  logits in the model's dtype: GPU tests, demo x3, 256-row decode against the float32 copy
 #   bash scripts/gpu_session.sh chain        chained decode (MLORA_CHAIN_DECODE=1): GPU tests, demo x3, host-wait profile, bench A/B 256 and 64 rows
 #   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
-#   bash scripts/gpu_session.sh norm         the o/down expands fused into the add+norm: GPU tests, demo x3, --norm sweep, bench A/B
-#   bash scripts/gpu_session.sh norm2        then: the one-pass fused norm and the Triton greedy choice (sweep, argmax timing, A/B)
+#   bash scripts/gpu_session.sh greedy       the greedy choice in two Triton launches: GPU tests, demo x2, argmax timing
 #   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
@@ -462,29 +461,13 @@ from mlora.cli.app import app; app()"
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
-  norm)  # twenty-seventh session (built on the CPU): the o and down LoRA expands fused into the add+norm after them at
-    # decode sizes (MLORA_LORA_NORM_MAX_ROWS, default 512): GPU tests, demo x3, the launch sweep, bench A/B (~8 min)
-    timeout 200 python -m pytest -q tests/test_kernels_norm.py tests/test_batch_graphs.py tests/test_batch_model.py \
-      tests/test_kernels_act.py tests/test_batch_lookahead.py tests/test_residency.py \
-      "tests/test_batch_catalog.py::test_o_and_down_deltas_fused_into_the_add_and_norm" 2>&1 | tail -2
-    for dt in float32 bfloat16; do demo_gpu "norm-$dt" "$dt" 2>"$OUT/demo-norm-$dt.err"; done
-    MLORA_DEBUG_GRAPHS=1 demo_gpu norm-debug-graphs bfloat16
-    timeout 150 python -u scripts/kernel_sweep.py --norm > "$OUT/kernel-sweep-norm.txt" 2>&1; grep -E "^o|^down|o \+ down" "$OUT/kernel-sweep-norm.txt"
-    timeout 330 python -m mlora bench batch --rows 1024 --adapters 64,8 --ab MLORA_LORA_NORM_MAX_ROWS=512,0 --ab-repeats 1 \
-      --out "$OUT/batch-norm-ab.json" 2>&1 | grep -E "adapters|MLORA"
-    ;;
-  norm2)  # twenty-seventh session, after norm: the one-pass fused add+norm (whole row in registers) and the greedy
-    # choice in two Triton launches (mlora.batch.greedy): GPU tests, demo x3, the --norm sweep, the argmax timing,
-    # bench batch A/B of the fusion at 64 and 8 adapters (~8 min)
-    timeout 200 python -m pytest -q tests/test_kernels_norm.py tests/test_batch_greedy.py tests/test_batch_graphs.py \
-      tests/test_batch_model.py tests/test_batch_lookahead.py tests/test_batch_sampling.py \
-      "tests/test_batch_catalog.py::test_o_and_down_deltas_fused_into_the_add_and_norm" 2>&1 | tail -2
-    for dt in float32 bfloat16; do demo_gpu "norm-$dt" "$dt" 2>"$OUT/demo-norm-$dt.err"; done
-    MLORA_DEBUG_GRAPHS=1 demo_gpu norm-debug-graphs bfloat16
+  greedy)  # twenty-seventh session: the greedy choice in two Triton launches (mlora.batch.greedy; the o/down expands
+    # fused into the add+norm were measured in the same session, slower, deleted: code in commit e0059e5): GPU tests,
+    # demo x2, the argmax timing (~3 min)
+    timeout 200 python -m pytest -q tests/test_batch_greedy.py tests/test_batch_graphs.py tests/test_batch_lookahead.py \
+      tests/test_batch_sampling.py 2>&1 | tail -2
+    for dt in float32 bfloat16; do demo_gpu "greedy-$dt" "$dt" 2>"$OUT/demo-greedy-$dt.err"; done
     timeout 60 python scripts/greedy_bench.py 2>&1 | tee "$OUT/greedy-bench.txt"
-    timeout 120 python -u scripts/kernel_sweep.py --norm > "$OUT/kernel-sweep-norm.txt" 2>&1; grep -E "^o|^down|o \+ down" "$OUT/kernel-sweep-norm.txt"
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 64,8 --ab MLORA_LORA_NORM_MAX_ROWS=0,512 --ab-repeats 1 \
-      --out "$OUT/batch-norm-ab.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
   compiles)  # twenty-sixth session (built on the CPU, not run): the LoRA kernels no longer specialise on their scalar
     # metadata pointers' alignment or the SiLU launch's tile_cap, and bench batch warms up on a short-prompt chunk

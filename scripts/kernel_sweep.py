@@ -47,11 +47,6 @@ prefill (8,192 rows, 8 adapters) sizes, rank 16, rank-pitched B: the plain path 
 expand, then the SiLU kernel) against the fused one (``mlora.kernels.triton_act``) with 1, 2,
 4 and 8 column tiles per program (``silu_group_tiles``); outputs checked against the plain
 path's.
-``--norm``: the o and down LoRA (d_in 4096 / 14336, width 4096, rank 16, rank-pitched B) and the
-residual add + RMSNorm after them at decode sizes (256 rows over 64 and 8 adapters, 64 rows over
-64): the plain path (shrink + expand, then the add+norm kernel) against the fused one
-(``mlora.kernels.triton_norm``) under its rows per program, column step and warps; outputs
-checked against the plain path's.
 """
 import json
 import statistics
@@ -345,59 +340,7 @@ def silu_main():
         print(json.dumps(row), flush=True)
 
 
-def norm_main():
-    """``--norm`` (module docstring)."""
-    from mlora.batch.fused import add_rms_norm_triton
-    from mlora.kernels.triton_norm import lora_add_rms_norm_triton
-
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    n = 4096
-    variants = {"fused_default": {}}
-    # the first sweep's grid (rows 1-16, column steps 128-512, 2-8 warps; benchmarks/kernel-sweep-norm-session27.txt)
-    # was slowest with the narrowest steps: the column loop waits one memory round trip per step
-    grid = [(1, bn, w) for bn in (1024, 2048, 4096) for w in (4, 8, 16)] + [(2, bn, w) for bn in (2048, 4096)
-                                                                          for w in (8, 16)] + [(1, 512, 8)]
-    for rows, bn, warps in grid:
-        variants[f"r{rows}_n{bn}_w{warps}"] = dict(norm_rows=rows, norm_block_n=bn, norm_warps=warps)
-    results = []
-    for d_in, T, A in ((4096, 256, 64), (14336, 256, 64), (4096, 256, 8), (14336, 256, 8), (4096, 64, 64)):
-        y0, x, a, b, rs, ranks, scales = make_case(T, A, (n,), [16] * A, 16, d_in=d_in)
-        b = to_rank_pitched(b, ranks, [n])
-        h = torch.randn_like(y0)
-        w = torch.rand(n, device="cuda", dtype=y0.dtype) + 0.5
-        static = captured_plan(build_plan(rs), A)
-        y = y0.clone()
-        outs = {}
-        calls = {"plain": lambda: outs.__setitem__("plain", add_rms_norm_triton(h, add_lora_slices_triton(
-            y.copy_(y0), x, a, b, static, ranks, scales, [n], b_pitched=True), w, 1e-5))}
-        for name, cfg in variants.items():
-            calls[name] = lambda name=name, cfg=cfg: outs.__setitem__(name, lora_add_rms_norm_triton(
-                h, y0, x, w, 1e-5, a, b, static, ranks, scales, b_pitched=True, config=cfg))
-        row = {"case": f"{'o' if d_in == n else 'down'}+norm/r16/T{T}/A{A}"}
-        for name, call in calls.items():
-            graph = graph_of(call)
-            graph.replay()
-            torch.cuda.synchronize()
-            err = max(float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-                      for got, ref in zip(outs[name], outs["plain"]))
-            row[name] = round(graph_median(graph, flush), 1) if err < 1e-2 else f"WRONG (rel err {err:.2e})"
-        print(json.dumps(row), flush=True)
-        results.append(row)
-    for row in results:
-        timed = {k: v for k, v in row.items() if isinstance(v, float) and k.startswith("r")}
-        best = min(timed, key=timed.get) if timed else None
-        print(f"{row['case']}: plain {row['plain']} us, fused default {row['fused_default']} us, best {best} "
-              f"{timed.get(best)} us", flush=True)
-    sums = {k: sum(r[k] for r in results[:2]) for k in results[0] if all(isinstance(r.get(k), float) for r in results)}
-    best = sorted(sums, key=sums.get)[:5]
-    print("o + down at 256 rows x 64 adapters (us): " + ", ".join(f"{k} {sums[k]:.1f}" for k in ["plain"] + best),
-          flush=True)
-
-
 if __name__ == "__main__":
-    if "--norm" in sys.argv:
-        norm_main()
-        sys.exit(0)
     if "--silu" in sys.argv:
         silu_main()
         sys.exit(0)

@@ -468,54 +468,6 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("R", [8, 24])
-@pytest.mark.parametrize("group", ["o", "down"])
-def test_o_and_down_deltas_fused_into_the_add_and_norm(ws, pinned, group, R, monkeypatch):
-    """``BankContext.apply_add_rms_norm`` on a Triton bank (the expand inside the residual add
-    and RMSNorm: ``mlora.kernels.lora_add_rms_norm``) against a torch bank's ``apply`` then the
-    add+norm reference, and against the same Triton bank with the fusion off
-    (``MLORA_LORA_NORM_MAX_ROWS=0``); "all" and "pattern" target o and down (rank 2 for o in
-    "pattern"), "rslora" neither (its rows, like the slot-less ones, get the add and norm
-    alone); at R 24 B is rank-pitched with pitch 8. A module no active slot targets is the add
-    and norm alone, fused or not."""
-    from mlora.batch.fused import ElementwiseOps, add_rms_norm_ref
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    d_in, (width,) = SHAPES[group]
-    g = torch.Generator().manual_seed(9)
-    row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0, 0], dtype=torch.int32)
-    x, y0, h = torch.randn(10, d_in, generator=g), torch.randn(10, width, generator=g), torch.randn(10, width, generator=g)
-    w = torch.rand(width, generator=g) + 0.5
-    names = ["all", "pattern", "rslora"]
-    torch_bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, "cpu", backend="torch")
-    torch_bank.ensure(names, pinned)
-    y = y0.clone()
-    torch_bank.context(row_slots).apply(1, group, x, y)
-    want = add_rms_norm_ref(h, y, w, 1e-5)
-    assert not torch.equal(want[0], h + y0)  # the adapters change something
-    ops = ElementwiseOps(True)  # the Triton element-wise kernels (interpreted on the CPU)
-    outs = {}
-    for max_rows in ("512", "0"):
-        monkeypatch.setenv("MLORA_LORA_NORM_MAX_ROWS", max_rows)
-        bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
-        bank.ensure(names, pinned)
-        yd = y0.to(device, copy=True)
-        ctx = bank.context(row_slots.to(device))
-        outs[max_rows] = [t.cpu() for t in ctx.apply_add_rms_norm(1, group, x.to(device), yd, h.to(device),
-                                                                   w.to(device), 1e-5, ops)]
-        assert torch.equal(yd.cpu(), y0) == (max_rows == "512")  # fused: the deltas never written into y
-        only_rslora = bank.context(torch.tensor([2, -1, 2], dtype=torch.int32, device=device))
-        plain = only_rslora.apply_add_rms_norm(1, group, x[:3].to(device), yd[:3], h[:3].to(device), w.to(device),
-                                               1e-5, ops)
-        torch.testing.assert_close(plain[0].cpu(), h[:3] + yd[:3].cpu(), rtol=0, atol=0)
-    for got in (outs["512"], outs["0"]):
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("MLORA_LORA_NORM_MAX_ROWS", "many")
-    with pytest.raises(ValueError, match="MLORA_LORA_NORM_MAX_ROWS='many'"):
-        SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
-
-
 def test_shrinks_launched_ahead_give_the_same_bits_for_every_module(ws, pinned, monkeypatch):
     """A SlotBank with ``overlap`` (MLORA_LORA_OVERLAP=1): ``prepare`` before the base GEMM
     then ``apply`` gives, for every (layer, group), the bits of ``apply`` alone; a module no

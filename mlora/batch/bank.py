@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.errors import CodedError
-from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_add_rms_norm, lora_silu_mul, make_launch_plan,
-                           pitched_view, shrink_ahead)
+from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view,
+                           shrink_ahead)
 
 from .catalog import PinnedAdapter, load_factors
 from .envknobs import env_int
@@ -154,9 +154,6 @@ class SlotTensors:
         self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
         # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
         self.fuse_silu_min_rows = env_int("MLORA_LORA_SILU_MIN_ROWS", 1024, unit="rows")
-        # the o and down expands fused into the add+norm after them (BankContext.apply_add_rms_norm)
-        # for invocations of at most this many rows (decode steps; 0: never)
-        self.fuse_norm_max_rows = env_int("MLORA_LORA_NORM_MAX_ROWS", 512, unit="rows") if backend == "triton" else 0
         self._side_stream = None
 
     def side_stream(self):
@@ -383,26 +380,3 @@ class BankContext:
                                  check_values=False, b_layout=bank.b_layout)
         self.apply(layer, group, x, gate_up)
         return ops.silu_mul(gate_up, inter)
-
-    def apply_add_rms_norm(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor,
-                           weight: torch.Tensor, eps: float, ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ops.add_rms_norm(h, y + deltas, weight, eps)`` for a one-slice group (o, down). With the
-        Triton kernels (an invocation of at most the bank's ``fuse_norm_max_rows`` rows, the
-        fused element-wise ops, the slice spanning ``y``, no shrink launched ahead) one launch
-        after the shrink adds the deltas inside the add and norm
-        (``mlora.kernels.lora_add_rms_norm``) and ``y`` keeps the base values; otherwise
-        :meth:`apply`, then ``ops.add_rms_norm``. Decode-sized invocations only: the fused
-        launch reads a slot's B once per few rows (at prefill sizes the plain expand's column
-        tiles read it far less often)."""
-        bank = self.bank
-        if (layer, group) not in self.targeted:
-            return ops.add_rms_norm(h, y, weight, eps)
-        if (getattr(ops, "fused", False) and isinstance(self.plan, LaunchPlan)
-                and self.row_slots.shape[0] <= bank.fuse_norm_max_rows and (layer, group) not in self._ahead
-                and tuple(bank.widths.get(group, ())) == (y.shape[1],) and list(bank.out_offsets[group]) == [0]):
-            ranks, scales = bank.layer_tables(group, layer)
-            return lora_add_rms_norm(h, y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots,
-                                     weight=weight, eps=eps, ranks=ranks, scales=scales, backend="triton",
-                                     plan=self.plan, check_values=False, b_layout=bank.b_layout)
-        self.apply(layer, group, x, y)
-        return ops.add_rms_norm(h, y, weight, eps)

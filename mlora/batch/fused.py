@@ -20,9 +20,7 @@ import os
 
 import torch
 
-# the references of the norms and of silu(gate) * up of [gate | up] live beside the LoRA kernels, whose
-# fused paths end with them (mlora.kernels.triton_norm, triton_act)
-from mlora.kernels import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
+from mlora.kernels import silu_mul_ref  # silu(gate) * up of [gate | up]; also the fused LoRA path's
 
 try:  # the CPU-only CI installs triton too; guard anyway: the references need nothing
     import triton
@@ -34,6 +32,19 @@ except ImportError:  # pragma: no cover
 
 
 # ------------------------------------------------------------------ references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta)): the residual add, then the next norm."""
+    h = h + delta
+    return h, rms_norm_ref(h, weight, eps)
 
 
 def rope_qk_ref_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,

@@ -21,18 +21,11 @@ A context may also have ``prepare(layer, group, x)``, which the model calls
 just before the group's base GEMM: it may launch work that needs only ``x``
 (the shrink, on a side stream, ``BankContext.prepare``) so that it runs beside
 the GEMM; the ``apply`` that follows must give the same result as without it.
-
-The o and down projections' outputs go straight into the residual add and the
-next RMSNorm: the model hands those to :func:`lora_add_rms_norm`, which a context
-with ``apply_add_rms_norm`` (``BankContext``) may answer with one launch that adds
-the deltas inside the add and norm; any other context gets ``apply`` first. The
-down projection's add is the next layer's (its input norm), so a layer returns that
-output as a :class:`PendingDelta` and the next layer adds it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -101,28 +94,3 @@ def apply_silu_mul(lora, layer: int, x: torch.Tensor, gate_up: torch.Tensor, int
         return fused(layer, x, gate_up, inter, ops)
     lora.apply(layer, "gate_up", x, gate_up)
     return ops.silu_mul(gate_up, inter)
-
-
-class PendingDelta(NamedTuple):
-    """A group's base output ``y`` of ``x`` whose LoRA deltas are not added yet: the add+norm
-    that consumes it adds them (:func:`lora_add_rms_norm`)."""
-
-    y: torch.Tensor
-    layer: int
-    group: str
-    x: torch.Tensor
-
-
-def lora_add_rms_norm(lora, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor,
-                      weight: torch.Tensor, eps: float, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + y + the deltas of group ``group`` for ``x``, its RMSNorm times ``weight``): what
-    ``lora.apply(layer, group, x, y)`` then ``ops.add_rms_norm(h, y, weight, eps)`` give. A
-    context with ``apply_add_rms_norm`` (``BankContext``) may fuse the two (it may then leave
-    ``y`` without the deltas); ``lora`` None: the add and norm alone."""
-    if lora is None:
-        return ops.add_rms_norm(h, y, weight, eps)
-    fused = getattr(lora, "apply_add_rms_norm", None)
-    if fused is not None:
-        return fused(layer, group, x, y, h, weight, eps, ops)
-    lora.apply(layer, group, x, y)
-    return ops.add_rms_norm(h, y, weight, eps)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from mlora.batch.attention import AttentionMetadata, attention
 from mlora.batch.kvcache import KVCache
 from mlora.batch.fused import ops_for, rms_norm_ref as rms_norm
-from mlora.batch.lora import LoraContext, PendingDelta, apply_silu_mul, group_shapes, lora_add_rms_norm
+from mlora.batch.lora import LoraContext, apply_silu_mul, group_shapes
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -282,22 +282,16 @@ class DecoderLayer(torch.nn.Module):
             self.register_buffer(name, tensor)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache, lora: LoraContext | None, delta: torch.Tensor | PendingDelta | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | PendingDelta]:
+                kv: KVCache, lora: LoraContext | None, delta: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream after attention, the MLP's output): the layer's output is their
         sum, which the caller forms: the next layer passes the MLP output as its ``delta`` and
         adds it in its input norm's launch (``add_rms_norm``; one element-wise pass and one
-        launch fewer per layer than a separate add). ``delta`` None: ``h`` is the stream. With
-        ``lora``, every layer but the last returns its MLP output as a ``PendingDelta`` (the
-        down projection's LoRA deltas not added yet): the next layer's input norm adds them
-        (``lora_add_rms_norm``, one fused launch where the context can)."""
+        launch fewer per layer than a separate add). ``delta`` None: ``h`` is the stream."""
         c, i, rows = self.config, self.index, h.shape[0]
         ops = ops_for(h.device)  # fused Triton element-wise kernels on CUDA, torch references elsewhere
         if delta is None:
             x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
-        elif isinstance(delta, PendingDelta):  # h + the previous layer's MLP output and its deltas, then the norm
-            h, x = lora_add_rms_norm(lora, delta.layer, delta.group, delta.x, delta.y, h, self.input_norm_weight,
-                                     c.rms_norm_eps, ops)
         else:  # h + the previous layer's MLP output, then the norm
             h, x = ops.add_rms_norm(h, delta, self.input_norm_weight, c.rms_norm_eps)
         prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
@@ -320,8 +314,9 @@ class DecoderLayer(torch.nn.Module):
         if prepare is not None:
             prepare(i, "o", a)
         o = F.linear(a, self.o_weight, self.o_bias)
-        # h + o + o's LoRA deltas, then the norm
-        h, x = lora_add_rms_norm(lora, i, "o", a, o, h, self.post_norm_weight, c.rms_norm_eps, ops)
+        if lora is not None:
+            lora.apply(i, "o", a, o)
+        h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         if prepare is not None:
             prepare(i, "gate_up", x)
         gate_up = F.linear(x, self.gate_up_weight)
@@ -333,8 +328,6 @@ class DecoderLayer(torch.nn.Module):
             prepare(i, "down", m)
         down = F.linear(m, self.down_weight)
         if lora is not None:
-            if i + 1 < c.num_layers:  # the next layer's input norm adds the deltas
-                return h, PendingDelta(down, i, "down", m)
             lora.apply(i, "down", m, down)
         return h, down
 

@@ -60,8 +60,8 @@ from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 __all__ = [
     "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
     "check_bank", "pitched_span", "pitched_view", "to_rank_pitched",
-    "add_rms_norm_ref", "choose_block_m", "empty_launch_plan", "lora_add_rms_norm", "lora_gather_bmm", "lora_loop",
-    "lora_oracle_f64", "lora_silu_mul", "make_launch_plan", "rms_norm_ref", "shrink_ahead", "silu_mul_ref", "tile_capacity", "validate_plan",
+    "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "lora_silu_mul",
+    "make_launch_plan", "shrink_ahead", "silu_mul_ref", "tile_capacity", "validate_plan",
 ]
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -185,49 +185,6 @@ def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     to it, then the product): the SiLU product every path of :func:`lora_silu_mul` ends with."""
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     return torch.nn.functional.silu(gate) * up
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(h + delta, rms_norm(h + delta)): the residual add, then the next norm; every path of
-    :func:`lora_add_rms_norm` ends with it."""
-    h = h + delta
-    return h, rms_norm_ref(h, weight, eps)
-
-
-def lora_add_rms_norm(h, y, x, lora_a, lora_b, row_slots, *, weight, eps, ranks=None, scales=None, backend="auto",
-                      plan=None, check_values=True, b_layout="padded"):
-    """(h + y', rms_norm(h + y') * weight) with y' = y plus the one-slice LoRA deltas of ``x``
-    (``lora_a`` [S, 1, R, d_in], ``lora_b`` [S, n, R], ``y`` and ``h`` [T, n]), without writing
-    ``y`` or ``h``: the same result as ``add_lora_slices(y, x, lora_a, lora_b, row_slots,
-    widths=(n,), ...)`` then :func:`add_rms_norm_ref`. Returns two new [T, n] tensors. The torch
-    backend runs exactly those two steps on a copy of ``y``; the Triton backend adds the deltas
-    inside the add and norm (``triton_norm``: one launch after the shrink, no read-modify-write
-    of ``y``)."""
-    n = y.shape[-1]
-    if lora_a.dim() != 4 or lora_a.shape[1] != 1:
-        raise PlanError("E_BANK_SHAPE", f"lora_add_rms_norm takes a one-slice bank [S, 1, R, d_in], got "
-                        f"{tuple(lora_a.shape)}")
-    if tuple(h.shape) != tuple(y.shape) or tuple(weight.shape) != (n,):
-        raise PlanError("E_BANK_SHAPE", f"h {tuple(h.shape)}, y {tuple(y.shape)} and weight {tuple(weight.shape)} "
-                        "do not match")
-    backend = _resolve(backend, x)
-    if backend == "torch":
-        y = add_lora_slices(y.clone(), x, lora_a, lora_b, row_slots, widths=[n], ranks=ranks, scales=scales,
-                            backend="torch", plan=plan, check_values=check_values, b_layout=b_layout)
-        return add_rms_norm_ref(h, y, weight, eps)
-    _check_shapes(y, x, lora_a, lora_b, row_slots, [n], ranks, scales)
-    ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
-    from .triton_norm import lora_add_rms_norm_triton  # deferred: importing triton is slow
-
-    return lora_add_rms_norm_triton(h, y, x, weight, eps, lora_a, lora_b, _launch_plan(plan, row_slots, x),
-                                    ranks.to(torch.int32), scales.to(torch.float32), b_pitched=pitched)
 
 
 def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, scales=None, backend="auto",
