@@ -66,3 +66,14 @@ def test_strided_rows_and_the_public_function():
     assert torch.equal(_greedy_triton(x, 128), torch.argmax(x, dim=-1))
     assert torch.equal(greedy_tokens(x), torch.argmax(x, dim=-1))
     assert greedy_tokens(full[:0]).shape == (0,)
+
+
+def test_the_torch_knob_and_a_bad_value(monkeypatch):
+    """``MLORA_GREEDY=torch``: torch.argmax everywhere (the engine A/B's other arm); any value but
+    ``triton`` or ``torch`` is refused, naming the variable."""
+    x = _logits(4, 3, 300, torch.bfloat16).to(DEVICE)
+    monkeypatch.setenv("MLORA_GREEDY", "torch")
+    assert torch.equal(greedy_tokens(x), torch.argmax(x, dim=-1))
+    monkeypatch.setenv("MLORA_GREEDY", "fast")
+    with pytest.raises(ValueError, match="MLORA_GREEDY='fast'"):
+        greedy_tokens(x)

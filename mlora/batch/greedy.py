@@ -9,12 +9,14 @@ iteration's critical path (twenty-sixth session's profile). Here the first launc
 row into ``BLOCK``-wide chunks (8,192 programs for that tensor), each writing its chunk's
 maximum, that maximum's first index and its first NaN's index; the second picks, per row,
 the first chunk with a NaN, else the first chunk holding the largest maximum. Elsewhere
-(the CPU) it is ``torch.argmax``.
+(the CPU), and under ``MLORA_GREEDY=torch`` (A/B runs), it is ``torch.argmax``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .envknobs import env_choice
 
 try:  # the CPU-only CI installs triton too; guard anyway: the CPU path needs nothing
     import triton
@@ -67,7 +69,8 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     its device (module docstring); no host synchronisation. ``block``: the first stage's chunk
     width (a power of two; tests use small ones)."""
     rows, vocab = logits.shape
-    if triton is None or logits.device.type != "cuda" or rows == 0 or vocab == 0:
+    if (env_choice("MLORA_GREEDY", ("triton", "torch"), "triton") == "torch"  # refused when malformed, anywhere
+            or triton is None or logits.device.type != "cuda" or rows == 0 or vocab == 0):
         return torch.argmax(logits, dim=-1)
     return _greedy_triton(logits, block)
 
