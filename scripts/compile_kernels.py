@@ -141,9 +141,16 @@ def main() -> int:
             build(sgmv._shrink_kernel,
                   dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
                        BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SUM_CHUNK=cfg["sum_chunk"],
-                       BANK_ROWS=False),
+                       BANK_ROWS=False, PDL_WAIT=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+    if args.arch >= 90:  # the decode shrink as a programmatic dependent of the GEMM before it (MLORA_LORA_SHRINK_PDL=1)
+        cfg = sgmv.launch_config(64, 1, 16, 4096, [4096], torch.device("cpu"), True, 16)
+        build(sgmv._shrink_kernel,
+              dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=True, RANK_TILES=1, BLOCK_R=cfg["block_r"],
+                   BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=False, PDL_WAIT=True),
+              f"shrink block_m=16 split_k=True block_r={cfg['block_r']} programmatic dependent",
+              num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 16), (3, 64)])):
         for slices, rank in cases:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
@@ -178,7 +185,7 @@ def main() -> int:
     build(sgmv._shrink_kernel,
           dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
                BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"],
-               BANK_ROWS=True),
+               BANK_ROWS=True, PDL_WAIT=False),
           f"bundle shrink block_m=16 split_k=True block_r={cfg['block_r']}",
           num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, rank, core in ((16, 16, 2), (16, 64, 2), (16, 64, 1), (32, 64, 2)):

@@ -24,6 +24,8 @@
 #   bash scripts/gpu_session.sh chain        chained decode (MLORA_CHAIN_DECODE=1): GPU tests, demo x3, host-wait profile, bench A/B 256 and 64 rows
 #   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
 #   bash scripts/gpu_session.sh greedy       the greedy choice in two Triton launches: GPU tests, demo x2, argmax timing
+#   bash scripts/gpu_session.sh greedy-ab    the Triton greedy choice against torch.argmax in bench batch (base, 256 and 64 rows)
+#   bash scripts/gpu_session.sh shrink-pdl   the LoRA shrinks as programmatic dependents of their GEMMs: GPU tests, demo, A/B
 #   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
@@ -460,6 +462,22 @@ from mlora.cli.app import app; app()"
     # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    ;;
+  shrink-pdl)  # twenty-seventh session (built on the CPU, not run): the LoRA shrinks launched as programmatic dependents
+    # of the base GEMM before them (MLORA_LORA_SHRINK_PDL=1, opt-in): GPU tests and demo x2 with it on, then bench A/B
+    # at 64 and 8 adapters, reversed order, twice (~8 min)
+    MLORA_LORA_SHRINK_PDL=1 timeout 200 python -m pytest -q tests/test_kernels_slices.py tests/test_kernels_triton.py \
+      tests/test_kernels_act.py tests/test_batch_graphs.py tests/test_batch_model.py tests/test_bundle_triton.py 2>&1 | tail -2
+    for dt in float32 bfloat16; do MLORA_LORA_SHRINK_PDL=1 demo_gpu "shrink-pdl-$dt" "$dt"; done
+    timeout 330 python -m mlora bench batch --rows 1024 --adapters 64,8 --ab MLORA_LORA_SHRINK_PDL=1,0 --ab-repeats 2 \
+      --out "$OUT/batch-shrink-pdl-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    ;;
+  greedy-ab)  # twenty-seventh session: the Triton greedy choice against torch.argmax inside the engine, base only,
+    # 256 and 64 running rows (~5 min)
+    timeout 250 python -m mlora bench batch --rows 1024 --adapters 0 --ab MLORA_GREEDY=torch,triton --ab-repeats 2 \
+      --out "$OUT/batch-greedy-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    timeout 150 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --ab MLORA_GREEDY=torch,triton \
+      --out "$OUT/batch-greedy-ab-64.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
   greedy)  # twenty-seventh session: the greedy choice in two Triton launches (mlora.batch.greedy; the o/down expands
     # fused into the add+norm were measured in the same session, slower, deleted: code in commit e0059e5): GPU tests,

@@ -485,3 +485,44 @@ def test_fill_from_rows_refills_only_when_the_row_slots_change(monkeypatch):
     static.copy_from(real(build_plan(rows), 16))
     static.fill_from_rows(other)  # the copy replaced the contents: refilled, not trusted
     assert len(built) == 3 and static.tile_slot[:2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_shrink_as_a_programmatic_dependent_of_the_gemm_before_it(graph, monkeypatch):
+    """``MLORA_LORA_SHRINK_PDL=1``: the module's base GEMM, then its LoRA update, with the
+    shrink allowed to start before the GEMM ends (on a Hopper GPU; elsewhere the knob changes
+    nothing): the expand must still add into the GEMM's finished output. Split-K and the
+    two-launch path forced, a GEMM large enough to still run when the shrink launches; eager
+    and replayed from a CUDA graph."""
+    from mlora.kernels.triton_sgmv import add_lora_slices_triton, shrink_dependent
+
+    if graph and DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    monkeypatch.setenv("MLORA_LORA_SHRINK_PDL", "1")
+    d_in, width, T = (2048, 4096, 64) if DEVICE == "cuda" else (256, 32, 9)
+    case = sliced_case(12, T=T, S=4, R=16, d_in=d_in, widths=(width,), base_frac=0.1, dtype=torch.bfloat16)
+    _, x, a, b, rs, ranks, scales, widths = _dev(*case)
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(width, d_in, generator=g) / d_in ** 0.5).to(DEVICE, torch.bfloat16)
+    lp = make_launch_plan(build_plan(rs))
+    cfg = dict(fused=False, split=4)
+
+    def call():
+        y = torch.nn.functional.linear(x, w)  # the base GEMM, the kernel just before the shrink
+        return add_lora_slices_triton(y, x, a, b, lp, ranks.to(torch.int32), scales.float(), widths, config=cfg)
+
+    base = torch.nn.functional.linear(x, w).cpu()
+    ref = sliced_oracle(base, x.cpu(), a.cpu(), b.cpu(), rs.cpu(), ranks.cpu(), scales.cpu(), widths)
+    assert shrink_dependent(x.device) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
+    out = call()
+    if graph:
+        g_ = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_):
+            out = call()
+        for _ in range(3):
+            g_.replay()
+    err = (out.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.bfloat16], float(err)
+    monkeypatch.setenv("MLORA_LORA_SHRINK_PDL", "yes")
+    with pytest.raises(ValueError, match="MLORA_LORA_SHRINK_PDL='yes'"):
+        shrink_dependent(x.device)
