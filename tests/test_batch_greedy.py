@@ -77,3 +77,14 @@ def test_the_torch_knob_and_a_bad_value(monkeypatch):
     monkeypatch.setenv("MLORA_GREEDY", "fast")
     with pytest.raises(ValueError, match="MLORA_GREEDY='fast'"):
         greedy_tokens(x)
+
+
+def test_written_into_a_given_buffer():
+    """``out``: the tokens land in the given int64 buffer (the decode graph's token ids), rows
+    past it untouched, on both paths."""
+    x = _logits(5, 6, 700, torch.bfloat16).to(DEVICE)
+    for fn in (lambda t, out: _greedy_triton(t, 128, out), lambda t, out: greedy_tokens(t, out=out)):
+        buf = torch.full((9,), -7, dtype=torch.int64, device=DEVICE)
+        got = fn(x, buf[:6])
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf[:6], torch.argmax(x, dim=-1)) and buf[6:].tolist() == [-7, -7, -7]

@@ -250,15 +250,17 @@ class DecodeGraphs:
     def chain(self, logits: torch.Tensor, n: int):
         """Launch the next decode iteration of the same ``n`` rows as the last replay (its
         inputs staged already), with the greedy tokens of ``logits`` (the last iteration's,
-        ``[n, vocab]``, still in its bucket's static buffer) as its token ids, copied on the
-        device. Returns (the new iteration's logits, valid until the next call; a function that
+        ``[n, vocab]``, still in its bucket's static buffer) as its token ids, written into the
+        graphs' token-id buffer on the device. Returns (the new iteration's logits, valid until the next call; a function that
         waits for the last iteration's tokens alone and returns them as a list). The argmax and
         its copy to the host are queued before the replay, which overwrites ``logits``. The
         LoRA buffers are not refilled: they hold the last replay's rows, which are these (the
         bank's context would also copy the row slots to the device, a copy that waits for the
         stream, i.e. for the running iteration)."""
         b = self.bucket(n)
-        tok = greedy_tokens(logits)  # torch.argmax's choice (two launches on CUDA: mlora.batch.greedy)
+        # torch.argmax's choice (two launches on CUDA: mlora.batch.greedy), written straight into the
+        # token-id buffer the next replay reads (the last replay, the only reader, is done by then)
+        tok = greedy_tokens(logits, out=self.ids[:n])
         if self._tok_host is None:
             self._tok_host = torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=not self.emulated)
         host = self._tok_host[:n]
@@ -268,7 +270,6 @@ class DecodeGraphs:
             event = torch.cuda.Event()
             event.record()
         self._pad(n, b)
-        self.ids[:n].copy_(tok, non_blocking=True)
         out = self._replay(b, n)
 
         def tokens() -> list[int]:

@@ -64,18 +64,20 @@ if triton is not None:
         tl.store(tok_ptr + row, tl.where(first_nan < vocab, first_nan, tok).to(tl.int64))
 
 
-def greedy_tokens(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` of a ``[rows, vocab]`` float tensor, int64 ``[rows]`` on
     its device (module docstring); no host synchronisation. ``block``: the first stage's chunk
-    width (a power of two; tests use small ones)."""
+    width (a power of two; tests use small ones). ``out``: an int64 ``[rows]`` tensor on the same
+    device to write instead of a new one (the decode graph's token-id buffer: no extra copy)."""
     rows, vocab = logits.shape
     if (env_choice("MLORA_GREEDY", ("triton", "torch"), "triton") == "torch"  # refused when malformed, anywhere
             or triton is None or logits.device.type != "cuda" or rows == 0 or vocab == 0):
-        return torch.argmax(logits, dim=-1)
-    return _greedy_triton(logits, block)
+        tok = torch.argmax(logits, dim=-1)
+        return tok if out is None else out.copy_(tok)
+    return _greedy_triton(logits, block, out)
 
 
-def _greedy_triton(logits: torch.Tensor, block: int) -> torch.Tensor:
+def _greedy_triton(logits: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches (the CPU reaches them only through tests, under TRITON_INTERPRET=1)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
@@ -85,7 +87,8 @@ def _greedy_triton(logits: torch.Tensor, block: int) -> torch.Tensor:
     val = torch.empty((rows, chunks), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
     nan = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
-    tok = torch.empty(rows, dtype=torch.int64, device=dev)
+    tok = torch.empty(rows, dtype=torch.int64, device=dev) if out is None else out
+    assert tok.shape == (rows,) and tok.dtype == torch.int64 and tok.stride(0) == 1 and tok.device == dev
     _chunk_max_kernel[(rows, chunks)](logits, val, idx, nan, vocab, logits.stride(0), chunks, BLOCK=block,
                                       num_warps=8 if block >= 2048 else 4)
     _pick_kernel[(rows,)](val, idx, nan, tok, vocab, chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
