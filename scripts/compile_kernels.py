@@ -234,6 +234,22 @@ def main() -> int:
     build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=True, KV_P2=8),
           "fused RoPE q/k + KV cache write", dict(norm_ptrs, k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64"))
     build(fused._silu_mul_kernel, dict(BLOCK=1024), "fused SiLU product", norm_ptrs)
+    if args.arch >= 90:  # the layer's kernels as programmatic dependents (MLORA_PDL_LAYER=1, mlora.batch.pdl)
+        build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group),
+                                               BLOCK_N=decode["block_n"], HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True,
+                                               SPLIT=False, HEADS_FIRST=pa.DECODE_ORDER.endswith("heads"), PDL=True),
+              "paged attention (decode tiles) as a programmatic dependent",
+              **{k: v for k, v in decode.items() if k != "block_n"})
+        build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
+                                            BLOCK_D=128, PDL=True), "paged attention split merge as a programmatic "
+              "dependent", num_warps=4)
+        build(fused._add_rms_norm_kernel, dict(HAS_DELTA=True, BLOCK=4096, PDL=True),
+              "fused add+RMSNorm (delta=True) as a programmatic dependent", norm_ptrs, num_warps=8)
+        build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=True, KV_P2=8, PDL=True),
+              "fused RoPE q/k + KV cache write as a programmatic dependent",
+              dict(norm_ptrs, k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64"))
+        build(fused._silu_mul_kernel, dict(BLOCK=1024, PDL=True), "fused SiLU product as a programmatic dependent",
+              norm_ptrs)
     return 0
 
 

@@ -141,8 +141,8 @@ def _shrink_kernel(
     read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself. With
     ``PDL_WAIT`` the shrink is itself a programmatic dependent of the kernel before it: its
     plan and table loads overlap that kernel's tail, x is read only after the grid-dependency
-    wait (every program with work waits, so the shrink completes after that kernel: its own
-    expand, which waits for the shrink, then sees that kernel's output too)."""
+    wait (every program waits, so the shrink completes after that kernel: its own expand,
+    which waits for the shrink, then sees that kernel's output too)."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -151,14 +151,14 @@ def _shrink_kernel(
     r0 = (pid_r % RANK_TILES) * BLOCK_R
     slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
                                            num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
+    if PDL_WAIT:  # every program, work or not: the shrink then never completes before the kernel it follows
+        tl.extra.cuda.gdc_wait()
     if r0 >= rank:  # a tile past the count has rank 0
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
     a_row = slot
     if BANK_ROWS:  # a bundle's cluster basis: the slot's row of the A bank for slice j
         a_row = tl.load(bank_rows_ptr + j * stride_rj + slot * stride_rs)
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
     if BLOCK_R > RANK_CLASS:  # narrow path for low-rank slots in a wide bank (mixed ranks)
         if rank <= RANK_CLASS:
             _shrink_rows(x_ptr, a_ptr, zp_ptr, cnt, a_row, u, m_ok, rows, rank, j, r0, d_in, R, k_per_split,
