@@ -251,8 +251,9 @@ class DecodeGraphs:
         """Launch the next decode iteration of the same ``n`` rows as the last replay (its
         inputs staged already), with the greedy tokens of ``logits`` (the last iteration's,
         ``[n, vocab]``, still in its bucket's static buffer) as its token ids, written into the
-        graphs' token-id buffer on the device. Returns (the new iteration's logits, valid until the next call; a function that
-        waits for the last iteration's tokens alone and returns them as a list). The argmax and
+        graphs' token-id buffer on the device. Returns (the new iteration's logits, valid until
+        the next call; a function that waits for the last iteration's tokens alone and returns
+        them as a list). The argmax and
         its copy to the host are queued before the replay, which overwrites ``logits``. The
         LoRA buffers are not refilled: they hold the last replay's rows, which are these (the
         bank's context would also copy the row slots to the device, a copy that waits for the
