@@ -175,7 +175,9 @@ def test_layer_pdl_knob(monkeypatch):
     assert not layer_pdl(torch.device("cpu"))
     assert launch_options(True) == {"launch_pdl": True}
     if DEVICE == "cuda":
-        assert layer_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+        from mlora.kernels.triton_sgmv import _pdl_supported
+
+        assert layer_pdl(torch.device("cuda")) == _pdl_supported(torch.device("cuda"))
         g = torch.Generator().manual_seed(5)
         h, d = (torch.randn(33, 4096, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
         w = (torch.rand(4096, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
