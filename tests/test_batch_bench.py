@@ -4,6 +4,7 @@ consistent with the bank it measures (no timings are asserted)."""
 
 import json
 import os
+import socket
 
 import pytest
 
@@ -33,6 +34,7 @@ def test_bench_runs_every_row_to_max_new_tokens():
     once = run_batch_bench(BatchBenchOptions(**OPTS, repeat_base=False))
     assert [s["adapters"] for s in once["scenarios"]] == [0, 3]
     json.dumps(r)  # the --json / --out payload serialises
+    assert r["machine"]["host"] and "gpu_uuid" not in r["machine"]  # which machine measured (no GPU here)
     for s in r["scenarios"]:  # the collector's pauses over each timed job (MLORA_GC unset: default)
         assert s["gc"]["gc_mode"] == "default" and set(s["gc"]["gc_collections"]) == {"0", "1", "2"}
 
@@ -94,6 +96,7 @@ def test_ab_on_the_command_line(run_cli):
     code, stdout, stderr = run_cli(*args, "--ab", "MLORA_LORA_SILU_FUSED=0,1")
     assert code == 0, stderr
     assert "A/B" in stdout and "MLORA_LORA_SILU_FUSED=0" in stderr  # the table; each scenario's progress line
+    assert f"on {socket.gethostname()}" in stdout  # which machine measured
     code, stdout, stderr = run_cli(*args, "--ab", "MLORA_LORA_SILU_FUSED=0,1", "--ab-repeats", 2, "--json")
     assert code == 0, stderr
     r = json.loads(stdout)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -419,13 +420,26 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     for s in scenarios:
         s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
     out = dict(
-        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", machine=machine_of(dev),
         torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
         ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s),
         model_build_s=build_s, scenarios=scenarios,
     )
     if o.ab is not None:
         out["ab"] = ab_summary(scenarios)
+    return out
+
+
+def machine_of(dev: torch.device) -> dict:
+    """Which machine a run measured: the host name and, on CUDA, the GPU's UUID and the driver
+    version nvidia-smi would show. Two H200s differ by 3-5% in these runs (BENCHMARKS.md,
+    twenty-sixth and twenty-seventh sessions), so a comparison across runs must name them."""
+    out = {"host": socket.gethostname()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        out["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
+        out["sm_count"] = props.multi_processor_count
+        out["cuda_runtime"] = torch.version.cuda
     return out
 
 

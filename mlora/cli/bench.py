@@ -220,7 +220,9 @@ def _print_ab_table(rows: list[dict]) -> None:
 def _print_batch_table(r: dict) -> None:
     con = Console()
     c, o = r["ceilings"], r["options"]
-    con.print(f"{r['device']}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+    m = r.get("machine") or {}
+    where = f" on {m['host']}" + (f", GPU {m['gpu_uuid']}" if m.get("gpu_uuid") else "") if m.get("host") else ""
+    con.print(f"{r['device']}{where}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
               f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run)")
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
                   f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
