@@ -141,16 +141,9 @@ def main() -> int:
             build(sgmv._shrink_kernel,
                   dict(BLOCK_M=bm, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
                        BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SUM_CHUNK=cfg["sum_chunk"],
-                       BANK_ROWS=False, PDL_WAIT=False),
+                       BANK_ROWS=False),
                   f"shrink block_m={bm} split_k={split_k} block_r={cfg['block_r']}",
                   num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
-    if args.arch >= 90:  # the decode shrink as a programmatic dependent of the GEMM before it (MLORA_LORA_SHRINK_PDL=1)
-        cfg = sgmv.launch_config(64, 1, 16, 4096, [4096], torch.device("cpu"), True, 16)
-        build(sgmv._shrink_kernel,
-              dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=True, RANK_TILES=1, BLOCK_R=cfg["block_r"],
-                   BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=False, PDL_WAIT=True),
-              f"shrink block_m=16 split_k=True block_r={cfg['block_r']} programmatic dependent",
-              num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, cases in ((16, [(n, r) for n in (1, 3) for r in (16, 64)]), (32, [(3, 16), (3, 64)])):
         for slices, rank in cases:
             cfg = sgmv.launch_config(64, slices, rank, 4096, [4096] * slices, torch.device("cpu"), True, bm)
@@ -185,7 +178,7 @@ def main() -> int:
     build(sgmv._shrink_kernel,
           dict(BLOCK_M=16, RANK_CLASS=16, NATIVE_DOT=True, USE_PDL=args.arch >= 90, RANK_TILES=1,
                BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], SPLIT_K=True, SUM_CHUNK=cfg["sum_chunk"],
-               BANK_ROWS=True, PDL_WAIT=False),
+               BANK_ROWS=True),
           f"bundle shrink block_m=16 split_k=True block_r={cfg['block_r']}",
           num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     for bm, rank, core in ((16, 16, 2), (16, 64, 2), (16, 64, 1), (32, 64, 2)):
@@ -234,22 +227,6 @@ def main() -> int:
     build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=True, KV_P2=8),
           "fused RoPE q/k + KV cache write", dict(norm_ptrs, k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64"))
     build(fused._silu_mul_kernel, dict(BLOCK=1024), "fused SiLU product", norm_ptrs)
-    if args.arch >= 90:  # the layer's kernels as programmatic dependents (MLORA_PDL_LAYER=1, mlora.batch.pdl)
-        build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group),
-                                               BLOCK_N=decode["block_n"], HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True,
-                                               SPLIT=False, HEADS_FIRST=pa.DECODE_ORDER.endswith("heads"), PDL=True),
-              "paged attention (decode tiles) as a programmatic dependent",
-              **{k: v for k, v in decode.items() if k != "block_n"})
-        build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
-                                            BLOCK_D=128, PDL=True), "paged attention split merge as a programmatic "
-              "dependent", num_warps=4)
-        build(fused._add_rms_norm_kernel, dict(HAS_DELTA=True, BLOCK=4096, PDL=True),
-              "fused add+RMSNorm (delta=True) as a programmatic dependent", norm_ptrs, num_warps=8)
-        build(fused._rope_qk_kernel, dict(HALF_P2=64, HEADS_P2=64, WRITE_KV=True, KV_P2=8, PDL=True),
-              "fused RoPE q/k + KV cache write as a programmatic dependent",
-              dict(norm_ptrs, k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64"))
-        build(fused._silu_mul_kernel, dict(BLOCK=1024, PDL=True), "fused SiLU product as a programmatic dependent",
-              norm_ptrs)
     return 0
 
 

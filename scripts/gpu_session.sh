@@ -25,9 +25,6 @@
 #   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
 #   bash scripts/gpu_session.sh greedy       the greedy choice in two Triton launches: GPU tests, demo x2, argmax timing
 #   bash scripts/gpu_session.sh greedy-ab    the Triton greedy choice against torch.argmax in bench batch (base, 256 and 64 rows)
-#   bash scripts/gpu_session.sh pdl          the layer's kernels and the LoRA shrinks as programmatic dependents (both opt-in):
-#                                            GPU tests and demo with both on, bench A/B of MLORA_PDL_LAYER at 0 and 64 adapters
-#   bash scripts/gpu_session.sh shrink-pdl   then: bench A/B of MLORA_LORA_SHRINK_PDL at 64 and 8 adapters
 #   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
@@ -464,24 +461,6 @@ from mlora.cli.app import app; app()"
     # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
-    ;;
-  pdl)  # twenty-seventh session (built on the CPU, not run): the layer's kernels (add+RMSNorm, RoPE + KV write, paged
-    # attention and its merge, SiLU product) as programmatic dependents (MLORA_PDL_LAYER=1) and the LoRA shrinks as
-    # dependents of their GEMMs (MLORA_LORA_SHRINK_PDL=1), both opt-in: GPU tests and demo x3 with both on, then
-    # bench A/B of MLORA_PDL_LAYER at 0 and 64 adapters (~8 min; then shrink-pdl)
-    MLORA_PDL_LAYER=1 MLORA_LORA_SHRINK_PDL=1 timeout 220 python -m pytest -q tests/test_kernels_slices.py \
-      tests/test_kernels_triton.py tests/test_kernels_act.py tests/test_batch_graphs.py tests/test_batch_model.py \
-      tests/test_batch_fused.py tests/test_batch_attention.py tests/test_batch_lookahead.py tests/test_bundle_triton.py \
-      2>&1 | tail -2
-    for dt in float32 bfloat16; do MLORA_PDL_LAYER=1 MLORA_LORA_SHRINK_PDL=1 demo_gpu "pdl-$dt" "$dt"; done
-    MLORA_PDL_LAYER=1 MLORA_LORA_SHRINK_PDL=1 MLORA_DEBUG_GRAPHS=1 demo_gpu pdl-debug-graphs bfloat16
-    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_PDL_LAYER=1,0 \
-      --out "$OUT/batch-pdl-layer-ab.json" 2>&1 | grep -E "adapters|MLORA"
-    ;;
-  shrink-pdl)  # twenty-seventh session (after pdl): the LoRA shrinks as programmatic dependents of their GEMMs
-    # (MLORA_LORA_SHRINK_PDL=1), bench A/B at 64 and 8 adapters, reversed order, twice (~7 min)
-    timeout 420 python -m mlora bench batch --rows 1024 --adapters 64,8 --ab MLORA_LORA_SHRINK_PDL=1,0 --ab-repeats 2 \
-      --out "$OUT/batch-shrink-pdl-ab.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
   greedy-ab)  # twenty-seventh session: the Triton greedy choice against torch.argmax inside the engine, base only,
     # 256 and 64 running rows (~5 min)

@@ -161,30 +161,3 @@ def test_silu_mul_matches_the_reference(dtype, inter):
 def test_the_cpu_uses_the_references():
     ops = ops_for(torch.device("cpu"))
     assert not ops.fused and ops.rms_norm is rms_norm_ref
-
-
-def test_layer_pdl_knob(monkeypatch):
-    """``MLORA_PDL_LAYER``: off unless 1, on only where the device has programmatic dependent
-    launch (never the CPU), a malformed value refused naming the variable; with it on, the
-    element-wise ops still match their references (on a Hopper GPU, as programmatic dependents)."""
-    from mlora.batch.pdl import launch_options, layer_pdl
-
-    monkeypatch.delenv("MLORA_PDL_LAYER", raising=False)
-    assert not layer_pdl(torch.device("cpu")) and launch_options(False) == {}
-    monkeypatch.setenv("MLORA_PDL_LAYER", "1")
-    assert not layer_pdl(torch.device("cpu"))
-    assert launch_options(True) == {"launch_pdl": True}
-    if DEVICE == "cuda":
-        from mlora.kernels.triton_sgmv import _pdl_supported
-
-        assert layer_pdl(torch.device("cuda")) == _pdl_supported(torch.device("cuda"))
-        g = torch.Generator().manual_seed(5)
-        h, d = (torch.randn(33, 4096, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-        w = (torch.rand(4096, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
-        got = add_rms_norm_triton(h, d, w, 1e-5)
-        want = add_rms_norm_ref(h, d, w, 1e-5)
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-        torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
-    monkeypatch.setenv("MLORA_PDL_LAYER", "on")
-    with pytest.raises(ValueError, match="MLORA_PDL_LAYER='on'"):
-        layer_pdl(torch.device("cpu"))

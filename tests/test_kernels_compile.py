@@ -27,7 +27,7 @@ def test_kernels_compile_for_sm90(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ok  ")]
-    assert len(lines) == 41, out.stdout
+    assert len(lines) == 35, out.stdout
     # no values spilled to local memory in the kernels that run per layer and per load (the
     # wheel's cuobjdump reports it); paged attention spills at 4 warps (known, BENCHMARKS.md)
     stacks = {ln.split(":")[0][4:]: ln for ln in lines if "stack" in ln}
@@ -39,13 +39,11 @@ def test_kernels_compile_for_sm90(tmp_path):
     # bound on a contiguous axis (the expand's rank mask did, fourteenth session) would show as
     # 2-byte loads, one per element
     lora = [ln for ln in lines if ln[4:].startswith(("shrink", "expand", "bundle", "fused block"))]
-    assert len(lora) == 25, out.stdout
+    assert len(lora) == 24, out.stdout
     if "global loads" in out.stdout:
         for ln in lora:
             assert "b16" not in ln.split("global loads", 1)[1], ln
         # the RoPE launch's KV-cache stores: whole vectors too (its cache strides must be named
         # stride_* to get a launch's divisibility marks: 72 two-byte stores otherwise)
-        rope_kv = [ln for ln in lines if "RoPE q/k + KV cache write" in ln]
-        assert len(rope_kv) == 2  # plain, and as a programmatic dependent
-        for ln in rope_kv:
-            assert "b16" not in ln.split("global loads", 1)[1], ln
+        (rope_kv,) = [ln for ln in lines if "RoPE q/k + KV cache write" in ln]
+        assert "b16" not in rope_kv.split("global loads", 1)[1], rope_kv

@@ -30,8 +30,6 @@ try:  # the CPU-only CI installs triton too; guard anyway: the references need n
 except ImportError:  # pragma: no cover
     triton = None
 
-from .pdl import launch_options, layer_pdl  # the layer's kernels as programmatic dependents (opt-in)
-
 
 # ------------------------------------------------------------------ references
 
@@ -86,10 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, x_ptr, n, eps, stride_h, stride_d, stride_ho, stride_x,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:  # a programmatic dependent (mlora.batch.pdl): let the next launch, wait for the last
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -110,13 +105,10 @@ if triton is not None:
                         k_ptr, v_ptr, slot_ptr, q_heads, kv_heads, block_size,
                         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                         HALF_P2: tl.constexpr, HEADS_P2: tl.constexpr, WRITE_KV: tl.constexpr = False,
-                        KV_P2: tl.constexpr = 1, PDL: tl.constexpr = False):
+                        KV_P2: tl.constexpr = 1):
         """Rotate q and k of one row in place; with ``WRITE_KV`` also store the rotated k heads
         and the row's v heads at its cache slot (block ``slot // block_size``, offset ``slot %
         block_size``; cache strides per block, offset and head, head_dim contiguous)."""
-        if PDL:  # a programmatic dependent (mlora.batch.pdl)
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         hd = tl.arange(0, HEADS_P2)[:, None]
         i = tl.arange(0, HALF_P2)[None, :]
@@ -151,10 +143,7 @@ if triton is not None:
             tl.store(v_ptr + blk * stride_vb + off * stride_vo + vh * stride_vh + d, vv, mask=vmask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:  # a programmatic dependent (mlora.batch.pdl)
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
@@ -180,22 +169,18 @@ def add_rms_norm_triton(h, delta, weight, eps):
         hout = torch.empty_like(h2)
     if h2.shape[0]:
         block = _pow2(n)
-        pdl = layer_pdl(h2.device)
         _add_rms_norm_kernel[(h2.shape[0],)](
             h2, d2, weight, hout, x, n, eps, h2.stride(0), d2.stride(0), hout.stride(0), x.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=block, PDL=pdl, num_warps=8 if block >= 2048 else 4,
-            **launch_options(pdl))
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return hout.view(h.shape), x.view(h.shape)
 
 
 def rope_qk_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim):
     if qkv.shape[0]:
         heads = q_heads + kv_heads
-        pdl = layer_pdl(qkv.device)
         _rope_qk_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
                                          head_dim // 2, qkv, qkv, qkv, 0, 0, 1, 0, 0, 0, 0, 0, 0,
-                                         HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), PDL=pdl, num_warps=4,
-                                         **launch_options(pdl))
+                                         HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), num_warps=4)
     return qkv
 
 
@@ -211,13 +196,11 @@ def rope_qk_kv_triton_(qkv, cos, sin, q_heads, kv_heads, head_dim, kv, layer, sl
         return qkv
     if qkv.shape[0]:
         heads = q_heads + kv_heads
-        pdl = layer_pdl(qkv.device)
         _rope_qk_kernel[(qkv.shape[0],)](
             qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads, head_dim // 2,
             kc, vc, slot_mapping, q_heads, kv_heads, kv.block_size, kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2),
-            HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), WRITE_KV=True, KV_P2=_pow2(kv_heads), PDL=pdl,
-            num_warps=4, **launch_options(pdl))
+            HALF_P2=_pow2(head_dim // 2), HEADS_P2=_pow2(heads), WRITE_KV=True, KV_P2=_pow2(kv_heads), num_warps=4)
     return qkv
 
 
@@ -225,10 +208,8 @@ def silu_mul_triton(gate_up, inter):
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0]:
         block = min(_pow2(inter), 2048)
-        pdl = layer_pdl(gate_up.device)
         _silu_mul_kernel[(gate_up.shape[0], -(-inter // block))](gate_up, out, inter, gate_up.stride(0),
-                                                                 out.stride(0), BLOCK=block, PDL=pdl, num_warps=4,
-                                                                 **launch_options(pdl))
+                                                                 out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 

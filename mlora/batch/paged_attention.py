@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from .envknobs import env_choice, env_int
-from .pdl import launch_options, layer_pdl
 
 LOG2E = 1.4426950408889634
 # The CPU interpreter mis-computes 16-bit tl.dot: there (and for float32 inputs)
@@ -143,11 +142,8 @@ def _paged_attention_kernel(
     stride_bt, block_size, part_ptr, stat_ptr, splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr,
 ):
-    if PDL:  # a programmatic dependent (mlora.batch.pdl): let the next launch, wait for the last
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     if HEADS_FIRST:  # grid (KV heads, tiles, splits): a tile's heads are dispatched together
         kvh = tl.program_id(0)
         tile = tl.program_id(1)
@@ -219,14 +215,11 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_ptr, stat_ptr, out_ptr, query_starts_ptr, tile_seq_ptr, tile_q0_ptr, stride_ot, stride_oh, splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per (tile, KV head): the softmax-weighted sum of its ``splits`` partials.
     Only real rows (``row_ok``) were written and are read: a decode tile stacks 16 rows of
     which ``GROUP`` are real, and the padding would otherwise be most of the traffic."""
-    if PDL:  # a programmatic dependent (mlora.batch.pdl)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     _, _, row0, _, offs_m, qi, head, row_ok = _tile_rows(tile, kvh, tile_seq_ptr, tile_q0_ptr, query_starts_ptr,
@@ -410,7 +403,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part = torch.empty(tiles * Hkv * splits * rows, block_d, dtype=torch.float32, device=q.device)
             stat = torch.empty(tiles * Hkv * splits * rows, 2, dtype=torch.float32, device=q.device)
         heads_first = tl_.decode and tl_.heads_first
-        pdl = layer_pdl(q.device)
         _paged_attention_kernel[(Hkv, tiles, splits) if heads_first else (tiles, Hkv, splits)](
             q, k_cache, v_cache, out,
             bt, layout.context_lens, layout.query_starts, tl_.tile_seq, tl_.tile_q0,
@@ -420,13 +412,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             bt.stride(0), block_size, part, stat, splits,
             GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, BLOCK_N=block_n,
-            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, HEADS_FIRST=heads_first, PDL=pdl,
-            num_warps=warps, **stages, **launch_options(pdl),
+            HEAD_DIM=D, BLOCK_D=block_d, NATIVE_DOT=native, SPLIT=splits > 1, HEADS_FIRST=heads_first,
+            num_warps=warps, **stages,
         )
         if splits > 1:
             _merge_splits_kernel[(tiles, Hkv)](
                 part, stat, out, layout.query_starts, tl_.tile_seq, tl_.tile_q0, out.stride(0), out.stride(1), splits,
-                GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, HEAD_DIM=D, BLOCK_D=block_d, PDL=pdl,
-                num_warps=4, **launch_options(pdl),
+                GROUP=group, GROUP_P=_pow2(group), BLOCK_Q=tl_.block_q, HEAD_DIM=D, BLOCK_D=block_d, num_warps=4,
             )
     return out

@@ -30,8 +30,7 @@ import triton.language as tl
 
 from .launch import LaunchPlan
 from .pitch import check_pitched
-from .triton_sgmv import (_b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile,
-                          shrink_dependent)
+from .triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile
 
 #: Column tiles of gate (and of up) each program of the fused launch covers (H200,
 #: ``kernel_sweep.py --silu``, nineteenth session: 256 rows x 64 adapters 68.4 -> 60.6 us from 1
@@ -173,7 +172,7 @@ def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scal
     group = int(config.pop("silu_group_tiles", SILU_GROUP_TILES))
     cfg = _config(lp, x, lora_a, widths, native_a, config or None, fusable=False)
     pdl = cfg["pdl"] and _pdl_supported(x.device)
-    zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, dependent=shrink_dependent(x.device))
+    zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl)
     bm, bn = lp.block_m, cfg["block_n"]
     base_tiles = triton.cdiv(lp.base_rows.numel(), bm)
     extra = dict(launch_pdl=True) if pdl else {}

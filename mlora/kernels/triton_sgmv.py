@@ -135,14 +135,10 @@ def _shrink_kernel(
     stride_xt, stride_as, stride_aj, stride_ar, stride_zk, stride_zu,
     RANK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_CLASS: tl.constexpr, NATIVE_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr, PDL_WAIT: tl.constexpr,
+    SUM_CHUNK: tl.constexpr, BANK_ROWS: tl.constexpr,
 ):
     """z partials of one (tile, slice, rank tile, split) program. With ``BANK_ROWS`` the A row
-    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself. With
-    ``PDL_WAIT`` the shrink is itself a programmatic dependent of the kernel before it: its
-    plan and table loads overlap that kernel's tail, x is read only after the grid-dependency
-    wait (every program waits, so the shrink completes after that kernel: its own expand,
-    which waits for the shrink, then sees that kernel's output too)."""
+    read is ``bank_rows[j, slot]`` (same strides as ``ranks``), else the slot itself."""
     if USE_PDL:  # the expand may launch now: it reads z only after its grid-dependency wait
         tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
@@ -151,8 +147,6 @@ def _shrink_kernel(
     r0 = (pid_r % RANK_TILES) * BLOCK_R
     slot, u, m_ok, rows, rank = _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
                                            num_tiles_ptr, ranks_ptr, stride_rj, stride_rs, BLOCK_M)
-    if PDL_WAIT:  # every program, work or not: the shrink then never completes before the kernel it follows
-        tl.extra.cuda.gdc_wait()
     if r0 >= rank:  # a tile past the count has rank 0
         return
     cnt = cnt_ptr + pid_t * tl.num_programs(1) + pid_r  # arrivals of this (tile, rank tile)'s splits
@@ -716,7 +710,7 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
     ``cores`` with ``core_kind`` 1 (JD-Diag, ``[S, n, R]``) or 2 (JD-Full, ``[S, n, R, R]``):
     the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update."""
     pdl = cfg["pdl"] and _pdl_supported(x.device)
-    zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, bank_rows, dependent=shrink_dependent(x.device))
+    zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, bank_rows)
     return _expand(y, zp, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_b, pdl, bank_rows, cores,
                    core_kind, b_pitched)
 
@@ -731,28 +725,13 @@ def _shrink_buffers(x, lora_a, lp: LaunchPlan, cfg: dict, counters: str = "") ->
     return zp, cnt
 
 
-def shrink_dependent(device: torch.device) -> bool:
-    """``MLORA_LORA_SHRINK_PDL=1`` (opt-in, twenty-seventh session; built on the CPU, not yet
-    measured): launch the shrinks of :func:`_shrink_expand` and the fused SiLU path as
-    programmatic dependents of the kernel before them (in the engine, the module's base GEMM),
-    where PDL exists. Read at each launch (once per capture in a CUDA graph), so an A/B run
-    can switch it between engines. ValueError for a value other than 0 or 1."""
-    raw = os.environ.get("MLORA_LORA_SHRINK_PDL", "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MLORA_LORA_SHRINK_PDL={raw!r}: expected 0 or 1 (unset it for 0)")
-    return raw == "1" and _pdl_supported(device)
-
-
 def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None,
-            buffers=None, dependent: bool = False) -> torch.Tensor:
+            buffers=None) -> torch.Tensor:
     """Launch the split-K shrink on the current stream into ``buffers`` (default: new ones,
-    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done).
-    ``dependent``: as a programmatic dependent of the kernel before it (``_shrink_kernel``'s
-    ``PDL_WAIT``; only where :func:`_pdl_supported`)."""
+    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done)."""
     _, n, R, d_in = lora_a.shape
     zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
-    extra = dict(launch_pdl=True) if dependent else {}
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
         rows_map,
@@ -760,8 +739,8 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), zp.stride(0), zp.stride(1),
         RANK_TILES=cfg["rank_tiles"], BLOCK_M=lp.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         RANK_CLASS=cfg["rank_class"], NATIVE_DOT=native_a, USE_PDL=pdl, SPLIT_K=cfg["split"] > 1,
-        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None, PDL_WAIT=dependent,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"], **extra,
+        SUM_CHUNK=cfg["sum_chunk"], BANK_ROWS=bank_rows is not None,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"],
     )
     return zp
 
