@@ -431,9 +431,10 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
 
 
 def machine_of(dev: torch.device) -> dict:
-    """Which machine a run measured: the host name and, on CUDA, the GPU's UUID and the driver
-    version nvidia-smi would show. Two H200s differ by 3-5% in these runs (BENCHMARKS.md,
-    twenty-sixth and twenty-seventh sessions), so a comparison across runs must name them."""
+    """Which machine a run measured: the host name and, on CUDA, the GPU's UUID, its SM count and
+    the CUDA runtime torch was built with. Two H200s differed by 3-5% in these runs
+    (BENCHMARKS.md, twenty-sixth and twenty-seventh sessions), so a comparison across runs must
+    name them."""
     out = {"host": socket.gethostname()}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
