@@ -253,11 +253,10 @@ class DecodeGraphs:
         ``[n, vocab]``, still in its bucket's static buffer) as its token ids, written into the
         graphs' token-id buffer on the device. Returns (the new iteration's logits, valid until
         the next call; a function that waits for the last iteration's tokens alone and returns
-        them as a list). The argmax and
-        its copy to the host are queued before the replay, which overwrites ``logits``. The
-        LoRA buffers are not refilled: they hold the last replay's rows, which are these (the
-        bank's context would also copy the row slots to the device, a copy that waits for the
-        stream, i.e. for the running iteration)."""
+        them as a list). The argmax and its copy to the host are queued before the replay,
+        which overwrites ``logits``. The LoRA buffers are not refilled: they hold the last
+        replay's rows, which are these (the bank's context would also copy the row slots to
+        the device, a copy that waits for the stream, i.e. for the running iteration)."""
         b = self.bucket(n)
         # torch.argmax's choice (two launches on CUDA: mlora.batch.greedy), written straight into the
         # token-id buffer the next replay reads (the last replay, the only reader, is done by then)
