@@ -25,6 +25,8 @@
 #   bash scripts/gpu_session.sh chain-ab     chained decode against unchained at 256 rows, 0 and 64 adapters, reversed order, twice
 #   bash scripts/gpu_session.sh greedy       the greedy choice in two Triton launches: GPU tests, demo x2, argmax timing
 #   bash scripts/gpu_session.sh greedy-ab    the Triton greedy choice against torch.argmax in bench batch (base, 256 and 64 rows)
+#   bash scripts/gpu_session.sh sensitivity  the 8B bf16 logits check with its one-rounding sensitivity, then bench batch 0,64
+#   bash scripts/gpu_session.sh ceilings     the ceilings five times each way (median of 10, best of 20) with NVML clocks, then bench batch 0,8,64
 #   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
 #   bash scripts/gpu_session.sh gemm-ab      the GEMM probe again, then cuBLASLt against cuBLAS at 64 running rows (bench A/B)
@@ -461,6 +463,32 @@ from mlora.cli.app import app; app()"
     # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    ;;
+  ceilings)  # twenty-eighth session: how stable the measured ceilings are (the median of 10 moved the copy ceiling
+    # 4.14-4.24 TB/s in four runs on one H200), and this machine's clocks; then bench batch with both recorded (~5 min)
+    timeout 120 python - <<'PY' 2>&1 | tee "$OUT/ceilings.txt"
+import statistics, torch
+from mlora.batch.bench import gpu_clocks
+from mlora.kernels import bench as kb
+dev = torch.device("cuda")
+print("clocks", gpu_clocks(dev))
+n = 1 << 30
+src = torch.empty(n, dtype=torch.bfloat16, device="cuda"); dst = torch.empty_like(src)
+for i in range(5):
+    med = 4 * n / kb._events_median(lambda: dst.copy_(src), 10)
+    best = kb.measure_ceilings()
+    print(f"trial {i}: copy median-of-10 {med / 1e12:.3f} TB/s, best-of-20 {best.copy_bytes_per_s / 1e12:.3f} TB/s; "
+          f"matmul best-of-20 {best.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+print("clocks", gpu_clocks(dev))
+PY
+    timeout 400 python -m mlora bench batch --rows 1024 --adapters 0,8,64 --out "$OUT/batch-h200.json" 2>&1 \
+      | grep -E "adapters:|TB/s"
+    ;;
+  sensitivity)  # twenty-eighth session: the bf16 logits bound (2e-2) against what one bf16 rounding of layer 0's
+    # normed input alone does to the float32 forward's logits (scripts/logits_check.py), then this machine's
+    # decode figures at 0 and 64 adapters (~6 min)
+    timeout 240 python scripts/logits_check.py 2>&1 | tail -2 | tee "$OUT/logits-sensitivity.txt"
+    timeout 300 python -m mlora bench batch --rows 1024 --adapters 0,64 --out "$OUT/batch-h200.json" 2>&1 | grep -E "adapters:|ceilings"
     ;;
   greedy-ab)  # twenty-seventh session: the Triton greedy choice against torch.argmax inside the engine, base only,
     # 256 and 64 running rows (~5 min)

@@ -5,6 +5,7 @@ consistent with the bank it measures (no timings are asserted)."""
 import json
 import os
 import socket
+import sys
 
 import pytest
 
@@ -35,8 +36,40 @@ def test_bench_runs_every_row_to_max_new_tokens():
     assert [s["adapters"] for s in once["scenarios"]] == [0, 3]
     json.dumps(r)  # the --json / --out payload serialises
     assert r["machine"]["host"] and "gpu_uuid" not in r["machine"]  # which machine measured (no GPU here)
+    assert r["machine"]["clocks_before"] is None and r["machine"]["clocks_after"] is None  # no NVML on the CPU
     for s in r["scenarios"]:  # the collector's pauses over each timed job (MLORA_GC unset: default)
         assert s["gc"]["gc_mode"] == "default" and set(s["gc"]["gc_collections"]) == {"0", "1", "2"}
+
+
+def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
+    """``gpu_clocks`` asks NVML for the CUDA device's own GPU (by UUID, "GPU-" prefixed as NVML
+    names them), converts milliwatts to watts, shuts NVML down; any NVML error gives None."""
+    import types
+
+    from mlora.batch import bench
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
+        nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByUUID=lambda u: calls.append(u) or "h",
+        nvmlDeviceGetClockInfo=lambda h, c: {1: 1755, 2: 3201}[c],
+        nvmlDeviceGetMaxClockInfo=lambda h, c: {1: 1980, 2: 3201}[c],
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000, nvmlDeviceGetPowerUsage=lambda h: 412_500,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 4)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="c8ae4ab5-94ab"))
+    got = bench.gpu_clocks(torch.device("cuda", 0))
+    assert got == {"sm_mhz": 1755, "sm_max_mhz": 1980, "mem_mhz": 3201, "mem_max_mhz": 3201,
+                   "power_limit_w": 700.0, "power_w": 412.5, "clock_reasons": 4}
+    assert calls == ["init", "GPU-c8ae4ab5-94ab", "shutdown"]
+
+    def broken(h, c):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    fake.nvmlDeviceGetClockInfo = broken
+    assert bench.gpu_clocks(torch.device("cuda", 0)) is None and calls[-1] == "shutdown"
+    assert bench.gpu_clocks(torch.device("cpu")) is None
 
 
 def test_gc_regime_ab_in_the_batch_bench(monkeypatch):

@@ -399,6 +399,7 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     config = preset_config(o.preset, o.dtype)
     if o.prompt_max + o.max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt_max + max_new_tokens exceeds the preset's context {config.max_position_embeddings}")
+    clocks_before = gpu_clocks(dev)
     ceil = measure_ceilings(dev)
     t0 = time.perf_counter()
     model = random_model(config, dev, DTYPES[o.dtype], o.seed)
@@ -419,8 +420,10 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     base = max(bases, key=lambda s: s["tokens_per_s"]) if bases else None
     for s in scenarios:
         s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
+    machine = machine_of(dev)
+    machine["clocks_before"], machine["clocks_after"] = clocks_before, gpu_clocks(dev)
     out = dict(
-        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", machine=machine_of(dev),
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", machine=machine,
         torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
         ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s),
         model_build_s=build_s, scenarios=scenarios,
@@ -442,6 +445,39 @@ def machine_of(dev: torch.device) -> dict:
         out["sm_count"] = props.multi_processor_count
         out["cuda_runtime"] = torch.version.cuda
     return out
+
+
+def gpu_clocks(dev: torch.device) -> dict | None:
+    """The GPU's clocks and power state from NVML, or None (not CUDA, or ``pynvml`` missing or
+    failing: the record is optional, the benchmark never depends on it): SM and memory clocks
+    now and their maxima (MHz), the enforced power limit and the draw now (W), and NVML's bit
+    mask of the reasons the clocks are held below their maxima now (0: none; 4 = software
+    power cap, 32 = software thermal slowdown, 64 = hardware thermal slowdown: see NVML's
+    ``nvmlClocksEventReasons``). ``run_batch_bench`` samples it before the run and after its
+    scenarios (a GPU just out of a long load), so runs on two machines that differ can say
+    whether clocks or power differ."""
+    if dev.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            # by UUID: NVML numbers every GPU of the host, CUDA only the visible ones
+            uuid = str(torch.cuda.get_device_properties(dev).uuid)
+            h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            sm, mem = pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM
+            return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, sm),
+                    "sm_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, sm),
+                    "mem_mhz": pynvml.nvmlDeviceGetClockInfo(h, mem),
+                    "mem_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, mem),
+                    "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3,
+                    "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+                    "clock_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 -- an optional record: no NVML, an old driver, a MIG slice
+        return None
 
 
 def _run_ab(model: DecoderModel, o: BatchBenchOptions, ceil: Ceilings, progress=None) -> list[dict]:

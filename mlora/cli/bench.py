@@ -222,6 +222,10 @@ def _print_batch_table(r: dict) -> None:
     c, o = r["ceilings"], r["options"]
     m = r.get("machine") or {}
     where = f" on {m['host']}" + (f", GPU {m['gpu_uuid']}" if m.get("gpu_uuid") else "") if m.get("host") else ""
+    k = m.get("clocks_after")
+    if k:  # NVML's view after the scenarios (bench.gpu_clocks)
+        where += (f", SM {k['sm_mhz']}/{k['sm_max_mhz']} MHz, memory {k['mem_mhz']}/{k['mem_max_mhz']} MHz, "
+                  f"power limit {k['power_limit_w']:.0f} W after the run")
     con.print(f"{r['device']}{where}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
               f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run)")
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "

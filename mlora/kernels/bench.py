@@ -52,6 +52,14 @@ class Ceilings:
 
 
 def _events_median(fn, reps: int, flush: torch.Tensor | None = None) -> float:
+    """Median seconds of ``reps`` event-timed calls of ``fn``, each after ``flush`` is zeroed
+    (an L2 flush) when given."""
+    return statistics.median(_events_times(fn, reps, flush))
+
+
+def _events_times(fn, reps: int, flush: torch.Tensor | None = None) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` between two CUDA events (``flush`` zeroed
+    before each call when given)."""
     times = []
     for _ in range(reps):
         if flush is not None:
@@ -62,7 +70,7 @@ def _events_median(fn, reps: int, flush: torch.Tensor | None = None) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
 
 
 class NoLaunch:
@@ -95,16 +103,29 @@ def _wall_per_call(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def measure_ceilings() -> Ceilings:
+def measure_ceilings(reps: int = 20) -> Ceilings:
+    """The GPU's copy bandwidth (a 2 GiB bf16 device-to-device copy: read + write bytes) and bf16
+    matmul rate (8192^3), each the fastest of ``reps`` event-timed calls after one warm-up call.
+    A ceiling is the best the hardware does: noise (clocks, other tenants of the memory
+    system) only slows a call, so the fastest call estimates it and repeats agree. The median
+    of 10, used up to the twenty-seventh session, put one H200's copy ceiling anywhere in
+    4.14-4.24 TB/s across four runs within ten minutes, and every floor moved with it by up to
+    2.4% (BENCHMARKS.md, twenty-eighth session)."""
     n = 1 << 30  # 2 GiB of bf16
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    t_copy = _events_median(lambda: dst.copy_(src), 10)
+    t_copy = _events_best(lambda: dst.copy_(src), reps)
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    t_mm = _events_median(lambda: a @ b, 10)
+    t_mm = _events_best(lambda: a @ b, reps)
     return Ceilings(copy_bytes_per_s=2 * 2 * n / t_copy, bf16_flops_per_s=2 * m**3 / t_mm)
+
+
+def _events_best(fn, reps: int) -> float:
+    """Seconds of the fastest of ``reps`` event-timed calls of ``fn``, after one untimed call."""
+    fn()
+    return min(_events_times(fn, reps))
 
 
 def make_case(T: int, n_adapters: int, widths, ranks_per_slot, R: int, seed: int = 0, device="cuda",
