@@ -37,6 +37,7 @@ def test_bench_runs_every_row_to_max_new_tokens():
     json.dumps(r)  # the --json / --out payload serialises
     assert r["machine"]["host"] and "gpu_uuid" not in r["machine"]  # which machine measured (no GPU here)
     assert r["machine"]["clocks_before"] is None and r["machine"]["clocks_after"] is None  # no NVML on the CPU
+    assert all(s["clocks_full_batch"] is None for s in r["scenarios"])  # no samples off CUDA
     for s in r["scenarios"]:  # the collector's pauses over each timed job (MLORA_GC unset: default)
         assert s["gc"]["gc_mode"] == "default" and set(s["gc"]["gc_collections"]) == {"0", "1", "2"}
 
@@ -46,7 +47,7 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
     names them), converts milliwatts to watts, shuts NVML down; any NVML error gives None."""
     import types
 
-    from mlora.batch import bench
+    from mlora.batch import gpuclocks as bench
 
     calls = []
     fake = types.SimpleNamespace(
@@ -70,6 +71,23 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
     fake.nvmlDeviceGetClockInfo = broken
     assert bench.gpu_clocks(torch.device("cuda", 0)) is None and calls[-1] == "shutdown"
     assert bench.gpu_clocks(torch.device("cpu")) is None
+
+
+def test_clock_samples_are_summarised_inside_the_given_spans_only():
+    """``ClockSampler.summary`` keeps the samples inside the spans (a span's ends included), takes
+    medians and minimum over them, counts power-cap reasons (software cap 4, hardware brake 128,
+    not thermal 32), and gives None where no sample falls."""
+    from mlora.batch.gpuclocks import ClockSampler
+
+    s = ClockSampler(torch.device("cpu"))
+    s.samples = [(0.5, 1980, 300.0, 0), (1.0, 1890, 690.0, 4), (1.5, 1800, 699.0, 4 | 32), (2.2, 1700, 650.0, 32),
+                 (3.0, 1600, 700.0, 128), (9.0, 345, 80.0, 1)]
+    got = s.summary([(2.9, 3.5), (1.0, 2.0)])  # out of order: the sampler sorts them
+    assert got == {"samples": 3, "sm_mhz_median": 1800, "sm_mhz_min": 1600, "power_w_median": 699.0,
+                   "power_capped_share": 1.0}
+    assert s.summary([(4.0, 8.0)]) is None
+    assert s.summary()["samples"] == 6 and s.summary()["power_capped_share"] == 0.5
+    assert s.start() is s and s.samples and (s.stop() is None)  # on the CPU: no thread, samples untouched
 
 
 def test_gc_regime_ab_in_the_batch_bench(monkeypatch):

@@ -61,6 +61,7 @@ from .bank import SlotBank
 from .catalog import PinnedAdapter
 from .engine import Engine, Request
 from .gcpauses import GcRegime
+from .gpuclocks import ClockSampler, gpu_clocks
 from .kvcache import KVCache
 from .lora import config_role_shapes
 from .model import DecoderLayer, DecoderModel, ModelConfig
@@ -331,6 +332,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     _sync(dev)
     capture_s = time.perf_counter() - t_capture
     regime.start(eng)  # MLORA_GC (A/B with --ab): the collector's pauses over the timed job
+    clocks = ClockSampler(dev).start()  # the SM clock and power over the timed job (mlora.batch.gpuclocks)
     try:
         t_start = time.perf_counter()
         while eng.has_work():
@@ -351,10 +353,11 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
             ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
             distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
             f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
-            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, **f))  # f['rows']: running rows
+            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, t0=t0, **f))  # f['rows']: running rows
         _sync(dev)
         wall = time.perf_counter() - t_start
     finally:
+        clocks.stop()
         regime.close()
     generated = eng.stats["generated_tokens"]
     full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
@@ -378,7 +381,9 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                                floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
                                ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
                   adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
-                  gc=regime.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained)
+                  gc=regime.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
+                  # the GPU's SM clock and power during the full-batch decode iterations (None without NVML)
+                  clocks_full_batch=clocks.summary([(d["t0"], d["t0"] + d["seconds"]) for d in full]))
     # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
     # the decode outliers (max_s: kernel compiles) it shows where a gap to the
     # medians comes from
@@ -445,39 +450,6 @@ def machine_of(dev: torch.device) -> dict:
         out["sm_count"] = props.multi_processor_count
         out["cuda_runtime"] = torch.version.cuda
     return out
-
-
-def gpu_clocks(dev: torch.device) -> dict | None:
-    """The GPU's clocks and power state from NVML, or None (not CUDA, or ``pynvml`` missing or
-    failing: the record is optional, the benchmark never depends on it): SM and memory clocks
-    now and their maxima (MHz), the enforced power limit and the draw now (W), and NVML's bit
-    mask of the reasons the clocks are held below their maxima now (0: none; 4 = software
-    power cap, 32 = software thermal slowdown, 64 = hardware thermal slowdown: see NVML's
-    ``nvmlClocksEventReasons``). ``run_batch_bench`` samples it before the run and after its
-    scenarios (a GPU just out of a long load), so runs on two machines that differ can say
-    whether clocks or power differ."""
-    if dev.type != "cuda":
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            # by UUID: NVML numbers every GPU of the host, CUDA only the visible ones
-            uuid = str(torch.cuda.get_device_properties(dev).uuid)
-            h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            sm, mem = pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM
-            return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, sm),
-                    "sm_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, sm),
-                    "mem_mhz": pynvml.nvmlDeviceGetClockInfo(h, mem),
-                    "mem_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, mem),
-                    "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3,
-                    "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
-                    "clock_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))}
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 -- an optional record: no NVML, an old driver, a MIG slice
-        return None
 
 
 def _run_ab(model: DecoderModel, o: BatchBenchOptions, ceil: Ceilings, progress=None) -> list[dict]:

@@ -189,7 +189,10 @@ def bench_batch(
                   + f" + {s['outside_iterations_s']:.1f} outside"
                   + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.1f} ms in "
                      f"{sum(s['gc']['gc_collections'].values())} collections (longest {s['gc']['gc_pause_max_ms']:.1f})"
-                     if s.get("gc") else "") + "[/dim]", soft_wrap=True)
+                     if s.get("gc") else "")
+                  + (f"; full-batch decode at SM {k['sm_mhz_median']:.0f} MHz (lowest {k['sm_mhz_min']}), "
+                     f"{k['power_w_median']:.0f} W, power-capped in {k['power_capped_share']:.0%} of samples"
+                     if (k := s.get("clocks_full_batch")) else "") + "[/dim]", soft_wrap=True)
 
     try:
         results = run_batch_bench(opts, progress=None if json_out else progress)
