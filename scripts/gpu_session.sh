@@ -26,6 +26,7 @@
 #   bash scripts/gpu_session.sh greedy       the greedy choice in two Triton launches: GPU tests, demo x2, argmax timing
 #   bash scripts/gpu_session.sh greedy-ab    the Triton greedy choice against torch.argmax in bench batch (base, 256 and 64 rows)
 #   bash scripts/gpu_session.sh sensitivity  the 8B bf16 logits check with its one-rounding sensitivity, then bench batch 0,64
+#   bash scripts/gpu_session.sh power        burst ceilings against 3 s of sustained matmul / copy / a 256-row gate/up GEMM, with SM clocks and power
 #   bash scripts/gpu_session.sh ceilings     the ceilings five times each way (median of 10, best of 20) with NVML clocks, then bench batch 0,8,64
 #   bash scripts/gpu_session.sh compiles     kernel tests, then the Triton compiles of a 64-adapter bench (after do_not_specialize)
 #   bash scripts/gpu_session.sh gemm-group   the base GEMMs against other cuBLAS call shapes; kernel_sweep.py --mixed
@@ -463,6 +464,42 @@ from mlora.cli.app import app; app()"
     # repeated (the first A/B ran 0 before 1 once: -0.29 ms base, -0.94 with 64 adapters at 256 rows) (~6 min)
     timeout 500 python -m mlora bench batch --rows 1024 --adapters 0,64 --ab MLORA_CHAIN_DECODE=1,0 --ab-repeats 2 \
       --out "$OUT/batch-chain-ab.json" 2>&1 | grep -E "adapters|MLORA"
+    ;;
+  power)  # twenty-eighth session: full-batch decode ran at the 700 W power cap in every NVML sample, SM at
+    # 1,650-1,800 MHz of 1,980; what the ceilings (short bursts) are worth sustained (~2 min)
+    timeout 150 python - <<'PY' 2>&1 | tee "$OUT/power.txt"
+import time, torch
+from mlora.batch.gpuclocks import ClockSampler
+from mlora.kernels.bench import measure_ceilings
+dev = torch.device("cuda")
+c = measure_ceilings()
+print(f"burst (best of 20): copy {c.copy_bytes_per_s / 1e12:.3f} TB/s, matmul {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+def sustained(name, fn, work, unit, seconds=3.0):
+    fn(); torch.cuda.synchronize()
+    s = ClockSampler(dev, 0.02).start()
+    t0 = time.perf_counter(); n = 0; t_half = None
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            fn()
+        n += 20
+        torch.cuda.synchronize()
+        if t_half is None and time.perf_counter() - t0 > seconds / 2:
+            t_half, n_half = time.perf_counter(), n
+    t1 = time.perf_counter(); s.stop()
+    rate = (n - n_half) * work / (t1 - t_half)  # the second half: after the clocks settle
+    print(f"{name} sustained {seconds:.0f} s: {rate / 1e12:.3f} {unit} (second half); clocks {s.summary([(t_half, t1)])}")
+n = 1 << 30
+src = torch.empty(n, dtype=torch.bfloat16, device="cuda"); dst = torch.empty_like(src)
+sustained("copy 2 GiB", lambda: dst.copy_(src), 4 * n, "TB/s")
+a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda"); b = torch.randn_like(a)
+sustained("matmul 8192^3", lambda: a @ b, 2 * 8192**3, "TFLOP/s")
+ws = [torch.randn(28672, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(4)]  # 940 MB: no L2 reuse
+x = torch.randn(256, 4096, dtype=torch.bfloat16, device="cuda"); k = [0]
+def gu():
+    k[0] = (k[0] + 1) % 4
+    torch.nn.functional.linear(x, ws[k[0]])
+sustained("gate/up GEMM 256 x 4096 x 28672", gu, 2 * 256 * 4096 * 28672, "TFLOP/s")
+PY
     ;;
   ceilings)  # twenty-eighth session: how stable the measured ceilings are (the median of 10 moved the copy ceiling
     # 4.14-4.24 TB/s in four runs on one H200), and this machine's clocks; then bench batch with both recorded (~5 min)
