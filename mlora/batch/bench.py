@@ -173,6 +173,9 @@ def layer_params(c: ModelConfig) -> int:
 class Ceilings:
     copy_bytes_per_s: float
     matmul_flops_per_s: float
+    # what the GPU holds over seconds of matmuls (power-capped); recorded beside the burst
+    # rate the floors use (mlora.kernels.bench.sustained_matmul_rate); None off CUDA
+    sustained_matmul_flops_per_s: float | None = None
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
@@ -180,9 +183,10 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a small wall-clock measurement on the CPU, good enough for floors there)."""
     if device.type == "cuda":
         from mlora.kernels.bench import measure_ceilings as cuda_ceilings
+        from mlora.kernels.bench import sustained_matmul_rate
 
         c = cuda_ceilings()
-        return Ceilings(c.copy_bytes_per_s, c.bf16_flops_per_s)
+        return Ceilings(c.copy_bytes_per_s, c.bf16_flops_per_s, sustained_matmul_rate())
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
     a = torch.randn(512, 512)
@@ -430,7 +434,8 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     out = dict(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", machine=machine,
         torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
-        ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s),
+        ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s,
+                      sustained_matmul_flops_per_s=ceil.sustained_matmul_flops_per_s),
         model_build_s=build_s, scenarios=scenarios,
     )
     if o.ab is not None:

@@ -229,8 +229,10 @@ def _print_batch_table(r: dict) -> None:
     if k:  # NVML's view after the scenarios (bench.gpu_clocks)
         where += (f", SM {k['sm_mhz']}/{k['sm_max_mhz']} MHz, memory {k['mem_mhz']}/{k['mem_max_mhz']} MHz, "
                   f"power limit {k['power_limit_w']:.0f} W after the run")
+    held = c.get("sustained_matmul_flops_per_s")
     con.print(f"{r['device']}{where}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-              f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run)")
+              f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+              + (f" ({held / 1e12:.0f} sustained over seconds)" if held else "") + " (measured in this run)")
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
                   f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
     for col in ("adapters", "tok/s", "vs base", "decode iters", "rows (median)", "decode ms", "floor ms", "x floor",
