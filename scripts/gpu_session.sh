@@ -468,26 +468,17 @@ from mlora.cli.app import app; app()"
   power)  # twenty-eighth session: full-batch decode ran at the 700 W power cap in every NVML sample, SM at
     # 1,650-1,800 MHz of 1,980; what the ceilings (short bursts) are worth sustained (~2 min)
     timeout 150 python - <<'PY' 2>&1 | tee "$OUT/power.txt"
-import time, torch
+import torch
 from mlora.batch.gpuclocks import ClockSampler
-from mlora.kernels.bench import measure_ceilings
+from mlora.kernels.bench import measure_ceilings, sustained_rate
 dev = torch.device("cuda")
 c = measure_ceilings()
 print(f"burst (best of 20): copy {c.copy_bytes_per_s / 1e12:.3f} TB/s, matmul {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
 def sustained(name, fn, work, unit, seconds=3.0):
-    fn(); torch.cuda.synchronize()
     s = ClockSampler(dev, 0.02).start()
-    t0 = time.perf_counter(); n = 0; t_half = None
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(20):
-            fn()
-        n += 20
-        torch.cuda.synchronize()
-        if t_half is None and time.perf_counter() - t0 > seconds / 2:
-            t_half, n_half = time.perf_counter(), n
-    t1 = time.perf_counter(); s.stop()
-    rate = (n - n_half) * work / (t1 - t_half)  # the second half: after the clocks settle
-    print(f"{name} sustained {seconds:.0f} s: {rate / 1e12:.3f} {unit} (second half); clocks {s.summary([(t_half, t1)])}")
+    rate, half = sustained_rate(fn, work, seconds, batch=20)
+    s.stop()
+    print(f"{name} sustained {seconds:.0f} s: {rate / 1e12:.3f} {unit} (second half); clocks {s.summary([half])}")
 n = 1 << 30
 src = torch.empty(n, dtype=torch.bfloat16, device="cuda"); dst = torch.empty_like(src)
 sustained("copy 2 GiB", lambda: dst.copy_(src), 4 * n, "TB/s")

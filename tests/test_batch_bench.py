@@ -47,7 +47,7 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
     names them), converts milliwatts to watts, shuts NVML down; any NVML error gives None."""
     import types
 
-    from mlora.batch import gpuclocks as bench
+    from mlora.batch import gpuclocks
 
     calls = []
     fake = types.SimpleNamespace(
@@ -60,7 +60,7 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
         nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 4)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="c8ae4ab5-94ab"))
-    got = bench.gpu_clocks(torch.device("cuda", 0))
+    got = gpuclocks.gpu_clocks(torch.device("cuda", 0))
     assert got == {"sm_mhz": 1755, "sm_max_mhz": 1980, "mem_mhz": 3201, "mem_max_mhz": 3201,
                    "power_limit_w": 700.0, "power_w": 412.5, "clock_reasons": 4}
     assert calls == ["init", "GPU-c8ae4ab5-94ab", "shutdown"]
@@ -69,8 +69,8 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
         raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
 
     fake.nvmlDeviceGetClockInfo = broken
-    assert bench.gpu_clocks(torch.device("cuda", 0)) is None and calls[-1] == "shutdown"
-    assert bench.gpu_clocks(torch.device("cpu")) is None
+    assert gpuclocks.gpu_clocks(torch.device("cuda", 0)) is None and calls[-1] == "shutdown"
+    assert gpuclocks.gpu_clocks(torch.device("cpu")) is None
 
 
 def test_clock_samples_are_summarised_inside_the_given_spans_only():

@@ -65,8 +65,8 @@ class ClockSampler:
     ``period_s`` seconds between :meth:`start` and :meth:`stop`, each sample stamped with
     ``time.perf_counter()`` so that :meth:`summary` can keep the samples inside chosen time
     spans (e.g. a job's full-batch decode iterations). With NVML missing it records nothing.
-    One NVML read is a few microseconds of host time; at 20 per second it stays off the
-    engine's critical path (the chained decode graphs run ahead of the host)."""
+    Three NVML reads 20 times a second, on their own thread (ctypes releases the GIL during
+    each), beside an engine whose chained decode graphs run ahead of the host."""
 
     def __init__(self, dev: torch.device, period_s: float = 0.05):
         self.dev, self.period_s = dev, period_s

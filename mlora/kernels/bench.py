@@ -123,30 +123,39 @@ def measure_ceilings(reps: int = 20) -> Ceilings:
 
 
 def sustained_matmul_rate(seconds: float = 3.0) -> float:
-    """bf16 flops per second of 8192^3 matmuls run back to back for ``seconds``, over the second
-    half (after the clocks settle). Not a ceiling of the floors (the issue defines those by the
-    burst rate of :func:`measure_ceilings`) but what the GPU holds under sustained load: an H200
-    at its 700 W power cap ran them at 659 TFLOP/s with the SM clock at 1,485 MHz, against 796
-    in a burst at 1,980 (twenty-eighth session, BENCHMARKS.md)."""
+    """bf16 flops per second of 8192^3 matmuls run back to back for ``seconds``
+    (:func:`sustained_rate`). Not a ceiling of the floors (the issue defines those by the burst
+    rate of :func:`measure_ceilings`) but what the GPU holds under sustained load: an H200 at its
+    700 W power cap ran them at 659 TFLOP/s with the SM clock at 1,485 MHz, against 796 in a
+    burst at 1,980 (twenty-eighth session, BENCHMARKS.md)."""
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    a @ b
+    return sustained_rate(lambda: a @ b, 2 * m**3, seconds)[0]
+
+
+def sustained_rate(fn, work: float, seconds: float = 3.0, batch: int = 10) -> tuple[float, tuple[float, float]]:
+    """``fn`` (one GPU call doing ``work`` units: bytes, flops) run back to back for ``seconds``
+    after one warm-up call, synchronised every ``batch`` calls: (units per second over the
+    second half, after the clocks settle; that half's ``(start, end)`` in ``time.perf_counter``
+    time, e.g. for :meth:`mlora.batch.gpuclocks.ClockSampler.summary`). A run too short to
+    reach its second half is measured whole."""
+    fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     n = 0
     half = None
     while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            a @ b
-        n += 10
+        for _ in range(batch):
+            fn()
+        n += batch
         torch.cuda.synchronize()
         if half is None and time.perf_counter() - t0 >= seconds / 2:
             half = (time.perf_counter(), n)
     t1 = time.perf_counter()
-    if half is None or n == half[1]:  # too short a window for two halves: the whole run
-        return 2 * m**3 * n / (t1 - t0)
-    return 2 * m**3 * (n - half[1]) / (t1 - half[0])
+    if half is None or n == half[1]:
+        return work * n / (t1 - t0), (t0, t1)
+    return work * (n - half[1]) / (t1 - half[0]), (half[0], t1)
 
 
 def _events_best(fn, reps: int) -> float:
