@@ -226,7 +226,7 @@ def _print_batch_table(r: dict) -> None:
     m = r.get("machine") or {}
     where = f" on {m['host']}" + (f", GPU {m['gpu_uuid']}" if m.get("gpu_uuid") else "") if m.get("host") else ""
     k = m.get("clocks_after")
-    if k:  # NVML's view after the scenarios (bench.gpu_clocks)
+    if k:  # NVML's view after the scenarios (mlora.batch.gpuclocks.gpu_clocks)
         where += (f", SM {k['sm_mhz']}/{k['sm_max_mhz']} MHz, memory {k['mem_mhz']}/{k['mem_max_mhz']} MHz, "
                   f"power limit {k['power_limit_w']:.0f} W after the run")
     held = c.get("sustained_matmul_flops_per_s")
