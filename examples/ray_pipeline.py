@@ -25,7 +25,7 @@ import os
 import ray
 import ray.data
 
-from mlora.batch.ray import MloraPredictor, pin_adapters
+from mlora.batch.scaleout.ray import MloraPredictor, pin_adapters
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 

@@ -13,8 +13,8 @@ admission change must leave as they are).
 import argparse
 import time
 
-from mlora.batch import engine as engine_mod
-from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+from mlora.batch.engine import engine as engine_mod
+from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mlora.batch import paged_attention as pa  # noqa: E402
-from mlora.kernels.bench import measure_ceilings  # noqa: E402
+from mlora.kernels import paged_attention as pa  # noqa: E402
+from mlora.bench.kernels import measure_ceilings  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 

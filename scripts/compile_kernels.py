@@ -85,9 +85,9 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mlora.batch import fused
-    from mlora.batch import paged_attention as pa
-    from mlora.batch.residency import wordstats
+    from mlora.kernels import elementwise as fused
+    from mlora.kernels import paged_attention as pa
+    from mlora.kernels import wordstats
     from mlora.kernels import triton_fused as tf
     from mlora.kernels import triton_sgmv as sgmv
 

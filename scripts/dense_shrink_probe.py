@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from mlora.kernels import build_plan
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import LAUNCH_BOUND_MISSES, OUTPUTS, NoLaunch, _events_median, captured_plan, graph_of
+from mlora.bench.kernels import LAUNCH_BOUND_MISSES, OUTPUTS, NoLaunch, _events_median, captured_plan, graph_of
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 MODULES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from mlora.batch.bench import BatchBenchOptions, _requests, preset_config, random_bank, random_model
-from mlora.batch.engine import Engine
+from mlora.bench.batch import BatchBenchOptions, _requests, preset_config, random_bank, random_model
+from mlora.batch.engine.engine import Engine
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mlora.batch.gemms import preferring
-from mlora.kernels.bench import _events_median, graph_of, measure_ceilings
+from mlora.batch.model.gemms import preferring
+from mlora.bench.kernels import _events_median, graph_of, measure_ceilings
 
 # (name, N, K) of one decoder layer (fused q/k/v and gate/up, as the engine holds them) and the head
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gateup", 28672, 4096), ("down", 4096, 14336),

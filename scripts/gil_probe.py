@@ -29,13 +29,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mlora.batch import catalog as catalog_mod  # noqa: E402
-from mlora.batch.bench import PRESETS  # noqa: E402
-from mlora.batch.bench_residency import write_adapter  # noqa: E402
-from mlora.batch.lora import group_shapes  # noqa: E402
-from mlora.batch.residency import bank as bank_mod  # noqa: E402
-from mlora.batch.residency import host as host_mod  # noqa: E402
-from mlora.batch.residency.pinned import PinnedPool  # noqa: E402
+from mlora.batch.adapters import catalog as catalog_mod  # noqa: E402
+from mlora.bench.batch import PRESETS  # noqa: E402
+from mlora.bench.residency import write_adapter  # noqa: E402
+from mlora.batch.model.lora import group_shapes  # noqa: E402
+from mlora.batch.adapters.residency import bank as bank_mod  # noqa: E402
+from mlora.batch.adapters.residency import host as host_mod  # noqa: E402
+from mlora.batch.adapters.residency.pinned import PinnedPool  # noqa: E402
 from mlora.lora_tools.adapter import open_adapter, scan_adapters  # noqa: E402
 from mlora.lora_tools.base import BaseIdentity  # noqa: E402
 

@@ -126,7 +126,7 @@ case "${1:-quick}" in
   attention-warps)  # paged attention spills at 4 warps on sm_90 (compile_kernels.py); A/B with 8 (about 4 min)
     timeout 100 python -m pytest -q tests/test_batch_attention.py 2>&1 | tail -1  # incl. both warp counts
     for w in 4 8; do
-      run="import sys, mlora.batch.paged_attention as pa; pa.DECODE_WARPS = pa.PREFILL_WARPS = $w; from mlora.cli.app import app; app()"
+      run="import sys, mlora.kernels.paged_attention as pa; pa.DECODE_WARPS = pa.PREFILL_WARPS = $w; from mlora.cli.app import app; app()"
       rm -rf "/tmp/demo-w$w"
       timeout 90 python -c "$run" batch-run examples/demo/prompts.parquet "/tmp/demo-w$w" --base examples/demo/base \
         --adapters examples/demo/adapters --max-new-tokens 40 --device cuda --dtype bfloat16 -q >/dev/null
@@ -436,7 +436,7 @@ smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_late
       tests/test_batch_lookahead.py 2>&1 | tail -2
     for dt in float32 bfloat16; do demo_gpu "logits-$dt" "$dt"; done
     MLORA_DEBUG_GRAPHS=1 demo_gpu logits-debug-graphs bfloat16
-    copy="import mlora.batch.model as m; f = m.DecoderModel.forward
+    copy="import mlora.batch.model.decoder as m; f = m.DecoderModel.forward
 m.DecoderModel.forward = lambda *a, **k: f(*a, **k).float()
 from mlora.cli.app import app; app()"
     for i in 1 2; do
@@ -469,8 +469,8 @@ from mlora.cli.app import app; app()"
     # 1,650-1,800 MHz of 1,980; what the ceilings (short bursts) are worth sustained (~2 min)
     timeout 150 python - <<'PY' 2>&1 | tee "$OUT/power.txt"
 import torch
-from mlora.batch.gpuclocks import ClockSampler
-from mlora.kernels.bench import measure_ceilings, sustained_rate
+from mlora.bench.gpuclocks import ClockSampler
+from mlora.bench.kernels import measure_ceilings, sustained_rate
 dev = torch.device("cuda")
 c = measure_ceilings()
 print(f"burst (best of 20): copy {c.copy_bytes_per_s / 1e12:.3f} TB/s, matmul {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
@@ -496,8 +496,8 @@ PY
     # 4.14-4.24 TB/s in four runs on one H200), and this machine's clocks; then bench batch with both recorded (~5 min)
     timeout 120 python - <<'PY' 2>&1 | tee "$OUT/ceilings.txt"
 import statistics, torch
-from mlora.batch.bench import gpu_clocks
-from mlora.kernels import bench as kb
+from mlora.bench.batch import gpu_clocks
+from mlora.bench import kernels as kb
 dev = torch.device("cuda")
 print("clocks", gpu_clocks(dev))
 n = 1 << 30
@@ -525,7 +525,7 @@ PY
     timeout 150 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 --ab MLORA_GREEDY=torch,triton \
       --out "$OUT/batch-greedy-ab-64.json" 2>&1 | grep -E "adapters|MLORA"
     ;;
-  greedy)  # twenty-seventh session: the greedy choice in two Triton launches (mlora.batch.greedy; the o/down expands
+  greedy)  # twenty-seventh session: the greedy choice in two Triton launches (mlora.kernels.greedy; the o/down expands
     # fused into the add+norm were measured in the same session, slower, deleted: code in commit e0059e5): GPU tests,
     # demo x2, the argmax timing (~3 min)
     timeout 200 python -m pytest -q tests/test_batch_greedy.py tests/test_batch_graphs.py tests/test_batch_lookahead.py \
@@ -555,7 +555,7 @@ PY
     timeout 200 python -m mlora bench batch --rows 512 --adapters 0 --max-num-seqs 64 \
       --ab "MLORA_BLAS_ROWS=off,1:128" --ab-repeats 2 --out "$OUT/batch-64seqs-blas.json" 2>&1 | grep -E "adapters MLORA"
     ;;
-  blas)  # twenty-fourth session: cuBLASLt for forwards of up to 64 rows made the default (mlora.batch.gemms; 128 since):
+  blas)  # twenty-fourth session: cuBLASLt for forwards of up to 64 rows made the default (mlora.batch.model.gemms; 128 since):
     # GPU model and graph tests, the demo x3, the 8B bf16 logits check, then whether 256 rows gain too (~7 min)
     timeout 150 python -m pytest -q tests/test_batch_model.py tests/test_batch_graphs.py 2>&1 | tail -1
     for dt in float32 bfloat16; do demo_gpu "blas-$dt" "$dt" 2>"$OUT/demo-blas-$dt.err"; done

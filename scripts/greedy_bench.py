@@ -1,5 +1,5 @@
 """The greedy choice over decode-sized logits on the GPU: torch.argmax against
-mlora.batch.greedy's two launches, each timed with CUDA events after a 256 MiB L2 flush
+mlora.kernels.greedy's two launches, each timed with CUDA events after a 256 MiB L2 flush
 (median of 50, the kernel bench's timer), beside the byte floor (the logits read once at the
 copy rate measured in the same run). Checks the two agree. Needs a CUDA GPU:
 
@@ -7,8 +7,8 @@ copy rate measured in the same run). Checks the two agree. Needs a CUDA GPU:
 """
 import torch
 
-from mlora.batch.greedy import greedy_tokens
-from mlora.kernels.bench import _events_median, measure_ceilings
+from mlora.kernels.greedy import greedy_tokens
+from mlora.bench.kernels import _events_median, measure_ceilings
 
 
 def main():

@@ -57,7 +57,7 @@ import torch
 from mlora.kernels import build_plan, to_rank_pitched
 from mlora.kernels import triton_fused as fused
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import (ADAPTERS, D_IN, LAUNCH_BOUND_MISSES, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
+from mlora.bench.kernels import (ADAPTERS, D_IN, LAUNCH_BOUND_MISSES, MIXED_CASES, OUTPUTS, RANKS, NoLaunch, _events_median, captured_plan,
                                  case_floor, graph_of, make_case, measure_ceilings, reference_f64)
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
@@ -312,7 +312,7 @@ def _time_variant(y0, x, a, b, static, ranks, scales, widths, cfg, ref, flush, c
 
 def silu_main():
     """``--silu`` (module docstring)."""
-    from mlora.batch.fused import silu_mul_triton
+    from mlora.kernels.elementwise import silu_mul_triton
     from mlora.kernels.triton_act import lora_silu_mul_triton
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

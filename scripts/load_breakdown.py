@@ -36,15 +36,15 @@ import time
 
 import torch
 
-from mlora.batch import residency as residency_mod
-from mlora.batch.bench import PRESETS
-from mlora.batch.catalog import PinnedAdapter
+from mlora.batch.adapters import residency as residency_mod
+from mlora.bench.batch import PRESETS
+from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.gcpauses import PAUSES
-from mlora.batch.lora import group_shapes
-from mlora.batch.residency import bank as bank_mod
-from mlora.batch.residency import manager as manager_mod
-from mlora.batch.residency import storage as storage_mod
-from mlora.batch.residency import wordstats
+from mlora.batch.model.lora import group_shapes
+from mlora.batch.adapters.residency import bank as bank_mod
+from mlora.batch.adapters.residency import manager as manager_mod
+from mlora.batch.adapters.residency import storage as storage_mod
+from mlora.kernels import wordstats
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -194,7 +194,7 @@ def busy_gpu(p: dict, stop: threading.Event) -> None:
     """Replay a decode-like graph on this thread's own stream until ``stop``: per layer the
     q/k/v, o, gate/up and down GEMMs of 256 rows and a paged decode attention over contexts
     uniform in [128, 1152] (one cache for every layer, so each layer reads it from HBM)."""
-    from mlora.batch.paged_attention import PagedLayout, paged_attention
+    from mlora.kernels.paged_attention import PagedLayout, paged_attention
 
     torch.manual_seed(0)
     d, f = p["hidden_size"], p["intermediate_size"]

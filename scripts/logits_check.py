@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from mlora.batch.attention import AttentionMetadata
-from mlora.batch.bench import preset_config, random_model
+from mlora.batch.model.attention import AttentionMetadata
+from mlora.bench.batch import preset_config, random_model
 
 BOUND = 2e-2
 
@@ -78,7 +78,7 @@ class _RoundFirstNorm:
 def sensitivity(model, prompts, device, ref) -> float:
     """Relative change of the float32 ``model``'s logits (``ref``: its exact ones) when only
     layer 0's first normed activations are rounded to bfloat16 (module docstring)."""
-    from mlora.batch.fused import ops_for
+    from mlora.kernels.elementwise import ops_for
 
     with _RoundFirstNorm(ops_for(device)) as r:
         once = forward_logits(model, torch.float32, prompts, 16, device).cpu()

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, "scripts")
 from logits_check import forward_logits  # noqa: E402
 
-from mlora.batch.bench import PRESETS  # noqa: E402
-from mlora.batch.model import DecoderModel  # noqa: E402
+from mlora.bench.batch import PRESETS  # noqa: E402
+from mlora.batch.model.decoder import DecoderModel  # noqa: E402
 
 
 def cast_parameters(model, dtype, device):

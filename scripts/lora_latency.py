@@ -28,7 +28,7 @@ import triton.language as tl
 
 from mlora.kernels import build_plan, empty_launch_plan
 from mlora.kernels import triton_sgmv as sgmv
-from mlora.kernels.bench import NoLaunch, _events_median, captured_plan, graph_of, make_case
+from mlora.bench.kernels import NoLaunch, _events_median, captured_plan, graph_of, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 OUTPUTS = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from mlora.kernels import build_plan, to_rank_pitched
-from mlora.kernels.bench import OUTPUTS, captured_plan, make_case
+from mlora.bench.kernels import OUTPUTS, captured_plan, make_case
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 MODULES = {"qkv": (OUTPUTS["qkv"], 4096), "o": ((4096,), 4096), "gateup": ((14336, 14336), 4096),

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from mlora.batch import engine as engine_mod
-from mlora.batch.bench import BatchBenchOptions, _num_blocks, _requests, preset_config, random_bank, random_model
+from mlora.batch.engine import engine as engine_mod
+from mlora.bench.batch import BatchBenchOptions, _num_blocks, _requests, preset_config, random_bank, random_model
 
 
 def main() -> None:

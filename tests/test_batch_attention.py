@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from mlora.batch.attention import AttentionMetadata, attention
-from mlora.batch.kvcache import KVCache
-from mlora.batch.paged_attention import PagedLayout, paged_attention
+from mlora.batch.model.attention import AttentionMetadata, attention
+from mlora.batch.model.kvcache import KVCache
+from mlora.kernels.paged_attention import PagedLayout, paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -89,7 +89,7 @@ def test_kernel_equals_the_reference_at_each_warp_count(warps, monkeypatch):
     """Decode and prefill launches at 4 and 8 warps (the defaults differ: decode 4, prefill 8):
     the same results on a decode + prefill mix in bfloat16 (compiled on a GPU; the interpreter
     ignores warps, so on the CPU this is the kernel's plain check)."""
-    from mlora.batch import paged_attention as pa
+    from mlora.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "DECODE_WARPS", warps)
     monkeypatch.setattr(pa, "PREFILL_WARPS", warps)
@@ -112,7 +112,7 @@ def test_kernel_rows_do_not_depend_on_the_other_sequences():
 
 
 def test_layout_splits_decode_and_prefill_launches(monkeypatch):
-    from mlora.batch import paged_attention as pa
+    from mlora.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "PREFILL_ROWS", 64)  # 16 new rows x 4 heads: the 20-row prompt takes two tiles
 
@@ -167,7 +167,7 @@ def test_kernel_refuses_mismatched_shapes():
 
 
 def test_pad_tables():
-    from mlora.batch.paged_attention import pad_tables
+    from mlora.kernels.paged_attention import pad_tables
 
     got = pad_tables([[5, 6], [], [7, 8, 9]])
     assert got.dtype.name == "int32" and got.tolist() == [[5, 6, 0], [0, 0, 0], [7, 8, 9]]
@@ -181,7 +181,7 @@ def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
     """Decode rows whose keys are split over several programs and merged (flash-decoding):
     contexts shorter than one chunk (empty chunks), exactly one BLOCK_N, several, and a
     prefill sequence in the same invocation (never split) all equal the reference."""
-    from mlora.batch.paged_attention import DECODE_BLOCK_N as BLOCK_N
+    from mlora.kernels.paged_attention import DECODE_BLOCK_N as BLOCK_N
 
     seqs = [(1, 3), (1, BLOCK_N), (1, 3 * BLOCK_N + 5), (9, 20), (1, 130), (1, 1)]
     q, kv, meta = paged_case(7 + splits, seqs, 8, 2, 16, 4, dtype)
@@ -205,7 +205,7 @@ def test_decode_orders_do_not_change_results(splits, monkeypatch):
     gives every row the numbers of the batch order; the layout really lists the decode tiles
     longest first (ties in batch order) and marks the grid; the prefill launch is unchanged;
     an unknown order is refused naming the variable."""
-    from mlora.batch import paged_attention as pa
+    from mlora.kernels import paged_attention as pa
 
     seqs = [(1, 3), (1, 3 * pa.DECODE_BLOCK_N + 5), (9, 20), (1, 130), (1, 70), (1, 130)]
     q, kv, meta = paged_case(31 + splits, seqs, 8, 2, 16, 4, torch.float32)
@@ -237,7 +237,7 @@ def test_decode_orders_do_not_change_results(splits, monkeypatch):
 def test_graph_tile_order_is_a_permutation_of_the_bucket():
     """DecodeGraphs' decode tile order: real rows longest context first (ties in batch order),
     then the bucket's padding rows, so every replay reads a whole permutation."""
-    from mlora.batch.graphs import DecodeGraphs
+    from mlora.batch.engine.graphs import DecodeGraphs
 
     assert DecodeGraphs._tile_order([5, 9, 5, 12], 8).tolist() == [3, 1, 0, 2, 4, 5, 6, 7]
     assert DecodeGraphs._tile_order([7], 1).tolist() == [0]
@@ -245,7 +245,7 @@ def test_graph_tile_order_is_a_permutation_of_the_bucket():
 
 def test_decode_splits_rule(monkeypatch):
     """Few programs per SM split (powers of two, capped); enough do not; the env var forces."""
-    from mlora.batch import paged_attention as pa
+    from mlora.kernels import paged_attention as pa
 
     cpu = torch.device("cpu")  # 4 "SMs"
     monkeypatch.delenv("MLORA_DECODE_SPLITS", raising=False)
@@ -263,7 +263,7 @@ def test_decode_splits_rule(monkeypatch):
 def test_kv_layout_from_the_environment_is_checked(monkeypatch):
     """MLORA_KV_LAYOUT picks the layout when the caller names none; an unknown value is refused
     naming the variable (an explicit argument wins over it)."""
-    from mlora.batch.kvcache import KVCache
+    from mlora.batch.model.kvcache import KVCache
 
     monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
     assert KVCache(2, 4, 16, 2, 8).layout == "page-major"

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from mlora.batch.bench import BatchBenchOptions, Ceilings, adapter_bytes, decode_floor, preset_config, random_bank, \
+from mlora.bench.batch import BatchBenchOptions, Ceilings, adapter_bytes, decode_floor, preset_config, random_bank, \
     random_model, run_batch_bench
 
 OPTS = dict(preset="tiny", rows=10, adapters=(0, 3), rank=4, prompt_min=3, prompt_max=17, max_new_tokens=6,
@@ -47,7 +47,7 @@ def test_gpu_clocks_reads_nvml_by_the_gpus_uuid_and_never_fails(monkeypatch):
     names them), converts milliwatts to watts, shuts NVML down; any NVML error gives None."""
     import types
 
-    from mlora.batch import gpuclocks
+    from mlora.bench import gpuclocks
 
     calls = []
     fake = types.SimpleNamespace(
@@ -77,7 +77,7 @@ def test_clock_samples_are_summarised_inside_the_given_spans_only():
     """``ClockSampler.summary`` keeps the samples inside the spans (a span's ends included), takes
     medians and minimum over them, counts power-cap reasons (software cap 4, hardware brake 128,
     not thermal 32), and gives None where no sample falls."""
-    from mlora.batch.gpuclocks import ClockSampler
+    from mlora.bench.gpuclocks import ClockSampler
 
     s = ClockSampler(torch.device("cpu"))
     s.samples = [(0.5, 1980, 300.0, 0), (1.0, 1890, 690.0, 4), (1.5, 1800, 699.0, 4 | 32), (2.2, 1700, 650.0, 32),
@@ -112,7 +112,7 @@ def test_gc_regime_ab_in_the_batch_bench(monkeypatch):
 def test_ab_runs_every_count_once_per_value_and_repeat_and_restores_the_variable(monkeypatch):
     """``ab``: scenarios interleaved (count, value) per repeat, the variable set while each runs
     (the bank reads it: ``fuse_silu``) and restored after; medians per (count, value)."""
-    from mlora.batch import bank as bank_mod
+    from mlora.batch.adapters import slots as bank_mod
 
     seen = []
     real_init = bank_mod.SlotTensors.__init__
@@ -183,7 +183,7 @@ def test_decode_floor_counts_each_term_once():
 def test_staged_floor_sums_a_compute_bound_gemm_and_a_bandwidth_bound_attention():
     """A GEMM stage bound by flops and an attention stage bound by bytes: the floor is the
     larger whole-iteration term, the staged floor the sum of the two stages' own limits."""
-    from mlora.batch.bench import layer_params
+    from mlora.bench.batch import layer_params
 
     c = preset_config("tiny", "float32")
     rows, ctx = 64, 5000
@@ -204,7 +204,7 @@ def test_staged_floor_sums_a_compute_bound_gemm_and_a_bandwidth_bound_attention(
 def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path):
     import pyarrow.parquet as pq
 
-    from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+    from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
     o = ResidencyBenchOptions(preset="tiny", adapters=6, rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, slots=2,
                               max_num_seqs=6, max_batch_tokens=48, device="cpu", dtype="float32", warmup_rows=5,
@@ -261,7 +261,7 @@ def test_residency_bench_runs_the_real_job_twice_with_the_same_outputs(tmp_path)
 def test_cold_load_against_its_floor():
     """The copy stream's time per job load over the cold-load floor; nothing for a run with no
     job load (its figures are a preload's) or without a floor (no CUDA)."""
-    from mlora.batch.bench_residency import cold_load_vs_floor
+    from mlora.bench.residency import cold_load_vs_floor
 
     run = dict(loads=859, load_device_ms_mean=0.88, load_device_ms_p50=0.42, load_device_ms_p90=2.2)
     got = cold_load_vs_floor(run, 0.28e-3)
@@ -291,7 +291,7 @@ def test_residency_runs_of_two_calls_combine_into_one_ratio(tmp_path, run_cli):
 
 
 def test_mixed_floor_counts_causal_pairs_and_the_sampled_head():
-    from mlora.batch.bench import layer_params, mixed_floor
+    from mlora.bench.batch import layer_params, mixed_floor
 
     c = preset_config("tiny", "float32")
     ceil = Ceilings(copy_bytes_per_s=1e30, matmul_flops_per_s=1.0)  # compute-bound: floor_s = flops
@@ -320,8 +320,8 @@ def test_peft_baseline_finds_the_largest_batch_that_fits(monkeypatch):
     """--batch-size 0: batches that run out of memory are retried at half the size, the size
     that worked is kept, every row is generated once, and the failed attempts' time is
     reported apart from the baseline's."""
-    from mlora.batch import bench_peft
-    from mlora.batch.bench import BatchBenchOptions
+    from mlora.bench import peft as bench_peft
+    from mlora.bench.batch import BatchBenchOptions
 
     real, sizes = bench_peft.add_adapters, []
 
@@ -355,8 +355,8 @@ def test_peft_baseline_reports_progress_inside_a_generate_call():
     """Progress inside a batch (a 64-adapter batch on the 8B shape outlasts a device call):
     tokens so far = finished batches + steps x running rows, rising, the last report after
     the last batch with the job's total and nothing running."""
-    from mlora.batch import bench_peft
-    from mlora.batch.bench import BatchBenchOptions
+    from mlora.bench import peft as bench_peft
+    from mlora.bench.batch import BatchBenchOptions
 
     o = BatchBenchOptions(preset="tiny", rows=5, rank=4, prompt_min=3, prompt_max=9, max_new_tokens=4, device="cpu",
                           dtype="float32")
@@ -372,7 +372,7 @@ def test_peft_baseline_reports_progress_inside_a_generate_call():
 
 
 def test_peft_baseline_adapters_change_the_output():
-    from mlora.batch.bench_peft import add_adapters, hf_model
+    from mlora.bench.peft import add_adapters, hf_model
 
     model = add_adapters(hf_model("tiny", torch.float32, "cpu"), 2, 4)
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -388,7 +388,7 @@ def test_few_slots_keep_the_batch_as_full_as_all_resident(tmp_path):
     adapters, the limited run needs about as many iterations as the all-resident one
     (rare adapters run beside the popular ones, not in a low-occupancy tail), and every
     adapter is loaded about once."""
-    from mlora.batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+    from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
     o = ResidencyBenchOptions(preset="tiny", adapters=60, rows=240, prompt_min=3, prompt_max=9, max_new_tokens=8,
                               slots=8, max_num_seqs=32, max_batch_tokens=256, device="cpu", dtype="float32",
@@ -424,7 +424,7 @@ def test_bundle_bench_serves_the_same_collection_three_ways(tmp_path):
     of slots; the base run names no adapter; the compression record is kept and reused."""
     import pyarrow.parquet as pq
 
-    from mlora.batch.bench_bundle import BundleBenchOptions, matched_slots, run_bundle_bench
+    from mlora.bench.bundle import BundleBenchOptions, matched_slots, run_bundle_bench
 
     o = BundleBenchOptions(preset="tiny", adapters=8, rank=4, shared_rank=4, noise=0.0, bundle_rank=8, clusters=1,
                            rows=24, prompt_min=3, prompt_max=9, max_new_tokens=3, max_num_seqs=6, max_batch_tokens=48,
@@ -473,8 +473,8 @@ def test_recording_engine_records_chained_iterations_too():
     """bench batch times every step against its plan's floor: a chained step (launched by the
     step before, MLORA_CHAIN_DECODE=1) has a plan recorded like any other, so an A/B of the
     knob compares all decode iterations (real decode graphs on a GPU, emulated on the CPU)."""
-    from mlora.batch.bench import _RecordingEngine, random_model
-    from mlora.batch.engine import Request
+    from mlora.bench.batch import _RecordingEngine, random_model
+    from mlora.batch.engine.engine import Request
 
     config = preset_config("tiny", "float32")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real graphs on a GPU

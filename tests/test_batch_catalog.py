@@ -14,9 +14,9 @@ import pytest
 import torch
 from factory import copy_adapter, load_tensors, make_adapter, read_config, save_base, save_tensors, tiny_model, write_config
 
-from mlora.batch.bank import BankError, BankFull, SlotBank
-from mlora.batch.catalog import AdapterChanged, AdapterError, CatalogError, load_catalog, load_factors
-from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes
+from mlora.batch.adapters.slots import BankError, BankFull, SlotBank
+from mlora.batch.adapters.catalog import AdapterChanged, AdapterError, CatalogError, load_catalog, load_factors
+from mlora.batch.model.lora import GROUPS, ROLE_SLICE, group_shapes
 from mlora.lora_tools.manifest import inspect_paths
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -428,7 +428,7 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
     ("all"), two do not (their rows, like the slot-less ones, get the SiLU product alone);
     at R 24 B is rank-pitched with pitch 8. A batch of fewer than ``fuse_silu_min_rows`` rows
     is left to the two launches."""
-    from mlora.batch.fused import ElementwiseOps, silu_mul_ref
+    from mlora.kernels.elementwise import ElementwiseOps, silu_mul_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inter = SHAPES["gate_up"][1][0]

@@ -5,7 +5,7 @@ inputs, poisoned outputs."""
 import pytest
 import torch
 
-from mlora.batch.fused import (
+from mlora.kernels.elementwise import (
     add_rms_norm_ref,
     add_rms_norm_triton,
     ops_for,
@@ -17,7 +17,7 @@ from mlora.batch.fused import (
     silu_mul_ref,
     silu_mul_triton,
 )
-from mlora.batch.model import rope_cos_sin
+from mlora.batch.model.decoder import rope_cos_sin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -85,7 +85,7 @@ def test_rope_with_the_cache_write_matches_rope_then_write(layout, dtype, heads,
     leaves qkv exactly as the RoPE kernel alone does, and the cache exactly as KVCache.write of
     that qkv's k and v does: the written slots hold those bits, every other slot (NaN-poisoned)
     and every other layer is untouched; against the torch reference, the same rounding rule."""
-    from mlora.batch.kvcache import KVCache
+    from mlora.batch.model.kvcache import KVCache
 
     T, layer = 6, 1
     width = (heads + 2 * kv_heads) * head_dim
@@ -122,7 +122,7 @@ def test_rope_with_a_cache_of_another_dtype_rotates_then_writes():
     """A float32 cache under bfloat16 activations: the launch cannot store the rotated values
     as they are, so the RoPE kernel runs alone and KVCache.write converts (the path before the
     fold): qkv as the RoPE kernel leaves it, the cache as that write makes it."""
-    from mlora.batch.kvcache import KVCache
+    from mlora.batch.model.kvcache import KVCache
 
     heads, kv_heads, head_dim, T = 4, 2, 16, 5
     qkv = _rand(T, (heads + 2 * kv_heads) * head_dim, seed=13, dtype=torch.bfloat16, scale=2)

@@ -2,7 +2,7 @@
 
 Tests marked ``cuda`` need a CUDA device; they run on the GPU machine
 (BENCHMARKS.md records the runs). The others run everywhere: on the CPU the
-graphs are emulated (``mlora.batch.graphs``: the same static buffers, padding,
+graphs are emulated (``mlora.batch.engine.graphs``: the same static buffers, padding,
 staging and tile lists, the forward re-run at each replay with the Triton
 kernels interpreted, the buffers' invariants checked before every replay).
 """
@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from mlora.batch.bench import preset_config, random_bank, random_model
-from mlora.batch.engine import Engine, Request
-from mlora.batch.graphs import GraphBufferError, buckets_for
+from mlora.bench.batch import preset_config, random_bank, random_model
+from mlora.batch.engine.engine import Engine, Request
+from mlora.batch.engine.graphs import GraphBufferError, buckets_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

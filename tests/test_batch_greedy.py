@@ -1,4 +1,4 @@
-"""The device's greedy choice (``mlora.batch.greedy``) against ``torch.argmax`` bit for bit:
+"""The device's greedy choice (``mlora.kernels.greedy``) against ``torch.argmax`` bit for bit:
 fresh random logits in every float dtype, ties planted within and across chunks, NaN and
 infinities, a vocabulary that is not a multiple of the chunk; the Triton launches under
 TRITON_INTERPRET=1 on the CPU (small chunks), compiled on a GPU."""
@@ -6,7 +6,7 @@ TRITON_INTERPRET=1 on the CPU (small chunks), compiled on a GPU."""
 import pytest
 import torch
 
-from mlora.batch.greedy import _greedy_triton, greedy_tokens
+from mlora.kernels.greedy import _greedy_triton, greedy_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

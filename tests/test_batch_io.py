@@ -1,4 +1,4 @@
-"""Parquet input, atomic output shards, manifest and resume (mlora.batch.io / .output)."""
+"""Parquet input, atomic output shards, manifest and resume (mlora.batch.job.input / .output)."""
 
 import gc
 import json
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mlora.batch.io import InputSpec, JobInputError, open_input
-from mlora.batch.output import (
+from mlora.batch.job.input import InputSpec, JobInputError, open_input
+from mlora.batch.job.output import (
     MANIFEST_NAME,
     JobOutput,
     JobOutputError,

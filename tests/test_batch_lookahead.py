@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mlora.batch.bench import preset_config, random_bank, random_model
-from mlora.batch.engine import Engine, Request
+from mlora.bench.batch import preset_config, random_bank, random_model
+from mlora.batch.engine.engine import Engine, Request
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 # the chained-decode tests run on real CUDA graphs where there is a GPU, emulated ones on the CPU
@@ -206,7 +206,7 @@ def test_chained_decode_with_stop_strings_gives_the_same_rows():
 def test_sampled_decode_is_never_chained():
     """With temperature sampling the device's argmax is not the token: the chain declines every
     iteration (none chained) and the rows equal the same engine's without it (same seeds)."""
-    from mlora.batch.sampling import SamplingParams
+    from mlora.batch.engine.sampling import SamplingParams
 
     config = preset_config("tiny", "float32")
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=7)

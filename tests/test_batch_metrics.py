@@ -1,4 +1,4 @@
-"""mlora.batch.metrics: the job's counters, derived figures and their two renderings (spec 0x0B)."""
+"""mlora.batch.job.metrics: the job's counters, derived figures and their two renderings (spec 0x0B)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlora.batch import metrics as metrics_mod
-from mlora.batch.metrics import ERROR_CODES, LABEL_VALUES, PROM_NAME, RESIDENCY_STATES, JobMetrics
+from mlora.batch.job import metrics as metrics_mod
+from mlora.batch.job.metrics import ERROR_CODES, LABEL_VALUES, PROM_NAME, RESIDENCY_STATES, JobMetrics
 
 
 class Clock:

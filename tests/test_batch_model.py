@@ -17,10 +17,10 @@ import torch
 from conftest import DEMO
 
 import factory
-from mlora.batch.attention import AttentionMetadata
-from mlora.batch.kvcache import BlockAllocator, KVCache, KVCacheFull
-from mlora.batch.lora import GROUPS
-from mlora.batch.model import DecoderModel, ModelConfig, ModelError, load_config
+from mlora.batch.model.attention import AttentionMetadata
+from mlora.batch.model.kvcache import BlockAllocator, KVCache, KVCacheFull
+from mlora.batch.model.lora import GROUPS
+from mlora.batch.model.decoder import DecoderModel, ModelConfig, ModelError, load_config
 
 TOL = 1e-4
 COMMON = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -546,13 +546,13 @@ def test_a_step_may_sample_no_row(checkpoints):
     assert written.tolist() == [False, True, False, True]
 
 
-# ---------------------------------------------------------------- the BLAS preference (mlora.batch.gemms)
+# ---------------------------------------------------------------- the BLAS preference (mlora.batch.model.gemms)
 
 
 def test_blas_preference_by_rows(monkeypatch):
     """cuBLASLt for CUDA forwards of 1..128 rows by default, the range MLORA_BLAS_ROWS gives, never
     with ``off`` and never on the CPU; a malformed range refused naming the variable."""
-    from mlora.batch.gemms import blas_for
+    from mlora.batch.model.gemms import blas_for
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv("MLORA_BLAS_ROWS", raising=False)
@@ -570,7 +570,7 @@ def test_blas_preference_by_rows(monkeypatch):
 def test_blas_switch_keeps_the_notice_off_stderr_and_restores_it(monkeypatch, capfd):
     """The first switch to cuBLASLt runs with fd 2 on /dev/null (torch's C++ notice), then the
     preference is restored and fd 2 writes reach stderr again, also when the setter raises."""
-    import mlora.batch.gemms as gemms
+    import mlora.batch.model.gemms as gemms
 
     calls = []
 
@@ -597,11 +597,11 @@ def test_blas_switch_keeps_the_notice_off_stderr_and_restores_it(monkeypatch, ca
 
 
 def test_forward_runs_its_gemms_under_the_rows_preference(checkpoints, monkeypatch):
-    """DecoderModel.forward enters mlora.batch.gemms.blas_library with its own row count and
+    """DecoderModel.forward enters mlora.batch.model.gemms.blas_library with its own row count and
     device, around every GEMM (the lm_head included), once per forward."""
     import contextlib
 
-    import mlora.batch.model as model_mod
+    import mlora.batch.model.decoder as model_mod
 
     path, _ = checkpoints("llama")
     seen, inside = [], []

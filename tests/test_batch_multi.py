@@ -1,6 +1,6 @@
 """`mlora batch-run --num-workers` / `--gpus`: a coordinator and one engine per worker process.
 
-First the assignment policy alone (mlora.batch.assign, pure), then the real
+First the assignment policy alone (mlora.batch.scaleout.assign, pure), then the real
 coordinator with CPU worker processes on the demo job: the output equals the
 single-process output byte for byte, a worker killed with SIGKILL loses and
 duplicates no row (its rows are reassigned; with no worker left the job stops
@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import DEMO, DEMO_MAX_NEW_TOKENS, demo_job_options as _opts, shard_digests as _shards
 
-from mlora.batch.assign import Dispatcher
-from mlora.batch.job import JobError, JobOptions, run_job
-from mlora.batch.output import read_output
-from mlora.batch.placement import gpu_places, plan_workers
+from mlora.batch.scaleout.assign import Dispatcher
+from mlora.batch.job.prepare import JobError, JobOptions, run_job
+from mlora.batch.job.output import read_output
+from mlora.batch.scaleout.placement import gpu_places, plan_workers
 
 # -- assignment (pure) ---------------------------------------------------------
 
@@ -175,9 +175,9 @@ def test_a_gpu_worker_pins_its_device_and_a_failing_worker_stops_the_job(tmp_pat
     """The GPU path up to CUDA: a worker placed on GPU "0" sets CUDA_VISIBLE_DEVICES=0 before
     torch starts CUDA and refuses to run unless it then sees exactly one device. On this
     CPU-only host it sees none: the worker's error stops the job with its code (exit 3)."""
-    from mlora.batch.job import prepare_job
-    from mlora.batch.multi import run_workers
-    from mlora.batch.placement import WorkerPlace
+    from mlora.batch.job.prepare import prepare_job
+    from mlora.batch.scaleout.coordinator import run_workers
+    from mlora.batch.scaleout.placement import WorkerPlace
 
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA: the worker would find its GPU")

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 from conftest import DEMO, demo_job_options as _opts, shard_digests as _shards
 
-from mlora.batch.job import JobError, run_job
-from mlora.batch.output import read_output
+from mlora.batch.job.prepare import JobError, run_job
+from mlora.batch.job.output import read_output
 
 try:
     import ray  # noqa: F401
@@ -86,7 +86,7 @@ def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli,
 
 def test_predictor_called_directly_gives_the_demo_answers():
     """MloraPredictor is a plain class: Ray constructs it once per actor and calls it per batch."""
-    from mlora.batch.ray import MloraPredictor, pin_adapters
+    from mlora.batch.scaleout.ray import MloraPredictor, pin_adapters
 
     with open(os.path.join(DEMO, "expected.json")) as f:
         expected = json.load(f)
@@ -114,7 +114,7 @@ def test_predictor_called_directly_gives_the_demo_answers():
 def test_predictor_takes_and_returns_pandas():
     import pandas as pd
 
-    from mlora.batch.ray import MloraPredictor
+    from mlora.batch.scaleout.ray import MloraPredictor
 
     p = MloraPredictor(BASE, ADAPTERS, adapter_ids=["upper"], device="cpu", max_new_tokens=6)
     out = p(pd.DataFrame({"id": ["a"], "prompt": ["<|bos|>abc="], "adapter": ["upper"]}))
@@ -122,8 +122,8 @@ def test_predictor_takes_and_returns_pandas():
 
 
 def test_failures_inside_ray_keep_their_codes():
-    from mlora.batch.io import JobInputError
-    from mlora.batch.ray import _ray_failure
+    from mlora.batch.job.input import JobInputError
+    from mlora.batch.scaleout.ray import _ray_failure
 
     class Wrapped(Exception):  # how Ray wraps a task's exception (RayTaskError.cause)
         def __init__(self, cause):

@@ -73,7 +73,7 @@ def env(tmp_path_factory):
 
 
 def _run(env, out, **kw):
-    from mlora.batch.job import JobOptions, run_job
+    from mlora.batch.job.prepare import JobOptions, run_job
 
     opts = dict(input=env["input"], output=str(out), base=env["base"], adapters_dir=env["adapters"],
                 prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=MAX_NEW, device="cpu",
@@ -83,7 +83,7 @@ def _run(env, out, **kw):
 
 
 def _rows(out):
-    from mlora.batch.output import read_output
+    from mlora.batch.job.output import read_output
 
     return {r["id"]: r for r in read_output(str(out)).to_pylist()}
 
@@ -126,7 +126,7 @@ def test_a_job_without_k_adapters_holds_no_k_slots_and_equals_peft(env, tmp_path
     """Rows naming only a1 (q/v) and a3 (o/down) and base rows: the bank holds the q and v
     slices of q/k/v, o and down, nothing else (a load copies no zeros for k), and every row
     still equals transformers + PEFT."""
-    import mlora.batch.residency as residency_pkg
+    import mlora.batch.adapters.residency as residency_pkg
 
     keep = [i for i, a in enumerate(ROW_ADAPTERS) if a != "a2"]
     inp = str(tmp_path / "in.parquet")
@@ -221,7 +221,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
 def _demo_job_gives_the_expected_rows(tmp_path, device="cpu", **options):
     """Run the demo workspace's job in float32 and assert every row equals expected.json;
     returns the job summary."""
-    from mlora.batch.job import JobOptions, run_job
+    from mlora.batch.job.prepare import JobOptions, run_job
 
     with open(os.path.join(DEMO, "expected.json")) as f:
         expected = json.load(f)
@@ -305,7 +305,7 @@ def test_malformed_knob_refused_before_the_weights_load(tmp_path, monkeypatch, v
     """MLORA_BLAS_ROWS (read by every forward) and MLORA_CHAIN_DECODE (read by the engine): a
     malformed value stops the job when its session is built, before the base weights are
     read, with the variable named."""
-    from mlora.batch import model as model_mod
+    from mlora.batch.model import decoder as model_mod
 
     def no_load(*a, **k):
         raise AssertionError("the weights were loaded before the knob was checked")
@@ -320,7 +320,7 @@ def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatc
     """The rare blocking loads of the joint mode (start_load says "sync") in an arena of two
     slots and one longest row for the demo's four adapters: rows wait until a slot's pages
     are free, and every row is the expected one."""
-    from mlora.batch.residency import ResidencyBank
+    from mlora.batch.adapters.residency import ResidencyBank
 
     first = _demo_job_gives_the_expected_rows(tmp_path / "a", memory_ledger="joint")
     pps = first.bank["pages_per_slot"]
@@ -333,7 +333,7 @@ def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatc
 def test_memory_ledger_refusals(tmp_path):
     """An unknown --memory-ledger, and an arena too small for one slot beside one longest row,
     are refused before any row runs (E_MEMORY_LEDGER, exit 2)."""
-    from mlora.batch.job import JobError
+    from mlora.batch.job.prepare import JobError
 
     for i, (options, words) in enumerate((
             (dict(memory_ledger="shared"), "must be one of split, joint"),
@@ -359,7 +359,7 @@ def test_demo_workspace_outputs_with_the_gate_up_deltas_fused_everywhere(tmp_pat
 def test_adapter_bytes_changed_after_pinning_are_never_served(env, tmp_path, monkeypatch):
     import shutil
 
-    from mlora.batch import catalog as catalog_mod
+    from mlora.batch.adapters import catalog as catalog_mod
 
     adapters = str(tmp_path / "adapters")
     shutil.copytree(env["adapters"], adapters)
@@ -406,7 +406,7 @@ def test_sampled_rows_do_not_depend_on_batch_options(env, tmp_path):
 
 
 def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
-    from mlora.batch.job import JobOptions, run_job
+    from mlora.batch.job.prepare import JobOptions, run_job
 
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({
@@ -428,9 +428,9 @@ def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
 def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from mlora.batch import session as session_mod
+    from mlora.batch.job import session as session_mod
 
-    from mlora.batch.job import JobOptions, run_job
+    from mlora.batch.job.prepare import JobOptions, run_job
 
     base = str(tmp_path / "base")
     factory.save_base(factory.tiny_model("llama", seed=0, hidden=16, layers=1), base)
@@ -485,7 +485,7 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
     assert host_only.bank["loads_started_ahead"] == 0
     # asynchronous loads (the GPU default; forced here on the CPU): admission starts a cold
     # adapter's load without waiting and runs its rows once it is published: same tokens
-    from mlora.batch import engine as engine_mod
+    from mlora.batch.engine import engine as engine_mod
 
     class AsyncEngine(engine_mod.Engine):
         idle_steps = 0
@@ -508,13 +508,13 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
             return super().schedule()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mlora.batch.session.Engine", CheckedEngine)
+        mp.setattr("mlora.batch.job.session.Engine", CheckedEngine)
         checked = run("few-checked", 3)
     assert checked.bank["loads_started_ahead"] > 0
     assert {k: r["completion_token_ids"] for k, r in _rows(tmp_path / "few-checked").items()} == \
         {k: r["completion_token_ids"] for k, r in a.items()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mlora.batch.session.Engine", AsyncEngine)
+        mp.setattr("mlora.batch.job.session.Engine", AsyncEngine)
         started_ahead = run("async", 3)
         in_workers = run("async-workers", 3, processes=1)  # host images built in a worker process
         run("async-lookahead", 3, lookahead=True)  # and with the next decode step built ahead
@@ -553,8 +553,8 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
 
 def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
     # a KV cache of 5 blocks (16 tokens each) for up to 8 running rows: decode growth must preempt
-    from mlora.batch.kvcache import KVCache
-    from mlora.batch.model import load_config
+    from mlora.batch.model.kvcache import KVCache
+    from mlora.batch.model.decoder import load_config
 
     cfg = load_config(env["base"])
     block_bytes = KVCache.block_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
@@ -571,10 +571,10 @@ def test_a_cold_adapter_is_not_starved_by_hot_work(env):
     """0x09I: one slot; a cold-adapter row arrives first, then a stream of rows of the
     resident adapter. Hot rows may overtake it only until max_wait of them were
     admitted after it arrived; then it runs."""
-    from mlora.batch.bank import SlotBank
-    from mlora.batch.catalog import load_catalog
-    from mlora.batch.engine import Engine, Request
-    from mlora.batch.model import DecoderModel
+    from mlora.batch.adapters.slots import SlotBank
+    from mlora.batch.adapters.catalog import load_catalog
+    from mlora.batch.engine.engine import Engine, Request
+    from mlora.batch.model.decoder import DecoderModel
 
     model = DecoderModel.from_pretrained(env["base"], dtype=torch.float32)
     pinned = load_catalog(env["adapters"], None).pin({"a1", "a2"}, env["base"])
@@ -596,7 +596,7 @@ def test_a_cold_adapter_is_not_starved_by_hot_work(env):
 
 
 def test_default_adapter_slots_come_from_free_gpu_memory(monkeypatch):
-    from mlora.batch.job import JobOptions, num_slots
+    from mlora.batch.job.prepare import JobOptions, num_slots
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert num_slots(JobOptions(input="", output="", base=""), 40, 10, cpu) == 40
@@ -626,7 +626,7 @@ def test_batch_run_option_defaults_are_the_job_defaults():
 
     import typer
 
-    from mlora.batch.job import JobOptions
+    from mlora.batch.job.prepare import JobOptions
     from mlora.cli.app import app
 
     command = typer.main.get_command(app).commands["batch-run"]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mlora.batch.sampling import SamplingParams, row_key, sample, uniform
+from mlora.batch.engine.sampling import SamplingParams, row_key, sample, uniform
 
 
 def _logits(seed, rows=6, vocab=50):

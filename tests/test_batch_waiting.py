@@ -4,7 +4,7 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-from mlora.batch.waiting import WaitingQueue
+from mlora.batch.engine.waiting import WaitingQueue
 
 
 def _row(adapter, arrival=0):

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import DEMO
-from mlora.batch.bank import BankError, SlotBank
-from mlora.batch.bundle_bank import BundleBank
-from mlora.batch.catalog import load_catalog
-from mlora.batch.lora import GROUPS, group_shapes
-from mlora.batch.model import load_config
+from mlora.batch.adapters.slots import BankError, SlotBank
+from mlora.batch.adapters.bundle_bank import BundleBank
+from mlora.batch.adapters.catalog import load_catalog
+from mlora.batch.model.lora import GROUPS, group_shapes
+from mlora.batch.model.decoder import load_config
 from mlora.compress.bundle import read_bundle
 from mlora.compress.operator import joint_apply
 
@@ -324,11 +324,11 @@ def test_a_group_with_unadapted_slices_and_uneven_clusters(method):
 def test_emulated_decode_graphs_over_a_bundle_give_the_eager_tokens(served, operator):
     """The engine's decode graphs over a bundle bank (its ``graph_context``: a static row buffer
     the replays refill) give the eager engine's tokens; on the CPU the graphs are emulated
-    (``mlora.batch.graphs``), so the static-buffer protocol of the bundle path runs in CI."""
+    (``mlora.batch.engine.graphs``), so the static-buffer protocol of the bundle path runs in CI."""
     import random
 
-    from mlora.batch.engine import Engine, Request
-    from mlora.batch.model import DecoderModel
+    from mlora.batch.engine.engine import Engine, Request
+    from mlora.batch.model.decoder import DecoderModel
 
     bundle, pinned, shapes, layers = served
     device = "cuda" if torch.cuda.is_available() else "cpu"

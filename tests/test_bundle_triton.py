@@ -5,8 +5,8 @@ replay: ``test_graph_replay_of_the_bundle_context_equals_eager`` in test_bundle_
 import pytest
 import torch
 
-from mlora.batch.bundle_bank import BundleBank
-from mlora.batch.lora import GROUPS
+from mlora.batch.adapters.bundle_bank import BundleBank
+from mlora.batch.model.lora import GROUPS
 from mlora.kernels import build_plan, make_launch_plan
 from mlora.kernels.triton_sgmv import add_bundle_slices_triton
 from test_bundle_serving import apply_both, served  # noqa: F401 - the demo bundle fixture, jd-full and jd-diag
@@ -261,7 +261,7 @@ def test_unknown_operator_is_refused(served):
 def test_a_bundle_module_the_model_does_not_have_is_refused(bad):
     """A module name with no role the banks know, no layer number, or a layer past the model's
     is E_BANK_SHAPE when the bank is built, whichever operator (never a KeyError or a skip)."""
-    from mlora.batch.bank import BankError
+    from mlora.batch.adapters.slots import BankError
 
     bundle, shapes, layers = _uneven_bundle("jd-full")
     mods = bundle.manifest["modules"]

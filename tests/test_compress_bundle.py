@@ -241,7 +241,7 @@ def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_
 def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
     from conftest import DEMO
 
-    from mlora.batch.catalog import load_catalog, load_factors
+    from mlora.batch.adapters.catalog import load_catalog, load_factors
 
     bundle = tmp_path / "bundle"
     assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
@@ -270,7 +270,7 @@ def test_pinning_every_member_reads_and_verifies_the_bundle_once(tmp_path, run_c
     from conftest import DEMO
 
     import mlora.compress.bundle as cb
-    from mlora.batch.catalog import load_catalog
+    from mlora.batch.adapters.catalog import load_catalog
 
     bundle = tmp_path / "bundle"
     assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0

@@ -3,7 +3,7 @@
 import pytest
 
 from mlora.batch.envknobs import env_int, env_row_range
-from mlora.batch.session import SWITCH_INTERVAL_US, switch_interval_s
+from mlora.batch.job.session import SWITCH_INTERVAL_US, switch_interval_s
 
 
 def test_env_int_reads_defaults_and_refuses(monkeypatch):

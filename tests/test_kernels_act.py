@@ -8,7 +8,7 @@ import torch
 from test_kernels_reference import TOL
 from test_kernels_slices import DEVICE, _dev, sliced_case, sliced_oracle
 
-from mlora.batch.fused import silu_mul_triton
+from mlora.kernels.elementwise import silu_mul_triton
 from mlora.kernels import (
     add_lora_slices,
     build_plan,

@@ -1,4 +1,4 @@
-"""``mlora bench kernels``' verdicts (``mlora.kernels.bench.summarize``): which cases each of
+"""``mlora bench kernels``' verdicts (``mlora.bench.kernels.summarize``): which cases each of
 issue step 2's targets is judged on. Pure bookkeeping over timed cases, so it runs on the CPU
 with made-up times. Also the static plan every timed case replays (``captured_plan``)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mlora.kernels import build_plan, make_launch_plan, tile_capacity
-from mlora.kernels.bench import MIXED_CASES, captured_plan, summarize
+from mlora.bench.kernels import MIXED_CASES, captured_plan, summarize
 
 
 def case(T, adapters, floor_us, graph_us, loop_us=None):

@@ -153,7 +153,7 @@ def test_fused_compiles_one_kernel_per_module_shape(monkeypatch):
     varies with the batch size, as a runtime argument."""
     import inspect
 
-    from mlora.batch.graphs import BLOCK_M, buckets_for
+    from mlora.batch.engine.graphs import BLOCK_M, buckets_for
 
     param = inspect.signature(tf._fused_kernel.fn).parameters["group_tiles"]
     assert param.annotation is inspect.Parameter.empty  # a runtime argument, not tl.constexpr

@@ -384,7 +384,7 @@ def test_decode_batch_sizes_share_compiled_kernels(monkeypatch):
     (As constants they compiled 14-24 kernels per job on the H200, inside the timed job.)"""
     import inspect
 
-    from mlora.batch.graphs import BLOCK_M, buckets_for
+    from mlora.batch.engine.graphs import BLOCK_M, buckets_for
     from mlora.kernels import tile_capacity
     from mlora.kernels import triton_sgmv as ts
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from factory import make_adapter, save_base, tiny_model
 
-from mlora.batch.bank import SlotBank
-from mlora.batch.catalog import AdapterError, load_catalog, load_factors
+from mlora.batch.adapters.slots import SlotBank
+from mlora.batch.adapters.catalog import AdapterError, load_catalog, load_factors
 from mlora.batch.errors import CodedError
-from mlora.batch.lora import GROUPS, ROLE_SLICE, group_shapes, held_slices
+from mlora.batch.model.lora import GROUPS, ROLE_SLICE, group_shapes, held_slices
 from mlora.kernels import pitched_view
-from mlora.batch.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
+from mlora.batch.adapters.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
                                    HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
                                    PagedStorage, PagePool, Piece, RequestAttempt, Residency, ResidencyBank,
                                    ResidencyError, RollbackError, SlotStorage, State, TransitionError,
@@ -868,7 +868,7 @@ def test_a_bank_of_the_targeted_slices_only(pinned):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_side_stream_loads_and_last_use_events(pinned):
     """The same engine on a GPU: pinned host images, copies on a side stream, CUDA events."""
-    from mlora.batch.residency import CudaCopier
+    from mlora.batch.adapters.residency import CudaCopier
 
     bank = ResidencyBank(LAYERS, SHAPES, 2, 8, torch.float32, "cuda")
     ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cuda")
@@ -947,7 +947,7 @@ def test_a_builder_whose_workers_keep_dying_stops_trying():
     returns None at once (the bank builds on its own thread)."""
     from concurrent.futures.process import BrokenProcessPool
 
-    from mlora.batch.residency import build as build_mod
+    from mlora.batch.adapters.residency import build as build_mod
 
     class DeadPool:
         submitted = 0
@@ -1074,7 +1074,7 @@ def test_start_load_asks_for_the_host_image_and_waits_for_it(pinned, tmp_path):
     import dataclasses
     import time as _time
 
-    from mlora.batch.catalog import AdapterError
+    from mlora.batch.adapters.catalog import AdapterError
 
     bank = rbank(2, prefetch_workers=1)
     try:

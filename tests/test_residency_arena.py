@@ -10,7 +10,7 @@ import torch
 
 from test_residency import pinned  # noqa: F401  (the pinned adapters fixture)
 
-from mlora.batch.residency import (AdmissionError, HostArtifact, HostCache, KVCapacity, PagePool, Piece,
+from mlora.batch.adapters.residency import (AdmissionError, HostArtifact, HostCache, KVCapacity, PagePool, Piece,
                                    Residency, ResidencyError, SlotStorage)
 
 SLOTS, PPS, PAGES = 4, 2, 12  # slot s holds pages FIRST + 2s, FIRST + 2s + 1
@@ -94,7 +94,7 @@ def test_kv_then_a_cold_adapter_waits_for_pages():
 def test_admission_with_kv_takes_the_slot_pages_and_lowest_kv_pages():
     """One admission of a cold adapter with KV pages: the adapter gets exactly its slot's pages,
     the request the lowest free ones."""
-    from mlora.batch.residency import RequestAttempt
+    from mlora.batch.adapters.residency import RequestAttempt
 
     res, A, _ = arena_residency()
     adm = res.admit("b", RequestAttempt("q1", 0), kv_pages=3)
@@ -103,7 +103,7 @@ def test_admission_with_kv_takes_the_slot_pages_and_lowest_kv_pages():
 
 
 def test_taking_specific_pages_checks_they_are_free():
-    from mlora.batch.residency import LedgerError, Owner
+    from mlora.batch.adapters.residency import LedgerError, Owner
 
     pool = PagePool(6, 1)
     kv = pool.take(2, Owner.kv("r"))
@@ -132,8 +132,8 @@ BLOCK = 16  # tokens per KV block: with the tiny model's 2 layers, 2 KV heads of
 def arena_bank(slots: int, pages: int, backend: str = "auto"):
     from test_residency import LAYERS, rbank
 
-    from mlora.batch.arena import PageArena
-    from mlora.batch.kvcache import KVCache
+    from mlora.batch.engine.arena import PageArena
+    from mlora.batch.model.kvcache import KVCache
 
     arena = PageArena(pages, 2 * LAYERS * BLOCK * 2 * 8 * 4, "cpu", spare_pages=1)
     bank = rbank(slots, arena=arena, backend=backend)
@@ -206,7 +206,7 @@ def test_the_fused_gate_up_silu_launch_reads_arena_slots(pinned):
     ``apply`` then the SiLU product (NaN on every page before the loads)."""
     from test_residency import SHAPES, rbank
 
-    from mlora.batch.fused import ElementwiseOps, silu_mul_ref
+    from mlora.kernels.elementwise import ElementwiseOps, silu_mul_ref
 
     arena, bank, _ = arena_bank(3, 40, "triton")
     arena.data.fill_(0xFF)

@@ -1,4 +1,4 @@
-"""The pinned block pool of host images (mlora.batch.residency.pinned): blocks are handed out
+"""The pinned block pool of host images (mlora.batch.adapters.residency.pinned): blocks are handed out
 without driver calls, come back when their image is gone, and are reused only after a
 copy-stream fence recorded after their release completed. On the CPU the blocks are
 ordinary memory (``pin=False``); the semantics are the same."""
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from mlora.batch.bank import SlotBank
-from mlora.batch.residency import HostArtifact, HostCache, ManualEvent, Piece
-from mlora.batch.residency.pinned import BLOCK_ALIGN, PinnedPool
+from mlora.batch.adapters.slots import SlotBank
+from mlora.batch.adapters.residency import HostArtifact, HostCache, ManualEvent, Piece
+from mlora.batch.adapters.residency.pinned import BLOCK_ALIGN, PinnedPool
 from test_residency import LAYERS, SHAPES, _same, pinned, rbank  # noqa: F401 - pinned: the adapters fixture
 
 
@@ -176,7 +176,7 @@ def test_bank_through_a_small_pool_equals_the_plain_bank(pinned, blocks):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked blocks need CUDA")
 def test_cuda_bank_images_live_in_the_pinned_pool(pinned):
-    from mlora.batch.residency import ResidencyBank
+    from mlora.batch.adapters.residency import ResidencyBank
 
     bank = ResidencyBank(LAYERS, SHAPES, 2, 8, torch.float32, "cuda", expected_adapters=len(pinned))
     assert bank.pinned_pool is not None and bank.pinned_pool.blocks == len(pinned) + 40  # at most the job's adapters

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from mlora.batch.residency.host import HostArtifact, HostCache, Piece
-from mlora.batch.residency.prefetch import HostPrefetcher
+from mlora.batch.adapters.residency.host import HostArtifact, HostCache, Piece
+from mlora.batch.adapters.residency.prefetch import HostPrefetcher
 
 
 class Source:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import mlora.batch.residency.storage as storage_mod
-from mlora.batch.residency.errors import ValidationError
-from mlora.batch.residency.host import HostArtifact, Piece, view_stats
-from mlora.batch.residency.storage import SlotStorage, validate_landed
+import mlora.batch.adapters.residency.storage as storage_mod
+from mlora.batch.adapters.residency.errors import ValidationError
+from mlora.batch.adapters.residency.host import HostArtifact, Piece, view_stats
+from mlora.batch.adapters.residency.storage import SlotStorage, validate_landed
 
 
 def test_view_stats_depend_on_the_bytes_not_the_layout():
@@ -32,7 +32,7 @@ def test_view_stats_depend_on_the_bytes_not_the_layout():
 def test_host_and_device_view_stats_agree(dtype):
     """The numpy host path and the torch device path compute the same four integers
     (here both on the CPU), incl. NaN, inf, -0.0 and an odd number of bytes."""
-    from mlora.batch.residency.host import _view_stats_host, _view_stats_torch
+    from mlora.batch.adapters.residency.host import _view_stats_host, _view_stats_torch
 
     g = torch.Generator().manual_seed(3)
     n = 4099 if dtype == torch.uint8 else 3001  # odd byte count for uint8
@@ -115,8 +115,8 @@ def test_word_partials_rows_do_not_depend_on_how_chunks_are_launched(monkeypatch
     per step) change only the launch: the rows of partials are the same numbers, and each
     view's sum equals the host reference. Two views of 3 and 2 chunks, neither a whole number
     of chunks or of unrolled steps; a NaN in the second."""
-    from mlora.batch.residency import host as host_mod
-    from mlora.batch.residency import wordstats
+    from mlora.batch.adapters.residency import host as host_mod
+    from mlora.kernels import wordstats
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
@@ -143,7 +143,7 @@ def test_fused_word_stats_equal_the_reference(dtype):
     under the interpreter) gives exactly the numbers of the host reference: lengths around
     the block size and past the 65521-word weight period, zeros of both signs, a NaN or an
     infinity, every word's position weighted."""
-    from mlora.batch.residency import host as host_mod
+    from mlora.batch.adapters.residency import host as host_mod
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: compiled, not interpreted
 
@@ -176,7 +176,7 @@ def test_stats_parts_equal_view_stats(dtype):
     views (a launch with one view), sizes crossing one program's 32K words and the 65521-word
     weight period, non-finite values counted. The output rows are never zeroed, so every
     row must be written: unwritten garbage would change the sums."""
-    from mlora.batch.residency.host import view_stats, view_stats_parts
+    from mlora.batch.adapters.residency.host import view_stats, view_stats_parts
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
@@ -202,8 +202,8 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_numbers(monkeypatch):
     """If the word-stats kernel fails (e.g. it does not compile on some GPU), validation
     computes the same numbers with torch reductions, says so once, and keeps doing so;
     forced (``fused=True``) the error surfaces."""
-    from mlora.batch.residency import host as host_mod
-    from mlora.batch.residency import wordstats
+    from mlora.batch.adapters.residency import host as host_mod
+    from mlora.kernels import wordstats
 
     calls = []
 
@@ -238,7 +238,7 @@ def test_large_16_bit_views_validate_through_the_word_stats_kernel(monkeypatch, 
     on a GPU machine compiled: the slot bank lives on the GPU, the artifact on the host) and a
     correct load is accepted on those numbers alone; a stale tail, a changed value and an
     infinity each fail with their code."""
-    from mlora.batch.residency import host as host_mod
+    from mlora.batch.adapters.residency import host as host_mod
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
@@ -297,7 +297,7 @@ def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropp
     is alive takes the plain path (the first one's numbers are not overwritten); once it is
     dropped the buffers are used again; other views for the slot (another bank) get new
     buffers; every probe's numbers equal the plain probe's of the same bytes."""
-    from mlora.batch.residency import host as host_mod
+    from mlora.batch.adapters.residency import host as host_mod
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)
@@ -337,10 +337,10 @@ def test_prepared_probes_reuse_a_slots_buffers_only_once_the_last_probe_is_dropp
 def test_a_bank_prepares_every_slots_probe_when_it_is_made(monkeypatch):
     """ResidencyBank: each slot's probe buffers are built when the bank is made (the first
     load into a slot allocates nothing while issuing); a load then probes from them."""
-    from mlora.batch.residency import ResidencyBank
-    from mlora.batch.residency import storage as storage_mod
+    from mlora.batch.adapters.residency import ResidencyBank
+    from mlora.batch.adapters.residency import storage as storage_mod
 
-    from mlora.batch.residency import host as host_mod
+    from mlora.batch.adapters.residency import host as host_mod
 
     monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)

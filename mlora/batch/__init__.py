@@ -1,6 +1,6 @@
 """The offline batch engine behind ``mlora batch-run`` (spec 0x01-0x05, 0x09; docs/batch.md).
 
-Entry point: :func:`mlora.batch.job.run_job`. Modules: ``io`` (Parquet input),
+Entry point: :func:`mlora.batch.job.prepare.run_job`. Modules: ``io`` (Parquet input),
 ``catalog`` (adapters pinned by digest), ``engine`` (continuous batching,
 adapter-aware admission), ``model`` / ``attention`` / ``kvcache`` (the
 decoder), ``residency`` (the adapter residency engine and its slot bank),

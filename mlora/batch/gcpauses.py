@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import time
 
-from .envknobs import env_choice
+from mlora.batch.envknobs import env_choice
 
 GC_MODES = ("default", "freeze", "device-wait")
 

@@ -1,4 +1,4 @@
-"""``mlora batch-run``: thin CLI over :func:`mlora.batch.job.run_job`.
+"""``mlora batch-run``: thin CLI over :func:`mlora.batch.job.prepare.run_job`.
 
 Parses options, shows progress on stderr (rich, only on a terminal and without
 ``--quiet``), prints the end-of-run summary (a table, or JSON with ``--json``)
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .render import fail as _fail
+from mlora.cli.render import fail as _fail
 
 EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 1, 2, 3
 
@@ -83,7 +83,7 @@ def batch_run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Generate a completion for every input row with the adapter it names (Parquet in, Parquet out)."""
-    from ..batch.job import JobError, JobOptions, run_job
+    from mlora.batch.job.prepare import JobError, JobOptions, run_job
 
     err = Console(stderr=True)
     if adapters is not None and catalog is not None:

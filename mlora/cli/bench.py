@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..lora_tools.hash_bench import run_hash_bench
+from mlora.bench.hash import run_hash_bench
 
 bench_app = typer.Typer(help="Benchmarks (results belong in BENCHMARKS.md).", no_args_is_help=True)
 
@@ -59,7 +59,7 @@ def bench_kernels(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
     """Time the segmented Triton kernels against their floors and baselines on the GPU (step 2 grid)."""
-    from ..kernels.bench import run_kernel_bench
+    from mlora.bench.kernels import run_kernel_bench
 
     err = Console(stderr=True)
 
@@ -156,7 +156,7 @@ def bench_batch(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
     """Time `mlora batch-run`'s engine on a synthetic job: tokens/s and decode iterations against their floor."""
-    from ..batch.bench import BatchBenchOptions, run_batch_bench
+    from mlora.bench.batch import BatchBenchOptions, run_batch_bench
 
     err = Console(stderr=True)
     try:
@@ -226,7 +226,7 @@ def _print_batch_table(r: dict) -> None:
     m = r.get("machine") or {}
     where = f" on {m['host']}" + (f", GPU {m['gpu_uuid']}" if m.get("gpu_uuid") else "") if m.get("host") else ""
     k = m.get("clocks_after")
-    if k:  # NVML's view after the scenarios (mlora.batch.gpuclocks.gpu_clocks)
+    if k:  # NVML's view after the scenarios (mlora.bench.gpuclocks.gpu_clocks)
         where += (f", SM {k['sm_mhz']}/{k['sm_max_mhz']} MHz, memory {k['mem_mhz']}/{k['mem_max_mhz']} MHz, "
                   f"power limit {k['power_limit_w']:.0f} W after the run")
     held = c.get("sustained_matmul_flops_per_s")
@@ -290,7 +290,7 @@ def bench_residency(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
     """Run a many-adapter batch-run job with limited GPU slots against the same job with every adapter resident."""
-    from ..batch.bench_residency import ResidencyBenchOptions, run_residency_bench
+    from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
     err = Console(stderr=True)
     _require_cuda(err, device)
@@ -304,7 +304,7 @@ def bench_residency(
                                  memory_ledger=memory_ledger)
     earlier = None
     if compare is not None:  # read and check before the long run, not after it
-        from ..batch.bench_residency import check_comparable, options_record
+        from mlora.bench.residency import check_comparable, options_record
 
         try:
             earlier = json.loads(Path(compare).read_text())
@@ -315,7 +315,7 @@ def bench_residency(
             raise typer.Exit(2) from None
     results = run_residency_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     if earlier is not None:
-        from ..batch.bench_residency import combine
+        from mlora.bench.residency import combine
 
         results = combine(results, earlier)
     if _save(results, out, json_out):
@@ -338,7 +338,7 @@ def bench_residency(
     con.print(f"throughput ratio (limited / all resident): {'-' if ratio is None else f'{ratio:.3f}'}; one adapter "
               f"{results['adapter_bytes'] / 1e6:.1f} MB, cold-load floor "
               + ("-" if floor is None else f"{floor * 1e3:.2f} ms at {results['h2d_bytes_per_s'] / 1e9:.1f} GB/s H2D"))
-    from ..batch.bench_residency import COLD_LOAD_TARGET, cold_load_vs_floor
+    from mlora.bench.residency import COLD_LOAD_TARGET, cold_load_vs_floor
 
     for r in results["runs"]:
         x = cold_load_vs_floor(r, floor)
@@ -387,7 +387,7 @@ def bench_bundle(
 ) -> None:
     """Serve bundle members (three-stage operator) against the uncompressed adapters under the same
     GPU memory, and against the base model alone."""
-    from ..batch.bench_bundle import BUNDLE_RUNS, BundleBenchOptions, run_bundle_bench
+    from mlora.bench.bundle import BUNDLE_RUNS, BundleBenchOptions, run_bundle_bench
 
     err = Console(stderr=True)
     names = tuple(r.strip() for r in runs.split(",") if r.strip() not in ("", "none"))
@@ -447,8 +447,8 @@ def bench_peft(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
 ) -> None:
     """The same synthetic job as `bench batch` through transformers + PEFT (generate with adapter_names)."""
-    from ..batch.bench import BatchBenchOptions
-    from ..batch.bench_peft import run_peft_baseline
+    from mlora.bench.batch import BatchBenchOptions
+    from mlora.bench.peft import run_peft_baseline
 
     err = Console(stderr=True)
     _require_cuda(err, device)
@@ -480,8 +480,8 @@ def bench_startup(
     bandwidth (target: 1.5 x that + 10 s)."""
     import torch
 
-    from ..batch.bench_residency import write_base
-    from ..batch.bench_startup import run_startup_bench
+    from mlora.bench.residency import write_base
+    from mlora.bench.startup import run_startup_bench
 
     err = Console(stderr=True)
     _require_cuda(err, device)
@@ -520,7 +520,7 @@ def bench_gpus(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
     """The step-3 synthetic job through `mlora batch-run` on one GPU and with --gpus; prints both tokens/s."""
-    from ..batch.bench_gpus import GpusBenchOptions, run_gpus_bench
+    from mlora.bench.gpus import GpusBenchOptions, run_gpus_bench
 
     err = Console(stderr=True)
     _require_cuda(err, device)

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .render import fail as _fail
+from mlora.cli.render import fail as _fail
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
@@ -55,9 +55,9 @@ def compress(
         _fail(err, "E_USAGE", "give the bundle to write with -o BUNDLE", EXIT_USAGE)
     import torch
 
-    from ..compress import CompressError
-    from ..compress.bundle import CompressOptions, compress as fit, write_bundle
-    from ..compress.collection import load_collection
+    from mlora.compress import CompressError
+    from mlora.compress.bundle import CompressOptions, compress as fit, write_bundle
+    from mlora.compress.collection import load_collection
 
     k = "auto" if clusters == "auto" else _int(clusters, err)
     if device not in ("auto", "cpu", "cuda"):
@@ -123,8 +123,8 @@ def _num(x: float):
 
 
 def _inspect(path: str, json_out: bool, err: Console) -> None:
-    from ..compress import CompressError
-    from ..compress.bundle import read_bundle
+    from mlora.compress import CompressError
+    from mlora.compress.bundle import read_bundle
 
     try:
         b = read_bundle(path)
@@ -157,8 +157,8 @@ def _print_summary(man: dict, path: str) -> None:
 
 
 def _export(bundle_path: str, member: str, out: str, json_out: bool, err: Console) -> None:
-    from ..compress import CompressError
-    from ..compress.bundle import export_member, read_bundle
+    from mlora.compress import CompressError
+    from mlora.compress.bundle import export_member, read_bundle
 
     try:
         info = export_member(read_bundle(bundle_path), member, out)

@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from .render import fail as _fail
+from mlora.cli.render import fail as _fail
 
 EXIT_USAGE = 2
 
@@ -29,7 +29,7 @@ def merge(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar on stderr."),
 ) -> None:
     """Merge adapters into a new, immutable base revision: W' = W + sum_k w_k s_k B_k A_k."""
-    from ..lora_tools.release import MergeAdapter, ReleaseError, merge as do_merge
+    from mlora.lora_tools.release import MergeAdapter, ReleaseError, merge as do_merge
 
     err = Console(stderr=True)
     weights = list(weight or [])
@@ -60,7 +60,7 @@ def unmerge(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Subtract merged adapters (reverse order) into a new release of kind arithmetic-unmerge. Not an exact rollback."""
-    from ..lora_tools.release import ReleaseError, unmerge as do_unmerge
+    from mlora.lora_tools.release import ReleaseError, unmerge as do_unmerge
 
     err = Console(stderr=True)
     try:
@@ -87,7 +87,7 @@ def verify(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Re-hash every tensor of a release against release.json (exit 0 intact, 1 not)."""
-    from ..lora_tools.release import ReleaseError, verify as do_verify
+    from mlora.lora_tools.release import ReleaseError, verify as do_verify
 
     err = Console(stderr=True)
     try:

@@ -7,7 +7,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..lora_tools import AdapterReport, BaseIdentity
+from mlora.lora_tools import AdapterReport, BaseIdentity
 
 _SEVERITY_STYLE = {"error": "bold red", "unservable": "yellow", "warning": "magenta"}
 

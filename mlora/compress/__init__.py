@@ -21,10 +21,10 @@ Imports torch, ``mlora.lora_tools`` (collection loading, digests) and itself.
 Serving bundle members in ``batch-run`` is not built yet.
 """
 
-from .cluster import ClusterResult, auto_clusters, cluster, kmeans
-from .ledger import LedgerTotals, ModuleLedger, break_even_n, module_ledger, total_ledger
-from .operator import joint_apply
-from .solvers import (
+from mlora.compress.cluster import ClusterResult, auto_clusters, cluster, kmeans
+from mlora.compress.ledger import LedgerTotals, ModuleLedger, break_even_n, module_ledger, total_ledger
+from mlora.compress.operator import joint_apply
+from mlora.compress.solvers import (
     EIGENSOLVERS,
     METHODS,
     CompressError,

@@ -41,10 +41,10 @@ import torch
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.safetensors_io import tensor_digest_prefix
 
-from .cluster import ClusterResult, auto_clusters, cluster
-from .collection import Collection
-from .ledger import module_ledger, total_ledger
-from .solvers import METHODS, CompressError, FactoredDelta
+from mlora.compress.cluster import ClusterResult, auto_clusters, cluster
+from mlora.compress.collection import Collection
+from mlora.compress.ledger import module_ledger, total_ledger
+from mlora.compress.solvers import METHODS, CompressError, FactoredDelta
 
 FORMAT = "mlora-collection-bundle/1"
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

@@ -29,7 +29,7 @@ from mlora.lora_tools.adapter import MemTensor, check_against_base, discover_ada
 from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
 from mlora.lora_tools.safetensors_io import tensor_digest_prefix
 
-from .solvers import CompressError, FactoredDelta
+from mlora.compress.solvers import CompressError, FactoredDelta
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

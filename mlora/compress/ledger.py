@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .solvers import METHODS, CompressError
+from mlora.compress.solvers import METHODS, CompressError
 
 FP16_BYTES = 2
 

@@ -52,10 +52,10 @@ from __future__ import annotations
 
 import torch
 
-from .launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
-from .pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_span, pitched_view, to_rank_pitched
-from .plan import PlanError, SegmentPlan, build_plan, validate_plan
-from .reference import lora_gather_bmm, lora_loop, lora_oracle_f64
+from mlora.kernels.launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels.pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_span, pitched_view, to_rank_pitched
+from mlora.kernels.plan import PlanError, SegmentPlan, build_plan, validate_plan
+from mlora.kernels.reference import lora_gather_bmm, lora_loop, lora_oracle_f64
 
 __all__ = [
     "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
@@ -171,7 +171,7 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
                       b_view=view)
             off += w
         return y
-    from .triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
+    from mlora.kernels.triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
 
     plan = _launch_plan(plan, row_slots, x)
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
@@ -207,7 +207,7 @@ def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, s
         return silu_mul_ref(y, inter)
     _check_shapes(gate_up, x, lora_a, lora_b, row_slots, widths, ranks, scales)
     ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
-    from .triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
+    from mlora.kernels.triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
 
     return lora_silu_mul_triton(gate_up, x, lora_a, lora_b, _launch_plan(plan, row_slots, x), ranks.to(torch.int32),
                                 scales.to(torch.float32), inter, b_pitched=pitched)
@@ -254,7 +254,7 @@ def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, 
     Returns None (nothing launched; call ``add_lora_slices`` as usual) for shapes that run as
     one fused launch. Callers have checked shapes and values (the Triton backend's
     preconditions of ``add_lora_slices``)."""
-    from .triton_sgmv import shrink_ahead_triton  # deferred: importing triton is slow
+    from mlora.kernels.triton_sgmv import shrink_ahead_triton  # deferred: importing triton is slow
 
     if not isinstance(plan, LaunchPlan):
         raise ValueError("shrink_ahead takes the LaunchPlan of the add_lora_slices call it precedes")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .plan import SegmentPlan, build_plan, serial_on_host
+from mlora.kernels.plan import SegmentPlan, build_plan, serial_on_host
 
 
 @dataclass(frozen=True)

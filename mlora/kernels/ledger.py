@@ -21,7 +21,7 @@ from fractions import Fraction
 
 import torch
 
-from .plan import PlanError
+from mlora.kernels.plan import PlanError
 
 
 def _ints(values) -> list[int]:

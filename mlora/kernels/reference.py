@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import SegmentPlan, build_plan
+from mlora.kernels.plan import SegmentPlan, build_plan
 
 
 def default_ranks_scales(lora_a: torch.Tensor, ranks, scales):

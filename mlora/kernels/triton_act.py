@@ -13,13 +13,13 @@ element type ``dt``::
     out[t, c] = dt(dt(silu(g)) * u)         (a slot-less row, or a rank of 0: no delta)
 
 which is, bit for bit where the dots round alike, the plain expand
-(``add_lora_slices``) followed by ``mlora.batch.fused.silu_mul_triton``. The
+(``add_lora_slices``) followed by ``mlora.kernels.elementwise.silu_mul_triton``. The
 shrink (``z``) is the plain path's own launch. The grid: the LaunchPlan's
 tiles (rows of one slot, in plan order), then tiles of ``block_m`` of the
 plan's rows with no adapter (``LaunchPlan.base_rows``), times column tiles of
 ``inter``; every row of the invocation is written by exactly one program per
 column tile. Must not know the model or the bank: the caller passes the
-factor banks, tables and plan (``mlora.batch.bank``'s context decides when).
+factor banks, tables and plan (``mlora.batch.adapters.slots``'s context decides when).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchPlan
-from .pitch import check_pitched
-from .triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile
+from mlora.kernels.launch import LaunchPlan
+from mlora.kernels.pitch import check_pitched
+from mlora.kernels.triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile
 
 #: Column tiles of gate (and of up) each program of the fused launch covers (H200,
 #: ``kernel_sweep.py --silu``, nineteenth session: 256 rows x 64 adapters 68.4 -> 60.6 us from 1
@@ -74,7 +74,7 @@ def _tile_delta(z, b_base, stride_bn, cols, c_ok, rank, R, BLOCK_R: tl.constexpr
 @triton.jit
 def _silu_product(g, u, dt: tl.constexpr):
     """``silu(g) * u`` as torch rounds it in ``dt``: silu in fp32 rounded to ``dt``, then the
-    product rounded to ``dt``; also the body of ``mlora.batch.fused``'s SiLU kernel."""
+    product rounded to ``dt``; also the body of ``mlora.kernels.elementwise``'s SiLU kernel."""
     g = g.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
     return (act.to(tl.float32) * u.to(tl.float32)).to(dt)

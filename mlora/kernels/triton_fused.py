@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_sgmv as sgmv
-from .launch import LaunchPlan
-from .triton_sgmv import _expand_group, _shrink_acc, _slice_of, _tile_rank, slice_args
+from mlora.kernels import triton_sgmv as sgmv
+from mlora.kernels.launch import LaunchPlan
+from mlora.kernels.triton_sgmv import _expand_group, _shrink_acc, _slice_of, _tile_rank, slice_args
 
 # Selection rule (fused_config). Estimates; `scripts/kernel_sweep.py --fused` times every
 # launch-bound case with the fused launch forced on and off next to this rule's choice. On the

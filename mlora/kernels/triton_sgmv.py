@@ -80,9 +80,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchPlan
-from .pitch import check_pitched
-from .plan import PlanError
+from mlora.kernels.launch import LaunchPlan
+from mlora.kernels.pitch import check_pitched
+from mlora.kernels.plan import PlanError
 
 # The CPU interpreter mis-computes 16-bit tl.dot; there the fp32 path runs
 # (GPU runs of the same tests cover the native path).
@@ -625,7 +625,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     if b_pitched and cfg["fused"]:
         cfg = dict(cfg, fused=False)
     if cfg["fused"]:  # small batches: one fused launch
-        from .triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
+        from mlora.kernels.triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
 
         return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
                                      native_a, native_b)
@@ -843,7 +843,7 @@ def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize,
     """The fused launch's config where ``fusable`` and ``triton_fused.fused_config``'s rule (or
     ``override["fused"]``) takes it, else :func:`launch_config`'s; ``"fused"`` says which."""
     if fusable:
-        from .triton_fused import fused_config  # deferred: triton_fused imports this module
+        from mlora.kernels.triton_fused import fused_config  # deferred: triton_fused imports this module
 
         cfg = fused_config(lp.tile_capacity, lp.row_capacity, R, d_in, widths, itemsize, device, **override)
         if cfg["fused"]:

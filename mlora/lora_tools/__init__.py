@@ -9,11 +9,11 @@ Public entry points:
 * :data:`CODES` - every finding code with its severity and advice.
 """
 
-from .adapter import AdapterArtifact, ModuleRecord, open_adapter, scan_adapters
-from .base import BaseCheckpoint, BaseCheckpointError, BaseIdentity
-from .findings import CODES, Finding
-from .manifest import AdapterReport, BaseLoadError, inspect_paths
-from .peft_config import LoraSpec, parse_lora_config
+from mlora.lora_tools.adapter import AdapterArtifact, ModuleRecord, open_adapter, scan_adapters
+from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError, BaseIdentity
+from mlora.lora_tools.findings import CODES, Finding
+from mlora.lora_tools.manifest import AdapterReport, BaseLoadError, inspect_paths
+from mlora.lora_tools.peft_config import LoraSpec, parse_lora_config
 
 __all__ = [
     "AdapterArtifact", "AdapterReport", "BaseCheckpoint", "BaseCheckpointError", "BaseIdentity",

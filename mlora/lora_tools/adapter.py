@@ -29,9 +29,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .findings import Finding, finding
-from .peft_config import LoraSpec, layer_index, module_is_targeted, parse_lora_config, pattern_key
-from .safetensors_io import (
+from mlora.lora_tools.findings import Finding, finding
+from mlora.lora_tools.peft_config import LoraSpec, layer_index, module_is_targeted, parse_lora_config, pattern_key
+from mlora.lora_tools.safetensors_io import (
     SafetensorsError,
     TensorInfo,
     TensorScan,

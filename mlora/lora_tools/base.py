@@ -23,8 +23,8 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from .canonical import canonicalize_floats, digest
-from .safetensors_io import SafetensorsError, TensorInfo, read_header, scan_many
+from mlora.lora_tools.canonical import canonicalize_floats, digest
+from mlora.lora_tools.safetensors_io import SafetensorsError, TensorInfo, read_header, scan_many
 
 # config.json keys that record where or by which library version a file was
 # written, not what the model computes.

@@ -21,7 +21,7 @@ otherwise the *declared* base digest below; manifests say which
 
 from __future__ import annotations
 
-from .canonical import digest
+from mlora.lora_tools.canonical import digest
 
 ARTIFACT_SCHEMA = "mlora.artifact/v1"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .adapter import (
+from mlora.lora_tools.adapter import (
     AdapterArtifact,
     ModuleRecord,
     check_against_base,
@@ -19,10 +19,10 @@ from .adapter import (
     rank_histogram,
     scan_adapters,
 )
-from .base import BaseCheckpoint, BaseCheckpointError, BaseIdentity
-from .canonical import canonical_real, digest
-from .findings import ERROR, UNSERVABLE, WARNING, Finding, finding
-from .identity import artifact_sha256, declared_base_sha256, semantic_sha256
+from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError, BaseIdentity
+from mlora.lora_tools.canonical import canonical_real, digest
+from mlora.lora_tools.findings import ERROR, UNSERVABLE, WARNING, Finding, finding
+from mlora.lora_tools.identity import artifact_sha256, declared_base_sha256, semantic_sha256
 
 SCHEMA_VERSION = 1
 

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import canonicalize_floats
-from .findings import Finding, finding
+from mlora.lora_tools.canonical import canonicalize_floats
+from mlora.lora_tools.findings import Finding, finding
 
 ALL_LINEAR = "all-linear"
 

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .atomic import atomic_directory, check_new
-from .base import BaseCheckpoint, BaseCheckpointError
-from .safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
+from mlora.lora_tools.atomic import atomic_directory, check_new
+from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
+from mlora.lora_tools.safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
 
 RELEASE_FILE = "release.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -194,8 +194,8 @@ class StreamingSafetensors:
 
 def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None):
     """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]."""
-    from .adapter import check_against_base, open_adapter, scan_adapters
-    from .manifest import build_manifest
+    from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
+    from mlora.lora_tools.manifest import build_manifest
 
     arts = [open_adapter(a.path) for a in adapters]
     scan_adapters(arts, workers)
@@ -224,7 +224,7 @@ def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=N
 
 
 def _factor(t, digest: str | None, name: str) -> torch.Tensor:
-    from .adapter import MemTensor
+    from mlora.lora_tools.adapter import MemTensor
 
     if isinstance(t, MemTensor):
         data = t.data

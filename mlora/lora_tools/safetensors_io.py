@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .canonical import canonical_json
+from mlora.lora_tools.canonical import canonical_json
 
 # Same bound as the safetensors library: a header larger than this is refused
 # before anything is allocated.

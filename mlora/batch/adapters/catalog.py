@@ -1,0 +1,403 @@
+"""The adapter catalog of a batch job: ids -> adapter directories, pinned by digest.
+
+Owns ``--adapters DIR`` / ``--catalog FILE`` parsing, the pinning of every
+adapter a job references (validated once, at job start, with step 1's
+``mlora.lora_tools`` code: same findings, same identities) and the verified
+reading of a pinned adapter's factors. Must not know slots or the model: the
+slot bank (``bank.py``) places what :func:`load_factors` returns.
+
+Pinning freezes an adapter's identity: ``artifact_sha256``, ``semantic_sha256``
+and, per module, where its A/B bytes lie and their tensor digests
+(docs/identity.md). :func:`load_factors` re-hashes the bytes it reads and
+refuses any that changed (``E_ADAPTER_CHANGED``): a job serves the identity it
+pinned or nothing. A bad adapter never raises at pin time; it becomes a
+``PinnedAdapter`` with ``ok=False`` and one error code, and the job decides
+(error rows, or exit 1 with ``--strict``).
+
+Error code of a bad adapter, first match wins::
+
+    E_ADAPTER_UNKNOWN              the id is not in the catalog
+    <first error finding>          not a valid adapter for this base (E_NON_FINITE, ...)
+    E_ADAPTER_DIGEST_MISMATCH      the catalog's expected artifact_sha256 differs from the measured one
+    <first unservable finding>     valid PEFT that mlora does not serve (U_DORA, ...)
+    E_ADAPTER_MODULE_UNSUPPORTED   a module outside the decoder's q/k/v/o/gate/up/down projections
+"""
+
+from __future__ import annotations
+
+from mlora.batch.errors import CodedError
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mlora.lora_tools.adapter import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE, AdapterArtifact, open_adapter, scan_adapters
+from mlora.lora_tools.adapter import check_against_base
+from mlora.lora_tools.base import BaseIdentity
+from mlora.lora_tools.findings import ERROR, UNSERVABLE, Finding, finding
+from mlora.lora_tools.manifest import base_identity as measure_base, build_manifest, load_base
+from mlora.lora_tools.safetensors_io import TensorInfo, tensor_digest_prefix
+
+from mlora.batch.model.lora import ROLE_SLICE
+
+BASE_ID = "__base__"  # an adapter-column value that means "the base model on purpose"
+MAX_CATALOG_BYTES = 64 * 1024 * 1024
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class CatalogError(CodedError, ValueError):
+    """The catalog itself is unusable (the job cannot start). ``code`` is one of
+    E_CATALOG_NOT_FOUND, E_CATALOG_INVALID, E_CATALOG_EMPTY."""
+
+
+class AdapterError(CodedError, RuntimeError):
+    """A pinned adapter cannot be served; ``code`` says why."""
+
+    def __init__(self, code: str, message: str, adapter_id: str | None = None):
+        super().__init__(code, message)
+        self.adapter_id = adapter_id
+
+
+class AdapterChanged(AdapterError):
+    """The bytes on disk no longer hash to the digests pinned at job start."""
+
+    def __init__(self, adapter_id: str, detail: str):
+        super().__init__(
+            "E_ADAPTER_CHANGED",
+            f"adapter {adapter_id!r}: {detail}; adapter bytes changed since the job started; the old identity is "
+            "never served: restore the adapter or start a new job",
+            adapter_id,
+        )
+
+
+# ---- catalog ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    id: str
+    path: str  # absolute
+    expected_artifact_sha256: str | None = None
+    bundle_member: str | None = None  # set: ``path`` is a collection bundle and this is the member's id there
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one factor's bytes lie and the tensor digest they must hash to."""
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PinnedModule:
+    name: str  # canonical module name, e.g. model.layers.3.self_attn.q_proj
+    layer: int
+    role: str  # q_proj ... down_proj
+    rank: int
+    scale: float
+    d_in: int
+    d_out: int
+    a: TensorRef  # [rank, d_in]
+    b: TensorRef  # [d_out, rank]
+
+
+@dataclass(frozen=True)
+class PinnedAdapter:
+    """One catalog id as pinned at job start. ``modules`` is empty unless ``ok``."""
+
+    id: str
+    path: str | None
+    ok: bool
+    error_code: str | None = None
+    error_message: str | None = None
+    artifact_sha256: str | None = None
+    semantic_sha256: str | None = None
+    max_rank: int = 0
+    modules: tuple[PinnedModule, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    bundle: str | None = None  # a collection bundle member (``mlora.batch.adapters.bundles``): the bundle directory
+    bundle_member: str | None = None  # ... and the member's id in that bundle
+
+
+class Catalog:
+    """Adapter id -> :class:`CatalogEntry`. Build it with :func:`load_catalog`."""
+
+    def __init__(self, entries: dict[str, CatalogEntry], source: str):
+        self.entries = entries
+        self.source = source
+
+    def __contains__(self, adapter_id: object) -> bool:
+        return adapter_id in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def ids(self) -> list[str]:
+        return sorted(self.entries)
+
+    def pin(
+        self,
+        ids: set[str],
+        base_dir: str,
+        workers: int | None = None,
+        base_identity: BaseIdentity | None = None,
+    ) -> dict[str, PinnedAdapter]:
+        """Validate the adapters named by ``ids`` against the base once (all
+        tensors streamed and hashed on one thread pool) and pin their
+        identities. Pass ``base_identity`` when the job already measured it.
+        Raises ``mlora.lora_tools.manifest.BaseLoadError`` for an unusable base,
+        ValueError for a reserved id; never for a bad adapter."""
+        reserved = sorted(i for i in ids if i in (BASE_ID, "") or not isinstance(i, str))
+        if reserved:
+            raise ValueError(f"reserved ids {reserved} name the base model, not an adapter; do not pin them")
+        base = load_base(base_dir)
+        members = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is not None)
+        known = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is None)
+        arts: dict[str, AdapterArtifact] = {i: _open(self.entries[i].path) for i in known}
+        scan_adapters(list(arts.values()), workers)
+        for art in arts.values():
+            check_against_base(art, base)
+        if base_identity is None and (arts or members):
+            base_identity = measure_base(base, workers)
+        out = {i: PinnedAdapter(i, None, False, "E_ADAPTER_UNKNOWN", f"adapter {i!r} is not in the catalog: "
+                                f"add it to {self.source} or fix the row's adapter column")
+               for i in ids if i not in self.entries}
+        for i, art in arts.items():
+            out[i] = _pin_one(self.entries[i], art, base_identity)
+        if members:
+            from mlora.batch.adapters.bundles import pin_members
+
+            out.update(pin_members([self.entries[i] for i in members], base_dir, base_identity))
+        return out
+
+
+def load_catalog(adapters_dir: str | None, catalog_file: str | None) -> Catalog:
+    """The catalog of ``--adapters DIR`` or ``--catalog FILE`` (exactly one).
+
+    DIR: every sub-directory that holds adapter files (adapter_config.json,
+    adapter_model.safetensors or .bin) is an adapter whose id is the directory
+    name; hidden directories are skipped. A DIR holding ``bundle.json`` is a
+    collection bundle (``mlora compress``): its members are the adapters. FILE: a JSON object mapping id to a
+    path, to ``{"path": ..., "artifact_sha256": ...}`` or to ``{"path": BUNDLE, "member": ID}``; relative paths are
+    resolved against the catalog file's directory. Paths are not opened here:
+    :meth:`Catalog.pin` validates the adapters a job actually uses."""
+    if (adapters_dir is None) == (catalog_file is None):
+        raise ValueError("give exactly one of --adapters DIR and --catalog FILE")
+    if adapters_dir is not None:
+        return _from_dir(adapters_dir)
+    return _from_file(catalog_file)
+
+
+def _from_dir(root: str) -> Catalog:
+    if not os.path.isdir(root):
+        raise CatalogError("E_CATALOG_NOT_FOUND", f"--adapters {root}: no such directory; pass the directory "
+                           "that holds one sub-directory per adapter")
+    if os.path.exists(os.path.join(root, "bundle.json")):  # a collection bundle: its members are the adapters
+        from mlora.batch.adapters.bundles import bundle_entries
+
+        return Catalog(bundle_entries(root), root)
+    entries = {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.abspath(os.path.join(root, name))
+        if name.startswith(".") or not _has_adapter_files(path):
+            continue
+        _check_id(name, root)
+        entries[name] = CatalogEntry(name, path)
+    if not entries:
+        hint = (" it is itself an adapter: pass its parent directory" if _has_adapter_files(root)
+                else " put each adapter (adapter_config.json + adapter_model.safetensors) in its own sub-directory")
+        raise CatalogError("E_CATALOG_EMPTY", f"--adapters {root} holds no adapter sub-directories;{hint}")
+    return Catalog(entries, root)
+
+
+def _from_file(file: str) -> Catalog:
+    if not os.path.isfile(file):
+        raise CatalogError("E_CATALOG_NOT_FOUND", f"--catalog {file}: no such file; pass a JSON file "
+                           "mapping adapter ids to adapter directories")
+    with open(file, "rb") as f:
+        raw = f.read(MAX_CATALOG_BYTES + 1)
+    if len(raw) > MAX_CATALOG_BYTES:
+        raise CatalogError("E_CATALOG_INVALID", f"--catalog {file} is larger than {MAX_CATALOG_BYTES} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CatalogError("E_CATALOG_INVALID", f"--catalog {file} is not valid JSON ({exc}); it must be one "
+                           "object mapping adapter ids to paths") from None
+    if not isinstance(doc, dict):
+        raise CatalogError("E_CATALOG_INVALID", f"--catalog {file} holds a JSON {type(doc).__name__}; it must be "
+                           "one object mapping adapter ids to paths")
+    if not doc:
+        raise CatalogError("E_CATALOG_EMPTY", f"--catalog {file} names no adapters; add \"id\": \"path\" entries")
+    here = os.path.dirname(os.path.abspath(file))
+    entries = {}
+    for adapter_id, value in doc.items():
+        _check_id(adapter_id, file)
+        path, expected, member = _entry_fields(adapter_id, value, file)
+        path = os.path.join(here, os.path.expanduser(path))  # an absolute path stays as it is
+        entries[adapter_id] = CatalogEntry(adapter_id, os.path.normpath(path), expected, member)
+    return Catalog(entries, file)
+
+
+def _entry_fields(adapter_id: str, value: object, file: str) -> tuple[str, str | None, str | None]:
+    where = f"--catalog {file}, entry {adapter_id!r}"
+    if isinstance(value, str):
+        value = {"path": value}
+    if not isinstance(value, dict):
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: expected a path string or "
+                           "{\"path\": ..., \"artifact_sha256\": ...} or {\"path\": BUNDLE, \"member\": ID}")
+    unknown = sorted(set(value) - {"path", "artifact_sha256", "member"})
+    if unknown:
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: unknown keys {unknown}; only \"path\", "
+                           "\"artifact_sha256\" and \"member\" are read")
+    path, expected, member = value.get("path"), value.get("artifact_sha256"), value.get("member")
+    if member is not None and (not isinstance(member, str) or not member or expected is not None):
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: \"member\" names a member of the bundle at \"path\" "
+                           "(a non-empty string; a bundle member has no \"artifact_sha256\" of its own)")
+    if not isinstance(path, str) or not path:
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: \"path\" must be a non-empty string")
+    if expected is not None and not (isinstance(expected, str) and _SHA256_RE.match(expected)):
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: \"artifact_sha256\" must be 64 lower-case hex digits, "
+                           "as `mlora hash` prints it")
+    return path, expected, member
+
+
+def _check_id(adapter_id: str, where: str) -> None:
+    if adapter_id in ("", BASE_ID):
+        raise CatalogError("E_CATALOG_INVALID", f"{where}: adapter id {adapter_id!r} is reserved (null, empty and "
+                           f"{BASE_ID!r} mean the base model); rename the adapter")
+
+
+def _has_adapter_files(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, f)) for f in (CONFIG_FILE, SAFETENSORS_FILE, PICKLE_FILE)
+    )
+
+
+# ---- pinning ---------------------------------------------------------------------
+
+
+def _open(path: str) -> AdapterArtifact:
+    if not os.path.isdir(path):
+        art = AdapterArtifact(path=path, name=os.path.basename(os.path.normpath(path)))
+        art.add(finding("E_NOT_AN_ADAPTER", f"{path} is not a directory"))
+        return art
+    return open_adapter(path, allow_pickle=False)  # a batch job never unpickles
+
+
+def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -> PinnedAdapter:
+    manifest = build_manifest(art, base_id)
+    found = tuple(art.findings)
+
+    def bad(code: str, message: str) -> PinnedAdapter:
+        return PinnedAdapter(entry.id, entry.path, False, code, message, manifest["artifact_sha256"],
+                             manifest["semantic_sha256"], findings=found)
+
+    if not manifest["valid"]:
+        first = next((f for f in found if f.severity == ERROR), None)
+        if first is None:
+            return bad("E_ADAPTER_INVALID", f"adapter {entry.id!r} at {entry.path} is not valid")
+        return bad(first.code, _where(first))
+    if entry.expected_artifact_sha256 and entry.expected_artifact_sha256 != manifest["artifact_sha256"]:
+        return bad("E_ADAPTER_DIGEST_MISMATCH", f"adapter {entry.id!r} at {entry.path} has artifact_sha256 "
+                   f"{manifest['artifact_sha256']}, the catalog expects {entry.expected_artifact_sha256}: "
+                   "the directory holds another adapter; fix the path or the expected digest")
+    unservable = next((f for f in found if f.severity == UNSERVABLE), None)
+    if unservable is not None:
+        return bad(unservable.code, _where(unservable))
+    modules = []
+    for rec in sorted(art.modules, key=lambda m: m.name):
+        problem = _unsupported_module(rec.name, rec.kind, rec.role, rec.layer)
+        if problem:
+            return bad("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {entry.id!r}: {problem}")
+        modules.append(PinnedModule(
+            name=rec.name, layer=rec.layer, role=rec.role, rank=rec.rank, scale=float(rec.scale),
+            d_in=rec.d_in, d_out=rec.d_out, a=_ref(rec.a, rec.a_sha256), b=_ref(rec.b, rec.b_sha256),
+        ))
+    return PinnedAdapter(
+        id=entry.id, path=entry.path, ok=True, artifact_sha256=manifest["artifact_sha256"],
+        semantic_sha256=manifest["semantic_sha256"], max_rank=max(m.rank for m in modules),
+        modules=tuple(modules), findings=found,
+    )
+
+
+def _where(f: Finding) -> str:
+    return f"{f.module}: {f.message}" if f.module else f.message
+
+
+def _unsupported_module(name: str, kind: str, role: str, layer: int | None) -> str | None:
+    """Why the batch engine cannot serve this module (None when it can): only
+    linear q/k/v/o/gate/up/down projections of numbered decoder layers, named
+    as in Hugging Face Llama-family models."""
+    if kind != "linear" or role not in ROLE_SLICE or layer is None:
+        return (f"module {name!r} is not served by the batch engine; it serves LoRA on the q/k/v/o/gate/up/down "
+                "projections of decoder layers only: retrain without it or merge it with `mlora merge`")
+    block = "self_attn" if ROLE_SLICE[role][0] in ("qkv", "o") else "mlp"
+    if name != f"model.layers.{layer}.{block}.{role}":
+        return (f"module {name!r} is not a decoder-layer projection (expected model.layers.{layer}.{block}.{role}); "
+                "the batch engine serves Llama-family decoders only")
+    return None
+
+
+def _ref(t, sha256: str | None) -> TensorRef:
+    if not isinstance(t, TensorInfo) or sha256 is None:  # pin() opens safetensors only, and scanned them
+        raise AssertionError(f"tensor {t.name!r} was not read from a scanned safetensors file")
+    return TensorRef(t.name, t.path, t.offset, t.nbytes, t.dtype, tuple(t.shape), sha256)
+
+
+# ---- verified loading ------------------------------------------------------------
+
+
+def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """(layer, role) -> (A [r, d_in], B [d_out, r], scale) of a pinned adapter,
+    in ``dtype`` on ``device``. Every tensor's bytes are re-hashed with the
+    tensor digest of docs/identity.md and must equal the pinned digest, else
+    :class:`AdapterChanged`. A module outside ``ROLE_SLICE`` raises
+    AdapterError (E_ADAPTER_MODULE_UNSUPPORTED) rather than being skipped."""
+    if not pinned.ok:
+        raise AdapterError(pinned.error_code or "E_ADAPTER_INVALID", pinned.error_message or "not servable", pinned.id)
+    if pinned.bundle is not None:
+        from mlora.batch.adapters.bundles import member_factors
+
+        return member_factors(pinned, dtype, device)
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    files: dict[str, int] = {}
+    try:
+        for m in pinned.modules:
+            problem = _unsupported_module(m.name, "linear", m.role, m.layer)
+            if problem:
+                raise AdapterError("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {pinned.id!r}: {problem}", pinned.id)
+            a, b = (_read_verified(pinned.id, ref, files) for ref in (m.a, m.b))
+            out[(m.layer, m.role)] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), m.scale)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return out
+
+
+def _read_verified(adapter_id: str, ref: TensorRef, files: dict[str, int]) -> torch.Tensor:
+    try:
+        if ref.path not in files:
+            files[ref.path] = os.open(ref.path, os.O_RDONLY)
+        data = os.pread(files[ref.path], ref.nbytes, ref.offset)
+    except OSError as exc:
+        raise AdapterChanged(adapter_id, f"{ref.path} cannot be read ({exc})") from None
+    if len(data) != ref.nbytes:
+        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} ends early in {ref.path}")
+    h = hashlib.sha256(tensor_digest_prefix(ref.dtype, ref.shape))
+    h.update(data)
+    if h.hexdigest() != ref.sha256:
+        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} no longer hashes to its pinned digest")
+    if ref.dtype not in _TORCH_DTYPES:
+        raise AdapterError("E_UNSUPPORTED_DTYPE", f"tensor {ref.name!r} is {ref.dtype}", adapter_id)
+    return torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPES[ref.dtype]).reshape(ref.shape)

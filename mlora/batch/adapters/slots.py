@@ -1,0 +1,382 @@
+"""The GPU slot bank of step 3: resident adapter factors and the per-invocation LoraContext.
+
+Owns the device tensors the segmented kernels read (layout of
+``mlora.kernels.add_lora_slices``), which pinned adapter sits in which slot,
+load-on-demand with LRU eviction, and the one plan built per model invocation.
+Must not know the model's layer code (``mlora.batch.model.lora`` is the seam) nor
+read adapter files itself (``catalog.load_factors`` does, verified).
+The residency engine's bank (``mlora.batch.adapters.residency.bank``) builds on the
+same :class:`SlotTensors` (layout, admission checks, placement) and
+:class:`BankContext`; batch-run uses it, and SlotBank stays as its reference.
+
+Per layer and group (``mlora.batch.model.lora.GROUPS``), with S slots, n slices and
+physical rank R::
+
+    A       [S, n, R, d_in]         A[s, j, :r]            = lora_A of slice j's module, r = its rank
+    B       [S, sum(widths), R]     rank-pitched (``mlora.kernels.pitch``): lora_B of that module is
+                                    ``pitched_view(B, s, off_j, w_j, r)``, a [w_j, r] block with row
+                                    stride round8(r) from element off_j * R of the slot, so a
+                                    low-rank slot in a wide bank reads contiguous rows
+    ranks   int32   [n, S]          0 = the slot's adapter does not target slice j
+    scales  float32 [n, S]
+
+(the kernels' per-layer views of slot-major tensors: A [S, L, n, R, d_in],
+B [S, L, sum(widths), R], ranks and scales [S, L, n]; one slot's entries are
+contiguous in each, so a load is one plain copy per tensor).
+
+The slices are the ones the bank holds (``slices``; default all of the group's):
+a bank for q/v adapters holds q and v of the q/k/v group and no k slice, so a
+slot is no larger than its adapters' factors and a load copies no zeros for
+k. Slice j adds into the projection's output at its own columns
+(``out_offsets[g][j]``: the k columns are not the bank's and stay untouched).
+
+Writing an adapter zeroes the whole slot first, so every tail (ranks past r, the
+padding of rank-pitched B blocks, untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
+``semantic_sha256``, never by id or path: two catalog ids naming the same
+adapter share one slot.
+
+The caller (the scheduler) must not ask one ``ensure`` for more distinct
+adapters than there are slots (:class:`BankFull`), and must call ``context``
+after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mlora.batch.errors import CodedError
+from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view,
+                           shrink_ahead)
+
+from mlora.batch.adapters.catalog import PinnedAdapter, load_factors
+from mlora.batch.envknobs import env_int
+from mlora.batch.model.lora import GROUPS, ROLE_SLICE
+
+
+class BankError(CodedError, RuntimeError):
+    """The bank cannot place an adapter; ``code`` says why."""
+
+
+class BankFull(BankError):
+    """One call asked for more distinct adapters than the bank has slots."""
+
+    def __init__(self, wanted: int, slots: int):
+        super().__init__("E_BANK_FULL", f"{wanted} distinct adapters requested at once, the bank has {slots} slots; "
+                         "the scheduler must admit at most that many (raise --max-gpu-adapters or lower --max-num-seqs)")
+
+
+@dataclass
+class BankStats:
+    hits: int = 0  # adapter already resident when asked for
+    misses: int = 0
+    loads: int = 0  # adapters written into a slot
+    evictions: int = 0  # resident adapters replaced
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def lru_slot(lru: OrderedDict, num_slots: int, keep, stats: BankStats) -> int:
+    """A slot for a newly resident entry of ``lru`` (key -> slot, least recently used first):
+    the lowest slot no key holds, else the slot of the least recently used key not in
+    ``keep``, which leaves ``lru`` (an eviction, counted in ``stats``). The caller keeps
+    ``len(keep) <= num_slots``, so such a key exists when every slot is held."""
+    used = set(lru.values())
+    free = next((s for s in range(num_slots) if s not in used), None)
+    if free is not None:
+        return free
+    victim = next(k for k in lru if k not in keep)
+    stats.evictions += 1
+    return lru.pop(victim)
+
+
+class SlotTensors:
+    """Slot tensors for the groups ``groups`` of every layer, in the layout of
+    ``mlora.kernels.add_lora_slices``, and the checks that admit a pinned
+    adapter's factors into them. Shared by :class:`SlotBank` and the residency
+    engine's bank; ``error`` is the exception class each raises."""
+
+    error: type[CodedError] = BankError
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], groups, num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto",
+                 slices: dict[str, tuple[int, ...]] | None = None, alloc=None):
+        """``alloc(shape, dtype)``: where the slot tensors live (a zeroed tensor of that shape with
+        the slot axis first; ``arena.SlotCarver`` carves them from one arena's pages); default
+        their own allocations on ``device``."""
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError(f"a slot bank needs num_slots >= 1 and max_rank >= 1, got {num_slots} and {max_rank}")
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+        self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
+        self.dtype, self.device, self.backend = dtype, device, backend
+        self.groups = tuple(groups)
+        held = _held(shapes, self.groups, slices)
+        # per group: the held slices' widths, their rows in B (offsets), their first columns in the
+        # projection's output (out_offsets), and group slice index -> bank slice index
+        self.widths = {g: tuple(int(shapes[g][1][j]) for j in held[g]) for g in self.groups}
+        self.d_in = {g: int(shapes[g][0]) for g in self.groups}
+        self.offsets = {g: [sum(self.widths[g][:j]) for j in range(len(self.widths[g]))] for g in self.groups}
+        self.out_offsets = {g: [sum(int(w) for w in shapes[g][1][:j]) for j in held[g]] for g in self.groups}
+        self.slice_index = {g: {j: i for i, j in enumerate(held[g])} for g in self.groups}
+        L, S, R = num_layers, num_slots, max_rank
+        # One factor tensor per group with a leading slot axis: a slot's factors for every layer are
+        # one contiguous block, so a load is one plain host-to-device copy per tensor (a strided
+        # slot view made torch stage every copy in a device temporary and scatter it with a
+        # kernel, on the busy GPU's SMs). [:, layer] is the kernels' [S, n, R, d_in] / [S, sum(w), R]
+        # view (strided over slots; the kernels take the slot stride). Ranks and scales are
+        # slot-major too, [S, L, n] (a slot's tables are one plain copy each way: no staging
+        # kernel for the load, none for validation's read-back); the kernels get a layer's
+        # [n, S] view ``[:, layer].t()`` (``layer_tables``) and take its strides.
+        def make(shape, dt):
+            return torch.zeros(shape, dtype=dt, device=device) if alloc is None else alloc(shape, dt)
+
+        self.A = {g: make((S, L, len(w), R, self.d_in[g]), dtype) for g, w in self.widths.items()}
+        self.B = {g: make((S, L, sum(w), R), dtype) for g, w in self.widths.items()}
+        # B is rank-pitched (module docstring): the same bytes as the padded layout when every
+        # slot's rank is R; contiguous rows for the low-rank slots of a mixed-rank job
+        self.b_layout = "rank-pitched"
+        self.ranks = {g: make((S, L, len(w)), torch.int32) for g, w in self.widths.items()}
+        self.scales = {g: make((S, L, len(w)), torch.float32) for g, w in self.widths.items()}
+        # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
+        # (``BankContext.prepare``): opt-in (MLORA_LORA_OVERLAP=1); measured 0.3-0.4 ms slower per
+        # 256-row decode iteration on the H200 (fourteenth session), so off by default
+        self.overlap = backend == "triton" and os.environ.get("MLORA_LORA_OVERLAP") == "1"
+        # the gate/up expand fused into the SiLU product (BankContext.apply_silu_mul; off with
+        # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
+        self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
+        # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
+        self.fuse_silu_min_rows = env_int("MLORA_LORA_SILU_MIN_ROWS", 1024, unit="rows")
+        self._side_stream = None
+
+    def side_stream(self):
+        """The stream shrinks launched ahead run on: a high-priority CUDA stream of the bank's
+        device (its blocks are scheduled before the GEMM's waiting ones), None off CUDA (the
+        shrink then runs in order on the current stream: same results, no overlap)."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._side_stream
+
+    def layer_tables(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' ``[n, S]`` ranks and scales of one (group, layer): views, no copy."""
+        return self.ranks[group][:, layer].t(), self.scales[group][:, layer].t()
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], max_rank: int,
+                       dtype: torch.dtype, slices: dict[str, tuple[int, ...]] | None = None) -> int:
+        """Device bytes one slot costs (factors at physical rank plus rank/scale entries) for the
+        groups of ``shapes``, holding ``slices`` of each (default all)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        held = _held(shapes, tuple(shapes), slices)
+        per_layer = 0
+        for g, (d_in, widths) in shapes.items():
+            w = [int(widths[j]) for j in held[g]]
+            per_layer += len(w) * max_rank * d_in * elem + sum(w) * max_rank * elem + len(w) * 8
+        return num_layers * per_layer
+
+    def _plans(self, row_slots: torch.Tensor, static: LaunchPlan | None = None):
+        """(row slots on the device, SegmentPlan on the host, the plan the kernels
+        read) of one invocation. The SegmentPlan is built on the host from the
+        scheduler's row slots, so nothing waits for the device; the kernels get a
+        LaunchPlan on the device (copied into ``static``, a captured CUDA graph's
+        buffers, when given) or, for the torch backend, the SegmentPlan there."""
+        if row_slots.dim() != 1:
+            raise ValueError(f"row_slots must be 1-D, got shape {tuple(row_slots.shape)}")
+        host = row_slots.to("cpu", torch.int32)
+        if host.numel() and int(host.min()) < -1:
+            raise self.error("E_BANK_SLOT_EMPTY", "row_slots hold values below -1 (-1 = base only)")
+        if static is not None and self.backend == "triton":
+            # refilled only when the row slots differ from its last fill (LaunchPlan.fill_from_rows)
+            return host.to(self.device), static.fill_from_rows(host), static
+        plan = build_plan(host)
+        if self.backend != "triton":
+            return host.to(self.device), plan, plan.to(self.device)
+        kernel = make_launch_plan(plan).to(self.device) if plan.num_segments else plan.to(self.device)
+        return host.to(self.device), plan, kernel
+
+    def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
+        """The pinned record of a servable adapter whose rank fits the slots."""
+        p = pinned.get(adapter_id)
+        if p is None:
+            raise self.error("E_ADAPTER_UNKNOWN", f"adapter {adapter_id!r} was not pinned at job start")
+        if not p.ok:
+            raise self.error(p.error_code or "E_ADAPTER_INVALID", f"adapter {adapter_id!r} is not servable: "
+                             f"{p.error_message}")
+        if p.max_rank > self.max_rank:
+            raise self.error("E_BANK_RANK_EXCEEDS_R", f"adapter {adapter_id!r} has rank {p.max_rank}, the bank's "
+                             f"slots hold rank {self.max_rank}; size the bank for the job's largest rank")
+        return p
+
+    def _place(self, p: PinnedAdapter, factors) -> list[tuple]:
+        """(layer, group, slice, A, B, rank, scale) of every ``((layer, role), (A, B, scale))``
+        in ``factors``, each checked against the slots."""
+        placed = []
+        for (layer, role), (a, b, scale) in factors:
+            group, j = ROLE_SLICE[role]
+            if group not in self.widths or j not in self.slice_index[group]:
+                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} targets {role}, the bank holds no {role} slots "
+                                 "(it was sized for the modules the job's adapters target at start)")
+            j = self.slice_index[group][j]
+            r, w = a.shape[0], self.widths[group][j]
+            if not 0 <= layer < self.num_layers or a.shape != (r, self.d_in[group]) or b.shape != (w, r):
+                raise self.error("E_BANK_SHAPE", f"adapter {p.id!r} {role} of layer {layer}: A {list(a.shape)}, "
+                                 f"B {list(b.shape)} do not fit the model ({self.num_layers} layers, d_in "
+                                 f"{self.d_in[group]}, width {w})")
+            if r > self.max_rank:
+                raise self.error("E_BANK_RANK_EXCEEDS_R", f"adapter {p.id!r} {role} has rank {r} > {self.max_rank}")
+            placed.append((layer, group, j, a, b, r, scale))
+        return placed
+
+
+def _held(shapes: dict, groups, slices: dict[str, tuple[int, ...]] | None) -> dict[str, tuple[int, ...]]:
+    """group -> the sorted slice indices a bank holds (all of each group's without ``slices``)."""
+    held = {}
+    for g in groups:
+        n = len(shapes[g][1])
+        js = tuple(range(n)) if slices is None or g not in slices else tuple(sorted(set(int(j) for j in slices[g])))
+        if not js or not all(0 <= j < n for j in js):
+            raise ValueError(f"slices of {g} must be a non-empty subset of range({n}), got {slices.get(g)}")
+        held[g] = js
+    return held
+
+
+class SlotBank(SlotTensors):
+    """``num_slots`` adapter slots for every (layer, group) of a decoder."""
+
+    def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
+        if set(shapes) != set(GROUPS):
+            raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
+        super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend)
+        self.stats = BankStats()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
+        self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """semantic_sha256 -> slot of every resident adapter, least recently used first."""
+        return dict(self._lru)
+
+    def ensure(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter]) -> dict[str, int]:
+        """Make every listed adapter resident and return adapter id -> slot.
+
+        Misses are loaded (verified, ``catalog.load_factors``) into a free slot
+        or the least recently used slot that this call does not need. Raises
+        BankFull for more distinct adapters than slots, BankError for an
+        unknown or unservable id or a rank above the bank's, AdapterChanged
+        when an adapter's bytes changed; the bank is unchanged for the
+        adapter that failed (it is loaded before anything is evicted)."""
+        wanted: OrderedDict[str, PinnedAdapter] = OrderedDict()
+        for adapter_id in adapter_ids:
+            p = self._check(adapter_id, pinned)
+            wanted.setdefault(p.semantic_sha256, p)
+        if len(wanted) > self.num_slots:
+            raise BankFull(len(wanted), self.num_slots)
+        for key, p in wanted.items():
+            if key in self._lru:
+                self.stats.hits += 1
+                self._lru.move_to_end(key)
+                continue
+            self.stats.misses += 1
+            placed = self._place(p, load_factors(p, self.dtype, self.device).items())
+            slot = lru_slot(self._lru, self.num_slots, wanted, self.stats)
+            self._write(slot, placed)
+            self._lru[key] = slot
+            self.stats.loads += 1
+        return {i: self._lru[pinned[i].semantic_sha256] for i in adapter_ids}
+
+    def _write(self, slot: int, placed: list[tuple]) -> None:
+        for g in GROUPS:
+            self.A[g][slot].zero_()
+            self.B[g][slot].zero_()
+            self.ranks[g][slot] = 0
+            self.scales[g][slot] = 0.0
+        for layer, group, j, a, b, r, scale in placed:
+            off = self.offsets[group][j]
+            self.A[group][slot, layer, j, :r].copy_(a)
+            pitched_view(self.B[group][:, layer], slot, off, b.shape[0], r).copy_(b)
+            self.ranks[group][slot, layer, j] = r
+            self.scales[group][slot, layer, j] = scale
+        self._targets[slot] = frozenset((layer, group) for layer, group, *_ in placed)
+
+    def context(self, row_slots: torch.Tensor, static: LaunchPlan | None = None) -> "BankContext":
+        """The LoraContext of one model invocation: one plan, shared by every layer.
+        ``row_slots`` [T] gives each packed row's slot (-1 = base only); every
+        slot named must hold an adapter (a row never silently runs the base).
+        ``static``: the LaunchPlan buffers of a captured CUDA graph to fill."""
+        row_slots, plan, kernel_plan = self._plans(row_slots, static)
+        active = plan.slot_ids.tolist()
+        occupied = set(self._lru.values())
+        stray = [s for s in active if s not in occupied]
+        if stray:
+            raise BankError("E_BANK_SLOT_EMPTY", f"row_slots name slots {stray} that hold no adapter; "
+                            "call ensure() for this invocation's adapters first")
+        targeted = frozenset().union(*(self._targets[s] for s in active))
+        return BankContext(self, row_slots, kernel_plan, targeted)
+
+
+class BankContext:
+    """``mlora.batch.model.lora.LoraContext`` over a SlotBank for one invocation."""
+
+    def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
+        self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
+        self._ahead: dict[tuple[int, str], object] = {}  # shrinks launched by prepare(), by module
+
+    def prepare(self, layer: int, group: str, x: torch.Tensor) -> None:
+        """With the bank's ``overlap`` on: launch this module's shrink now on the side stream, so
+        it runs beside the base GEMM the model launches next; ``apply`` for the same (layer,
+        group) then runs only the expand (the same output bits). Otherwise nothing."""
+        if not self.bank.overlap or (layer, group) not in self.targeted or not isinstance(self.plan, LaunchPlan):
+            return
+        bank = self.bank
+        ranks, scales = bank.layer_tables(group, layer)
+        ahead = shrink_ahead(x, bank.A[group][:, layer], bank.B[group][:, layer], self.plan,
+                             widths=bank.widths[group], ranks=ranks, scales=scales, stream=bank.side_stream())
+        if ahead is not None:
+            self._ahead[(layer, group)] = ahead
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
+        if (layer, group) not in self.targeted:  # no active slot adapts this module: nothing to add
+            return
+        bank = self.bank
+        ranks, scales = bank.layer_tables(group, layer)
+        add_lora_slices(
+            y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
+            ranks=ranks, scales=scales, backend=bank.backend,
+            plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
+            out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,
+        )
+
+    def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
+        """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
+        Triton kernels (the bank's ``fuse_silu``, an invocation of at least
+        ``fuse_silu_min_rows`` rows, the fused element-wise ops, both slices held side by side,
+        no shrink launched ahead) one launch after the shrink adds the deltas inside the SiLU
+        product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps the base values;
+        otherwise :meth:`apply`, then ``ops.silu_mul``. Large batches only (prefill chunks,
+        mixed iterations): on the H200 the fusion took 0.4 s off the prefill of `bench batch`
+        at 8 and 64 adapters, but made a 256-row decode iteration with 64 adapters 0.3 ms
+        slower even with column groups (0.15 ms faster at 8; BENCHMARKS.md, eighteenth and
+        nineteenth sessions)."""
+        group = "gate_up"
+        bank = self.bank
+        if ((layer, group) in self.targeted and bank.fuse_silu and getattr(ops, "fused", False)
+                and isinstance(self.plan, LaunchPlan) and self.row_slots.shape[0] >= bank.fuse_silu_min_rows
+                and (layer, group) not in self._ahead
+                and tuple(bank.widths.get(group, ())) == (inter, inter) and list(bank.out_offsets[group]) == [0, inter]):
+            ranks, scales = bank.layer_tables(group, layer)
+            return lora_silu_mul(gate_up, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots,
+                                 inter=inter, ranks=ranks, scales=scales, backend="triton", plan=self.plan,
+                                 check_values=False, b_layout=bank.b_layout)
+        self.apply(layer, group, x, gate_up)
+        return ops.silu_mul(gate_up, inter)

@@ -1,0 +1,373 @@
+"""One engine on one device: the unit every way of running a job repeats.
+
+Owns building the model, the adapter slot bank and the engine from a job's
+options and the adapters it pinned (:class:`EngineSession`), turning input
+rows into engine requests (:func:`requests_of`) and finished rows into output
+records (:func:`result_record`). The single-process job (``job.py``), each
+worker process of ``--gpus`` / ``--num-workers`` (``worker.py``) and each Ray
+actor (``ray.py``) build one session each and call the same functions, so a
+row's output does not depend on which of them ran it.
+
+Must not know where rows come from or where records go, and never pins
+adapters: a session serves exactly the identities the job pinned at start
+(the bank re-hashes factors when it loads them, ``E_ADAPTER_CHANGED``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from mlora.batch.adapters.catalog import PinnedAdapter
+from mlora.batch.engine.engine import Engine, Request, Result, chain_from_env
+from mlora.batch.envknobs import env_int
+from mlora.batch.gcpauses import GcRegime
+from mlora.batch.model.gemms import blas_for
+from mlora.batch.job.prepare import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
+from mlora.batch.engine.sampling import SamplingParams
+
+
+class EngineSession:
+    """Model + adapter bank + engine for ``opts`` on ``device``.
+
+    ``pinned`` maps every adapter id the session may see to its
+    :class:`PinnedAdapter` (bad ones included: their rows become error rows).
+    ``metrics`` (a :class:`~mlora.batch.job.metrics.JobMetrics`) is created after the
+    model and the preloaded adapters are in place, so its clock measures
+    generation only, as the single-process job always did."""
+
+    def __init__(self, opts: JobOptions, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
+        from mlora.batch.model.lora import held_slices
+        from mlora.batch.job.metrics import JobMetrics
+        from mlora.batch.model.decoder import DecoderModel
+        from mlora.batch.adapters.residency import ResidencyBank
+
+        self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
+        self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
+        blas_for(1, device)  # MLORA_BLAS_ROWS, the same (every forward reads it)
+        chain_from_env()  # MLORA_CHAIN_DECODE, the same (the engine reads it once it is built)
+        self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
+        self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
+        config = model.config
+        good = {a: p for a, p in pinned.items() if p.ok}
+        max_rank = max((p.max_rank for p in good.values()), default=0)
+        self.bank = self.arena = None
+        check_memory_ledger(opts.memory_ledger)  # also here: MloraPredictor actors build sessions without prepare_job
+        bundle = served_bundle(opts, good)
+        if bundle is not None and opts.memory_ledger == "joint":
+            from mlora.batch.job.prepare import JobError
+
+            raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint carves adapter slots and KV blocks from one "
+                           "arena, but this job's adapters are the members of one bundle, served by its three-stage "
+                           "operator with resident shared bases; use --memory-ledger split, or --bundle-operator "
+                           "materialized to serve the members through slots", 2)
+        if bundle is not None:
+            from mlora.batch.adapters.bundle_bank import BundleBank
+            from mlora.batch.job.prepare import JobError, adapter_share_bytes
+
+            operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
+            if operator == "triton" and device.type != "cuda":
+                raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
+                               "CUDA device; use three-stage (or auto) here", 2)
+            members = len(bundle.member_ids())
+            core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
+            if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
+                share = adapter_share_bytes(opts, device)
+                bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
+                fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
+                if fit < 1:
+                    raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
+                                   f"{(bases + 2 * per_slot) / 2**30:.2f} GiB "
+                                   "resident, more than the adapters' share of GPU memory; serve its members through "
+                                   "slots with --bundle-operator materialized, raise --gpu-memory-utilization, or "
+                                   "give the KV cache less with --kv-cache-gb")
+                core_slots = min(core_slots, fit)
+            self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
+                                   core_slots=core_slots, operator=operator)
+        elif good:
+            host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
+            # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
+            # slots and no k slice: a load then copies no zeros for k)
+            slices = held_slices({m.role for p in good.values() for m in p.modules})
+            shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
+            slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
+            slot_bytes = ResidencyBank.bytes_per_slot(config.num_layers, shapes, max(max_rank, 1), dtype, slices)
+            if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
+                self.arena, slots = joint_arena(opts, config, dtype, device, len(good), slot_bytes, len(shapes))
+            else:
+                slots = num_slots(opts, len(good), slot_bytes, device)
+            workers = prefetch_workers() if opts.prefetch_adapters else 0
+            self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
+                                      backend="triton" if decode_graphs(opts, device) else "auto",
+                                      host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
+                                      build_processes=opts.image_build_processes if workers else 0, slices=slices,
+                                      arena=self.arena)
+        self._switch = None
+        switch = switch_interval_s()
+        if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > switch:
+            # the engine thread gives the GIL to the prefetch threads at every device sync and
+            # must win it back quickly: at Python's default 5 ms interval each re-acquisition
+            # behind a busy builder could cost 5 ms (restored by close())
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(switch)
+        if opts.preload_adapters and self.bank is not None and bundle is None:
+            # load the first num_slots adapters before the first row (and before the metrics clock);
+            # their host images are built on the prefetch threads meanwhile (ensure waits for each)
+            first = sorted(good)[:self.bank.num_slots]
+            if hasattr(self.bank, "prefetch"):
+                self.bank.prefetch(first, good)
+            self.bank.ensure(first, good)
+        self.metrics = JobMetrics()
+        self.engine = Engine(
+            model, self.bank, pinned, metrics=self.metrics,
+            num_blocks=self.arena.num_pages if self.arena is not None else kv_blocks(opts, config, dtype, device),
+            block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
+            sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
+            stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
+            device=device, dtype=dtype, cuda_graphs=decode_graphs(opts, device),
+            prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
+            max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
+            lookahead=opts.lookahead, arena=self.arena,
+        )
+        # the collector's pauses from here on (gcpauses.py); MLORA_GC's freeze / device-wait: what
+        # is alive now (weights, slot bank, engine) is long-lived
+        self.gc.start(self.engine)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def record(self, res: Result) -> dict:
+        """The output record of a finished row (kept input columns not included)."""
+        return result_record(res, self.pinned, self.tokenizer)
+
+    def run(self, requests) -> list[Result]:
+        """Queue ``requests`` (Request or already-refused Result) and run until all finished."""
+        out: list[Result] = []
+        for r in requests:
+            err = r if isinstance(r, Result) else self.engine.add(r)
+            if err is not None:
+                out.append(err)
+        return out + self.engine.drain()
+
+    def stats(self) -> tuple[dict, dict]:
+        """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
+        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks,
+                      **self.gc.stats())
+        if self.engine.lookahead:  # iterations that ran on inputs built during the one before
+            engine["lookahead_iterations"] = self.engine.lookahead_used
+        if self.engine.chain:  # of those, launched before the iteration ahead of them was sampled
+            engine["chained_iterations"] = self.engine.chained
+        if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
+            engine["graph_replays"] = self.engine.graphs.replays
+            engine["graph_buckets"] = len(self.engine.graphs.graphs)
+        from mlora.batch.adapters.residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
+
+        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in PER_LOAD_STATS} if self.bank else {}
+        # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
+        # wait; and the host's time to issue a load (the copy stream cannot finish before it)
+        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
+                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds"),
+                            ("load_issue_gc", "load_issue_gc_seconds")):
+            times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
+            if times:
+                bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
+                             f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
+                             f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
+        gc_in_issue = getattr(self.bank.stats, "load_issue_gc_seconds", ()) if self.bank else ()
+        if gc_in_issue:  # loads whose host issue contained a collection (in this thread or another)
+            bank["load_issues_with_gc"] = sum(1 for t in gc_in_issue if t > 0)
+        if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
+            bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,
+                        pages_per_slot=self.bank.residency.storage.pages_per_slot,
+                        kv_pages_peak=self.engine.allocator.peak)
+        if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
+            bank["loads_started_ahead"] = self.bank.loads_started_ahead
+        pool = getattr(self.bank, "pinned_pool", None)
+        if pool is not None:  # the pinned blocks of host images (pinned.py)
+            bank.update(pool.stats())
+        builder = getattr(self.bank, "builder", None)
+        if builder is not None:  # host images built in worker processes, and builds they handed back
+            bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed,
+                        image_worker_seconds=round(builder.worker_s, 3),
+                        image_round_trip_seconds=round(builder.round_trip_s, 3),
+                        image_receive_seconds=round(builder.receive_s, 3))
+        return engine, bank
+
+    def close(self) -> None:
+        if self.bank is not None:
+            self.bank.close()  # prefetch threads
+        self.gc.close()  # (stats() after close keep the pauses while the session ran)
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
+
+
+# three-stage-triton: three-stage through the segmented Triton kernels (bundle_bank
+# operator="triton"), CUDA only, opt-in until the H200 serving benchmark compares it
+BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
+# the GIL switch interval while prefetch threads run (MLORA_SWITCH_INTERVAL_US); 50 us measured
+# worse in the 8,000-row residency job: 5% fewer tokens/s, slower load issue (twenty-first session)
+SWITCH_INTERVAL_US = 500
+
+
+def switch_interval_s() -> float:
+    """The interpreter's switch interval while prefetch threads run, in seconds:
+    ``MLORA_SWITCH_INTERVAL_US`` (microseconds, >= 1; A/B runs) or ``SWITCH_INTERVAL_US``."""
+    return env_int("MLORA_SWITCH_INTERVAL_US", SWITCH_INTERVAL_US, minimum=1, unit="microseconds") / 1e6
+
+
+MEMORY_LEDGERS = ("split", "joint")
+
+
+def check_memory_ledger(mode: str) -> None:
+    if mode not in MEMORY_LEDGERS:
+        from mlora.batch.job.prepare import JobError
+
+        raise JobError("E_MEMORY_LEDGER", f"--memory-ledger must be one of {', '.join(MEMORY_LEDGERS)}, got "
+                       f"{mode!r}", 2)
+
+
+def decode_graphs(opts: JobOptions, device: torch.device) -> bool:
+    """Whether the job's decode steps replay graphs: ``--cuda-graphs`` (the default) on a GPU;
+    on the CPU only with ``MLORA_EMULATE_GRAPHS=1`` (tests: the graphs emulated, the slot bank
+    on the Triton kernels, interpreted; ``mlora.batch.engine.graphs``)."""
+    return bool(opts.cuda_graphs) and (device.type == "cuda" or os.environ.get("MLORA_EMULATE_GRAPHS") == "1")
+
+
+def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.device, adapters: int, slot_bytes: int,
+                groups: int):
+    """(arena, adapter slots) of the joint memory mode: one ``PageArena`` of KV-block pages for
+    the whole budget (``--kv-cache-gb`` when given, else the usable GPU memory; on the CPU the
+    split mode's KV blocks plus the slots), with at most one slot per adapter
+    (``--max-gpu-adapters``) and always room for one longest row's KV beside the slots. A
+    slot's pages are KV pages while no adapter holds it."""
+    from mlora.batch.engine.arena import ALIGN, PageArena
+    from mlora.batch.job.prepare import JobError, _usable_gpu_bytes
+    from mlora.batch.model.kvcache import KVCache
+    from mlora.batch.adapters.residency import ResidencyBank
+
+    page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
+    spare = int(decode_graphs(opts, device))  # the decode graphs' scratch block
+    pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
+    want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
+    row_pages = -(-config.max_position_embeddings // opts.block_size)
+    if opts.kv_cache_gb:
+        budget = opts.kv_cache_gb * 2**30
+    elif device.type == "cuda":
+        budget = _usable_gpu_bytes(opts, device)
+    else:
+        budget = (kv_blocks(opts, config, dtype, device) + want * pps + spare) * page
+    pages = int(budget // page) - spare
+    slots = min(want, (pages - row_pages) // pps) if pages > row_pages else 0
+    if page % ALIGN:
+        raise JobError("E_MEMORY_LEDGER", f"this model's KV block is {page} bytes, not a multiple of {ALIGN}: one "
+                       "arena cannot carve aligned slots from such pages; use --memory-ledger split", 2)
+    if not (opts.prefetch_adapters and opts.prefetch_gpu_adapters):
+        raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint loads cold adapters asynchronously (a load holds its "
+                       "slot's pages from the moment its row is admitted); it needs --prefetch-adapters and "
+                       "--prefetch-gpu-adapters above 0", 2)
+    if slots < 1:
+        source = ""  # where the budget came from
+        if opts.kv_cache_gb:
+            source = f" (from --kv-cache-gb {opts.kv_cache_gb:g})"
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            source = (f" (from the usable GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after "
+                      f"the weights, less the {1 - opts.gpu_memory_utilization:.0%} that --gpu-memory-utilization "
+                      f"{opts.gpu_memory_utilization:g} keeps free)")
+        raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes{source} cannot hold "
+                       f"an adapter slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more "
+                       "memory (--kv-cache-gb, --gpu-memory-utilization) or use --memory-ledger split", 2)
+    return PageArena(pages, page, device, spare), slots
+
+
+def prefetch_workers() -> int:
+    """Adapter host images built ahead at once (read, re-hash, lay out, pin): one per four
+    cores, at most four (one on a two-core machine). With ``image_build_processes`` each
+    prefetch thread hands its build to a worker process (``residency/build.py``) and only
+    pins the result."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
+    """The verified bundle to serve with the three-stage operator, or None for slots.
+
+    ``auto``: the three-stage operator when every servable adapter of the job is a
+    member of one bundle, slots otherwise; ``three-stage``: the same condition, and a
+    job that does not meet it fails (E_BUNDLE_OPERATOR, exit 2) instead of being
+    served another way; ``materialized``: always slots (each member's factors
+    ``U_c core_i``, ``V_c^T`` in a slot of its own); ``three-stage-triton``: as
+    ``three-stage``, the operator run by the segmented Triton kernels (CUDA only:
+    E_BUNDLE_OPERATOR, exit 2, on another device)."""
+    from mlora.batch.job.prepare import JobError
+
+    mode = opts.bundle_operator
+    if mode not in BUNDLE_OPERATORS:
+        raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
+                       f"not {mode!r}", 2)
+    if mode == "materialized" or not good:
+        return None
+    bundles = {(p.bundle, p.artifact_sha256) if p.bundle else None for p in good.values()}
+    if len(bundles) != 1 or None in bundles:
+        if mode in ("three-stage", "three-stage-triton"):
+            raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator {mode} serves the members of one bundle, "
+                           "but this job also names adapters that are not members of it (or members of several "
+                           "bundles); use --bundle-operator materialized or auto", 2)
+        return None
+    from mlora.batch.adapters.bundles import pinned_bundle
+
+    return pinned_bundle(next(iter(good.values())))
+
+
+def result_record(res: Result, pinned: dict[str, PinnedAdapter], tokenizer: Tokenizer | None) -> dict:
+    """``id`` and :data:`~mlora.batch.job.output.RESULT_FIELDS` of one finished (or refused) row."""
+    p = pinned.get(res.adapter) if res.adapter is not None else None
+    text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else "")
+    return {
+        "id": res.id,
+        "adapter": res.adapter,
+        "adapter_sha256": p.semantic_sha256 if (p is not None and p.ok) else None,
+        "completion": text if res.finish_reason != "error" else "",
+        "completion_token_ids": list(res.token_ids),
+        "finish_reason": res.finish_reason,
+        "num_prompt_tokens": res.num_prompt_tokens,
+        "num_completion_tokens": len(res.token_ids),
+        "error_code": res.error_code,
+        "error_message": res.error_message,
+    }
+
+
+def requests_of(batch, opts: JobOptions, tokenizer: Tokenizer | None, vocab_size: int,
+                kept: dict | None = None) -> Iterator[Request | Result]:
+    """Requests (or refused rows as error Results) of one :class:`~mlora.batch.job.input.InputBatch`, in order.
+    With ``kept``, each row's kept input columns are stored there by row position."""
+    kept_rows = batch.kept.to_pylist() if (kept is not None and batch.kept is not None
+                                           and batch.kept.num_columns) else None
+    for i, rid in enumerate(batch.ids):
+        row = batch.first_row + i
+        if kept_rows is not None:
+            kept[row] = kept_rows[i]
+        adapter = batch.adapters[i]
+        adapter = None if adapter in BASE_IDS else adapter
+        mnt = batch.max_new_tokens[i] if batch.max_new_tokens is not None else None
+        mnt = opts.max_new_tokens if mnt is None else int(mnt)
+        if batch.prompt_ids is not None:
+            ids = batch.prompt_ids[i]
+            if ids is None:
+                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt_ids cell is null")
+                continue
+            if any((t < 0 or t >= vocab_size) for t in ids):
+                yield Result(row, rid, adapter, [], "error", len(ids), "E_PROMPT_TOKEN_RANGE",
+                             f"a prompt token id is outside [0, {vocab_size})")
+                continue
+        else:
+            text = batch.prompts[i]
+            if text is None:
+                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the prompt cell is null")
+                continue
+            ids = tokenizer.encode(text)
+        yield Request(row, rid, list(ids), adapter, mnt)

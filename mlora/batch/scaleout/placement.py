@@ -1,0 +1,121 @@
+"""Where a job's engines run: this process, one worker process per GPU, N CPU worker processes, or Ray.
+
+Owns the meaning and the checks of ``--gpus``, ``--num-workers``, ``--engine``
+and ``--ray-address`` (docs/scaleout.md). Must not start anything: the
+coordinator (``multi.py``) and the Ray driver (``ray.py``) do. Every refusal
+is a usage error (exit 2) with a stable code, decided before any work:
+
+    --engine local (default)
+      neither option       one engine in this process, on --device (as always)
+      --gpus 0,1 | all     one worker process per listed GPU; indices number the devices this process
+                           sees (CUDA_VISIBLE_DEVICES applies). Needs CUDA (E_GPUS_NO_CUDA), every index
+                           present (E_GPUS_UNAVAILABLE), a comma list of distinct integers or "all"
+                           (E_GPUS_INVALID); --device auto or cuda (E_GPUS_DEVICE)
+      --num-workers N      N worker processes on the CPU (CI, tests, CPU hosts). --device cpu, or auto on a
+                           host without CUDA; auto on a CUDA host is refused rather than silently run on the
+                           CPU: use --gpus, or say --device cpu (E_WORKERS_DEVICE)
+      both                 E_SCALEOUT_USAGE
+    --engine ray           --num-workers N actors (``ray.py`` picks the default and the device); --gpus is
+                           refused (Ray places actors on GPUs itself: E_SCALEOUT_USAGE)
+    --ray-address          only with --engine ray (E_SCALEOUT_USAGE)
+    --engine other         E_SCALEOUT_USAGE
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mlora.batch.job.prepare import JobError, JobOptions, resolve_device
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """One worker process: its index, the device it builds its engine on, and how it gets there."""
+
+    index: int
+    device: str  # "cuda" or "cpu": the torch device the worker's engine uses
+    cuda_visible: str | None  # CUDA_VISIBLE_DEVICES for the worker (it then sees exactly one GPU), None on CPU
+    label: str  # "cuda:1", "cpu": for messages and the summary
+    threads: int | None = None  # torch intra-op threads of a CPU worker (cores shared between workers)
+
+
+@dataclass
+class WorkerPlan:
+    engine: str  # local | ray
+    device: torch.device | None  # the engines' device (local); None for Ray (decided with the cluster)
+    places: list[WorkerPlace] = field(default_factory=list)  # empty: one engine in this process
+
+
+def _usage(code: str, message: str) -> JobError:
+    return JobError(code, message, 2)
+
+
+def plan_workers(opts: JobOptions) -> WorkerPlan:
+    """Check the scale-out options of ``opts`` and say where the engines run (module docstring)."""
+    if opts.engine not in ENGINES:
+        raise _usage("E_SCALEOUT_USAGE", f"--engine must be local or ray, not {opts.engine!r}")
+    if opts.num_workers is not None and opts.num_workers < 1:
+        raise _usage("E_SCALEOUT_USAGE", f"--num-workers must be >= 1, not {opts.num_workers}")
+    if opts.engine == "ray":
+        if opts.gpus is not None:
+            raise _usage("E_SCALEOUT_USAGE", "--gpus is for --engine local; with --engine ray give --num-workers N "
+                         "(Ray gives each actor one GPU of the cluster)")
+        return WorkerPlan("ray", None)
+    if opts.ray_address is not None:
+        raise _usage("E_SCALEOUT_USAGE", "--ray-address needs --engine ray")
+    if opts.gpus is not None and opts.num_workers is not None:
+        raise _usage("E_SCALEOUT_USAGE", "give --gpus (one worker per GPU) or --num-workers (CPU workers), not both")
+    if opts.gpus is not None:
+        return WorkerPlan("local", torch.device("cuda"), gpu_places(opts.gpus, opts.device))
+    if opts.num_workers is not None:
+        if opts.device not in ("auto", "cpu"):
+            raise _usage("E_WORKERS_DEVICE", f"--num-workers runs CPU workers, but --device is {opts.device!r}: "
+                         "use --gpus 0,1,... for GPU workers, or --device cpu")
+        if opts.device == "auto" and torch.cuda.is_available():
+            raise _usage("E_WORKERS_DEVICE", "--num-workers runs CPU workers and this host has CUDA: use --gpus "
+                         "0,1,... (or all) for GPU workers, or pass --device cpu to run on the CPU on purpose")
+        n = opts.num_workers
+        threads = max(1, _cores() // n)
+        return WorkerPlan("local", torch.device("cpu"),
+                          [WorkerPlace(i, "cpu", None, "cpu", threads) for i in range(n)])
+    return WorkerPlan("local", resolve_device(opts.device))
+
+
+def gpu_places(gpus: str, device: str) -> list[WorkerPlace]:
+    """One place per GPU of ``--gpus`` (``"0,1"`` or ``"all"``), checked against this host."""
+    text = gpus.strip()
+    if text != "all":
+        try:
+            indices = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise _usage("E_GPUS_INVALID", f"--gpus {gpus!r}: give GPU indices like 0,1 or all") from None
+        if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+            raise _usage("E_GPUS_INVALID", f"--gpus {gpus!r}: indices must be distinct and >= 0")
+    if device not in ("auto", "cuda"):
+        raise _usage("E_GPUS_DEVICE", f"--gpus runs one worker per GPU; --device {device!r} contradicts it "
+                     "(leave --device auto, or use --num-workers N --device cpu for CPU workers)")
+    if not torch.cuda.is_available():
+        raise _usage("E_GPUS_NO_CUDA", f"--gpus {gpus}: this host has no usable CUDA device; "
+                     "drop --gpus (or use --num-workers N --device cpu for CPU workers)")
+    count = torch.cuda.device_count()
+    if text == "all":
+        indices = list(range(count))
+    missing = [i for i in indices if i >= count]
+    if missing:
+        raise _usage("E_GPUS_UNAVAILABLE", f"--gpus {gpus}: no GPU {', '.join(map(str, missing))} on this host; "
+                     f"it has {count} (indices 0..{count - 1}, as CUDA_VISIBLE_DEVICES shows them)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [v.strip() for v in visible.split(",")] if visible else None
+    return [WorkerPlace(k, "cuda", physical[i] if physical else str(i), f"cuda:{i}") for k, i in enumerate(indices)]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

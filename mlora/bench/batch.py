@@ -1,0 +1,501 @@
+"""The engine benchmark behind ``mlora bench batch`` (issue step 3; targets in step 7).
+
+Owns the measurement method; the figures go into BENCHMARKS.md.
+
+* Model: a named shape preset (``llama-3-8b``; ``tiny`` for CPU tests) with
+  random weights generated on the device (no files), EOS ids removed so every
+  row generates exactly ``max_new_tokens``.
+* Adapters: ``n`` random adapters of rank ``rank`` on every linear module
+  (q, k, v, o, gate, up, down of every layer), written straight into a
+  :class:`~mlora.batch.adapters.slots.SlotBank` with ``n`` slots (all resident: this
+  measures execution, not loading). Rows pick their adapter uniformly at
+  random; ``n = 0`` is the base-only run.
+* Job: ``rows`` prompts of random token ids, lengths uniform in
+  ``[prompt_min, prompt_max]``, all queued at the start, run through the real
+  :class:`~mlora.batch.engine.engine.Engine` (continuous batching, chunked prefill,
+  paged KV cache, segmented LoRA kernels, greedy sampling). A short warm-up
+  job first compiles the kernels; the timed engine then captures the decode
+  graphs of every batch-size bucket before the clock starts (``graph_capture_s``;
+  batch-run captures each bucket when first met, inside the job).
+* Per iteration: wall time of ``Engine.step`` (it ends in a host sync when the
+  sampled tokens are read, so wall time is the iteration's time, host work
+  included). For decode-only iterations the floor is computed from what that
+  iteration had to move and compute:
+
+  bytes = base weights read (all layers, final norm, LM head)
+        + the distinct adapters' factors at true rank
+        + K/V read (every sequence's context, all layers)
+        + activations (each GEMM's input and output rows, the logits)
+  flops = 2 * rows * (layer weights + LM head) + attention (4 * context * heads * head_dim per row and layer)
+        + LoRA (2 * rows * rank * (d_in + d_out) per module)
+  floor = max(bytes / copy bandwidth, flops / bf16 matmul rate), both measured in the same run.
+
+  Also the *staged floor*: the same terms split by the kernels that do them,
+  each stage's own max(bytes, flops) time, summed: GEMMs (weights, activations
+  and logits against the GEMM and LM-head flops), attention (K/V bytes against
+  the attention flops) and LoRA (adapter bytes against the LoRA flops). Stages
+  that run one after the other cannot overlap a compute-bound GEMM with a
+  bandwidth-bound attention, so the staged floor (>= the floor) is what
+  kernels in sequence can reach; at 256 decode rows of an 8B model, the GEMMs
+  are compute-bound and attention bandwidth-bound (eleventh session).
+* Reported per scenario: generated tokens per second over the whole job (wall
+  clock, prefill included), and for decode-only iterations the median time,
+  the median floor and the median of time / floor, overall and at full batch
+  (at least 90 % of ``max_num_seqs`` running). Iterations with prefill chunks
+  are summed: their time against the sum of their floors (:func:`mixed_floor`:
+  causal attention counted per query-key pair), usually compute-bound.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mlora.batch.adapters.slots import SlotBank
+from mlora.batch.adapters.catalog import PinnedAdapter
+from mlora.batch.engine.engine import Engine, Request
+from mlora.batch.gcpauses import GcRegime
+from mlora.bench.gpuclocks import ClockSampler, gpu_clocks
+from mlora.batch.model.kvcache import KVCache
+from mlora.batch.model.lora import config_role_shapes
+from mlora.batch.model.decoder import DecoderLayer, DecoderModel, ModelConfig
+
+PRESETS: dict[str, dict] = {
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    "mistral-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0, max_position_embeddings=512),
+}
+
+
+@dataclass
+class BatchBenchOptions:
+    preset: str = "llama-3-8b"
+    rows: int = 512
+    adapters: tuple[int, ...] = (0, 1, 8, 64)
+    rank: int = 16
+    prompt_min: int = 128
+    prompt_max: int = 1024
+    max_new_tokens: int = 128
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    block_size: int = 16
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (on a GPU), as batch-run does
+    # with base first among several scenarios: run it again last, ratios against the faster run
+    repeat_base: bool = True
+    lookahead: bool = True  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
+    # an A/B of an engine setting read from the environment when a scenario builds its engine and bank
+    # (an MLORA_* variable): (name, values); every adapter count runs once per value, values adjacent in
+    # time, the whole sequence ``ab_repeats`` times (small effects need repeats: one run's spread is ~2%)
+    ab: tuple[str, tuple[str, ...]] | None = None
+    ab_repeats: int = 1
+
+
+def preset_config(name: str, dtype: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    return ModelConfig(arch="llama", rms_norm_eps=1e-5, rope_scaling=None, tie_word_embeddings=False,
+                       qkv_bias=False, o_bias=False, qk_norm=False, eos_token_ids=(), bos_token_id=None,
+                       dtype=dtype, **p)
+
+
+def random_model(config: ModelConfig, device, dtype: torch.dtype, seed: int) -> DecoderModel:
+    """Random weights generated on ``device`` (std 0.02, unit norm gains)."""
+    c = config
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    layers = []
+    for i in range(c.num_layers):
+        w = {"qkv_weight": rnd(c.q_out + 2 * c.kv_out, c.hidden_size), "qkv_bias": None,
+             "o_weight": rnd(c.hidden_size, c.q_out), "o_bias": None,
+             "gate_up_weight": rnd(2 * c.intermediate_size, c.hidden_size),
+             "down_weight": rnd(c.hidden_size, c.intermediate_size),
+             "input_norm_weight": ones(c.hidden_size), "post_norm_weight": ones(c.hidden_size),
+             "q_norm_weight": None, "k_norm_weight": None}
+        layers.append(DecoderLayer(i, c, w))
+    return DecoderModel(c, rnd(c.vocab_size, c.hidden_size), ones(c.hidden_size), rnd(c.vocab_size, c.hidden_size),
+                        layers)
+
+
+def random_bank(model: DecoderModel, n: int, rank: int, seed: int, backend: str = "auto"
+                ) -> tuple[SlotBank, dict[str, PinnedAdapter]]:
+    """A bank whose ``n`` slots hold random rank-``rank`` adapters on every module, and their
+    pinned records (``backend``: the bank's kernels, as ``SlotBank``'s)."""
+    c = model.config
+    bank = SlotBank(c.num_layers, model.group_shapes(), n, rank, model.dtype, model.device, backend=backend)
+    gen = torch.Generator(device=model.device).manual_seed(seed + 1)
+    pinned = {}
+    for g in bank.A:
+        d_in = bank.d_in[g]
+        bank.A[g].copy_(torch.randn(bank.A[g].shape, generator=gen, device=model.device) / d_in ** 0.5)
+        bank.B[g].copy_(torch.randn(bank.B[g].shape, generator=gen, device=model.device) * 0.02)
+        bank.ranks[g].fill_(rank)
+        bank.scales[g].fill_(2.0)
+    every = frozenset((layer, g) for layer in range(c.num_layers) for g in bank.A)
+    for s in range(n):
+        key = f"bench-{s}"
+        pinned[key] = PinnedAdapter(id=key, path=None, ok=True, semantic_sha256=key, max_rank=rank)
+        bank._lru[key] = s
+        bank._targets[s] = every
+    return bank, pinned
+
+
+def adapter_bytes(config: ModelConfig, rank: int, itemsize: int) -> int:
+    """Bytes of one adapter's factors at true rank on every linear module."""
+    per_layer = sum(rank * (d_out + d_in) for d_out, d_in in config_role_shapes(config).values())
+    return per_layer * config.num_layers * itemsize
+
+
+def layer_params(c: ModelConfig) -> int:
+    """Weights of one layer's seven projections."""
+    return sum(d_out * d_in for d_out, d_in in config_role_shapes(c).values())
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    # what the GPU holds over seconds of matmuls (power-capped); recorded beside the burst
+    # rate the floors use (mlora.bench.kernels.sustained_matmul_rate); None off CUDA
+    sustained_matmul_flops_per_s: float | None = None
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """Copy bandwidth and matmul rate of ``device`` (the kernel benchmark's method on CUDA;
+    a small wall-clock measurement on the CPU, good enough for floors there)."""
+    if device.type == "cuda":
+        from mlora.bench.kernels import measure_ceilings as cuda_ceilings
+        from mlora.bench.kernels import sustained_matmul_rate
+
+        c = cuda_ceilings()
+        return Ceilings(c.copy_bytes_per_s, c.bf16_flops_per_s, sustained_matmul_rate())
+    src = torch.empty(1 << 24, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.randn(512, 512)
+    times_copy, times_mm = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times_copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        a @ a
+        times_mm.append(time.perf_counter() - t0)
+    return Ceilings(2 * src.numel() * 4 / min(times_copy), 2 * 512**3 / min(times_mm))
+
+
+class _RecordingEngine(Engine):
+    """The engine, remembering each iteration's plan for the floor computation."""
+
+    last_plan = None
+
+    def _advance(self, plan, logits):  # every iteration's plan: scheduled, looked ahead or chained
+        self.last_plan = plan
+        return super()._advance(plan, logits)
+
+
+def iteration_floor(config: ModelConfig, dtype: torch.dtype, rows: int, pairs: int, kv_tokens: int, sampled: int,
+                    lora_rows: int, distinct: int, rank: int, ceil: Ceilings) -> dict:
+    """Floor of one iteration of ``rows`` packed rows (module docstring): ``pairs`` causal
+    query-key pairs attended, ``kv_tokens`` cached tokens read, ``sampled`` rows through the
+    LM head, ``lora_rows`` rows through the LoRA branches of ``distinct`` adapters.
+    flops = 2 * rows * layer weights + 4 * heads * head_dim * layers per pair + LM head + LoRA;
+    bytes = weights (norms included) + distinct adapters at true rank + K/V read + each GEMM's
+    input and output rows + the logits of the sampled rows."""
+    c = config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = (c.num_layers * layer_params(c) + c.vocab_size * c.hidden_size) * itemsize \
+        + (2 * c.num_layers + 1) * c.hidden_size * itemsize
+    kv_per_token = KVCache.block_bytes(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype)
+    per_row_act = c.num_layers * (4 * c.hidden_size + 2 * c.q_out + 2 * c.kv_out + 3 * c.intermediate_size) * itemsize
+    act = rows * per_row_act + sampled * c.vocab_size * itemsize  # logits written once, in the model's dtype
+    total = weights + distinct * adapter_bytes(c, rank, itemsize) + kv_tokens * kv_per_token + act
+    flops = 2 * rows * c.num_layers * layer_params(c) + 4 * pairs * c.num_heads * c.head_dim * c.num_layers \
+        + 2 * sampled * c.vocab_size * c.hidden_size + 2 * lora_rows * adapter_bytes(c, rank, 1)
+    t_bytes, t_flops = total / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s
+    bw, rate = ceil.copy_bytes_per_s, ceil.matmul_flops_per_s
+    stages = (  # (bytes, flops) of the GEMMs, attention and LoRA: the terms above, each counted once
+        (weights + act, 2 * rows * c.num_layers * layer_params(c) + 2 * sampled * c.vocab_size * c.hidden_size),
+        (kv_tokens * kv_per_token, 4 * pairs * c.num_heads * c.head_dim * c.num_layers),
+        (distinct * adapter_bytes(c, rank, itemsize), 2 * lora_rows * adapter_bytes(c, rank, 1)),
+    )
+    staged = sum(max(b / bw, f / rate) for b, f in stages)
+    return dict(rows=rows, bytes=total, flops=flops, floor_s=max(t_bytes, t_flops), staged_floor_s=staged,
+                bound="memory" if t_bytes >= t_flops else "compute")
+
+
+def decode_floor(config: ModelConfig, dtype: torch.dtype, rows: int, context_tokens: int, distinct: int, rank: int,
+                 ceil: Ceilings) -> dict:
+    """Floor of one decode iteration: every row one new token (attending to its whole
+    context) and sampled; LoRA on every row when any adapter is in the batch."""
+    return iteration_floor(config, dtype, rows, context_tokens, context_tokens, rows, rows if distinct else 0,
+                           distinct, rank, ceil)
+
+
+def mixed_floor(config: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]], sampled: int, lora_rows: int,
+                distinct: int, rank: int, ceil: Ceilings) -> dict:
+    """Floor of an iteration with prefill chunks: ``seqs`` = (new rows n, context after it c)
+    per sequence; row i of a chunk attends to the c - n + i + 1 keys up to its position."""
+    rows = sum(n for n, _ in seqs)
+    pairs = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)
+    return iteration_floor(config, dtype, rows, pairs, sum(ctx for _, ctx in seqs), sampled, lora_rows, distinct,
+                           rank, ceil)
+
+
+def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: int, max_new: int, seed: int):
+    rng = random.Random(seed)  # prompts: the same for every adapter count
+    pick = random.Random(seed + 1)  # adapters
+    out = []
+    for i in range(rows):
+        length = rng.randint(o.prompt_min, o.prompt_max)
+        prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
+        adapter = f"bench-{pick.randrange(n_adapters)}" if n_adapters else None
+        out.append(Request(row=i, id=str(i), prompt_ids=prompt, adapter=adapter, max_new_tokens=max_new))
+    return out
+
+
+def _short_requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, seed: int, length: int = 16):
+    """Up to 96 prompts of ``length`` tokens (as many as one chunk and the seats hold), the
+    adapters taken in turn, one new token each: the bench's second warm-up."""
+    rng = random.Random(seed)
+    count = max(1, min(96, o.max_num_seqs, o.max_batch_tokens // length))
+    return [Request(row=i, id=f"short-{i}", prompt_ids=[rng.randrange(config.vocab_size) for _ in range(length)],
+                    adapter=f"bench-{i % n_adapters}" if n_adapters else None, max_new_tokens=1)
+            for i in range(count)]
+
+
+def _num_blocks(o: BatchBenchOptions) -> int:
+    """Enough KV blocks that ``max_num_seqs`` full-length rows never preempt each other."""
+    per_seq = -(-(o.prompt_max + o.max_new_tokens) // o.block_size)
+    return o.max_num_seqs * per_seq + 8
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, ceil: Ceilings, progress=None) -> dict:
+    dev = model.device
+    dtype = model.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bank, pinned = random_bank(model, n_adapters, o.rank, o.seed) if n_adapters else (None, {})
+    regime = GcRegime()  # read now: a malformed MLORA_GC is refused before any work
+
+    def engine():
+        return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
+                                max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
+                                dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda", lookahead=o.lookahead)
+
+    # compile the kernels outside the timed job: enough rows for full prefill chunks and
+    # most of the integer specialisations Triton compiles lazily (the first scenario of
+    # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up),
+    # then one chunk of short prompts, over 1,024 rows when the limits allow: with many adapters
+    # its segments average under 32 rows, so it runs the 16-row-tile variants of the fused SiLU
+    # launch (invocations of >= 1,024 rows) that the job's mixed iterations need and full
+    # chunks never compile (the first 64-adapter scenario of a run paid ~1.3 s of them inside
+    # its timed prefill, twenty-sixth session)
+    warm = engine()
+    for batch in (_requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99),
+                  _short_requests(o, model.config, n_adapters, o.seed + 98)):
+        for r in batch:
+            warm.add(r)
+        while warm.has_work():
+            warm.step()
+    del warm
+
+    eng = engine()
+    for r in _requests(o, model.config, n_adapters, o.rows, o.max_new_tokens, o.seed):
+        if eng.add(r) is not None:
+            raise RuntimeError(f"bench row {r.row} was refused; lower --prompt-max or --max-new-tokens")
+    decode, mixed = [], []
+    # the decode graphs of every bucket, before the clock: a fresh engine would otherwise capture
+    # each bucket inside the timed job the first time the running rows shrink to it (batch-run
+    # pays that once per job; reported as graph_capture_s)
+    _sync(dev)
+    t_capture = time.perf_counter()
+    if eng.graphs is not None:
+        eng.graphs.capture_all()
+    _sync(dev)
+    capture_s = time.perf_counter() - t_capture
+    regime.start(eng)  # MLORA_GC (A/B with --ab): the collector's pauses over the timed job
+    clocks = ClockSampler(dev).start()  # the SM clock and power over the timed job (mlora.bench.gpuclocks)
+    try:
+        t_start = time.perf_counter()
+        while eng.has_work():
+            eng.last_plan = None
+            t0 = time.perf_counter()
+            eng.step()
+            seconds = time.perf_counter() - t0
+            plan = eng.last_plan
+            if plan is None:
+                continue
+            if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
+                seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
+                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.req.adapter is not None)
+                distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+                f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
+                mixed.append(dict(seconds=seconds, **f))
+                continue
+            ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
+            distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+            f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
+            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, t0=t0, **f))  # f['rows']: running rows
+        _sync(dev)
+        wall = time.perf_counter() - t_start
+    finally:
+        clocks.stop()
+        regime.close()
+    generated = eng.stats["generated_tokens"]
+    full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
+
+    def summary(items):
+        if not items:
+            return None
+        return dict(iterations=len(items), median_rows=statistics.median(d["rows"] for d in items),
+                    median_s=statistics.median(d["seconds"] for d in items),
+                    total_s=sum(d["seconds"] for d in items), max_s=max(d["seconds"] for d in items),
+                    median_floor_s=statistics.median(d["floor_s"] for d in items),
+                    median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
+                    median_staged_floor_s=statistics.median(d["staged_floor_s"] for d in items),
+                    median_staged_ratio=statistics.median(d["seconds"] / d["staged_floor_s"] for d in items),
+                    bound=statistics.mode(d["bound"] for d in items))
+
+    result = dict(adapters=n_adapters, rows=o.rows, generated_tokens=generated, wall_s=wall,
+                  tokens_per_s=generated / wall, iterations=eng.stats["iterations"],
+                  prefill_tokens=eng.stats["prefill_tokens"], decode=summary(decode), decode_full_batch=summary(full),
+                  prefill=dict(iterations=len(mixed), seconds=sum(m["seconds"] for m in mixed),
+                               floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
+                               ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
+                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
+                  gc=regime.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
+                  # the GPU's SM clock and power during the full-batch decode iterations (None without NVML)
+                  clocks_full_batch=clocks.summary([(d["t0"], d["t0"] + d["seconds"]) for d in full]))
+    # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
+    # the decode outliers (max_s: kernel compiles) it shows where a gap to the
+    # medians comes from
+    result["outside_iterations_s"] = wall - result["prefill"]["seconds"] - (result["decode"] or {}).get("total_s", 0.0)
+    if progress:
+        progress(result)
+    return result
+
+
+def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
+    from mlora.batch.model.decoder import DTYPES
+
+    if o.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {o.dtype!r}; use one of {', '.join(DTYPES)}")
+    if not 1 <= o.prompt_min <= o.prompt_max:
+        raise ValueError("need 1 <= prompt_min <= prompt_max")
+    dev = torch.device(o.device)
+    config = preset_config(o.preset, o.dtype)
+    if o.prompt_max + o.max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"prompt_max + max_new_tokens exceeds the preset's context {config.max_position_embeddings}")
+    clocks_before = gpu_clocks(dev)
+    ceil = measure_ceilings(dev)
+    t0 = time.perf_counter()
+    model = random_model(config, dev, DTYPES[o.dtype], o.seed)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    if o.ab is not None:
+        scenarios = _run_ab(model, o, ceil, progress)
+    else:
+        scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
+    if o.ab is None and o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
+        # the first scenario of a run can pay lazy compiles and cold caches inside its timed
+        # part (eleventh session: base prefill 1.9x its floor first, 1.36x in another run),
+        # which flatters every ratio to it: run the base again last and take the faster
+        again = run_scenario(model, o, 0, ceil, progress)
+        again["repeat"] = True
+        scenarios.append(again)
+    bases = [s for s in scenarios if s["adapters"] == 0]
+    base = max(bases, key=lambda s: s["tokens_per_s"]) if bases else None
+    for s in scenarios:
+        s["tokens_per_s_vs_base"] = s["tokens_per_s"] / base["tokens_per_s"] if base else None
+    machine = machine_of(dev)
+    machine["clocks_before"], machine["clocks_after"] = clocks_before, gpu_clocks(dev)
+    out = dict(
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", machine=machine,
+        torch=torch.__version__, options=o.__dict__ | {"adapters": list(o.adapters)},
+        ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, matmul_flops_per_s=ceil.matmul_flops_per_s,
+                      sustained_matmul_flops_per_s=ceil.sustained_matmul_flops_per_s),
+        model_build_s=build_s, scenarios=scenarios,
+    )
+    if o.ab is not None:
+        out["ab"] = ab_summary(scenarios)
+    return out
+
+
+def machine_of(dev: torch.device) -> dict:
+    """Which machine a run measured: the host name and, on CUDA, the GPU's UUID, its SM count and
+    the CUDA runtime torch was built with. Two H200s differed by 3-5% in these runs
+    (BENCHMARKS.md, twenty-sixth and twenty-seventh sessions), so a comparison across runs must
+    name them."""
+    out = {"host": socket.gethostname()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        out["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
+        out["sm_count"] = props.multi_processor_count
+        out["cuda_runtime"] = torch.version.cuda
+    return out
+
+
+def _run_ab(model: DecoderModel, o: BatchBenchOptions, ceil: Ceilings, progress=None) -> list[dict]:
+    """The scenarios of ``o.ab`` (BatchBenchOptions), each tagged ``ab = {var, value, repeat}``;
+    the variable is restored afterwards."""
+    var, values = o.ab
+    if not var.startswith("MLORA_") or len(values) < 2 or o.ab_repeats < 1:
+        raise ValueError(f"--ab takes an MLORA_* variable and at least two values (got {var!r}: {list(values)}), "
+                         f"--ab-repeats at least 1")
+    saved = os.environ.get(var)
+    scenarios = []
+    try:
+        for repeat in range(o.ab_repeats):
+            for n in o.adapters:
+                for value in values:
+                    os.environ[var] = value
+                    s = run_scenario(model, o, n, ceil, None)
+                    s["ab"] = dict(var=var, value=value, repeat=repeat)
+                    scenarios.append(s)
+                    if progress is not None:
+                        progress(s)
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return scenarios
+
+
+def ab_summary(scenarios: list[dict]) -> list[dict]:
+    """Per (adapter count, value) of an A/B run: medians over its repeats of tokens/s, prefill
+    seconds and the decode iterations' median time, with each one's smallest and largest."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for s in scenarios:
+        groups.setdefault((s["adapters"], s["ab"]["value"]), []).append(s)
+    out = []
+    for (n, value), runs in groups.items():
+        row = dict(adapters=n, var=runs[0]["ab"]["var"], value=value, runs=len(runs))
+        for key, get in (("tokens_per_s", lambda s: s["tokens_per_s"]), ("prefill_s", lambda s: s["prefill"]["seconds"]),
+                         ("decode_median_s", lambda s: (s["decode"] or {}).get("median_s"))):
+            vals = [v for v in map(get, runs) if v is not None]
+            row[key] = dict(median=statistics.median(vals), min=min(vals), max=max(vals)) if vals else None
+        out.append(row)
+    return out
