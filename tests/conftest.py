@@ -22,16 +22,16 @@ DEMO_MAX_NEW_TOKENS = 40  # the scale-out tests' reference job (demo_job_options
 
 
 def demo_job_options(out, **kw):
-    """``JobOptions`` of the demo job on the CPU in float32 (40 new tokens, 7-row shards, the
+    """``JobConfig`` of the demo job on the CPU in float32 (40 new tokens, 7-row shards, the
     prompt column kept), written to ``out``: the configuration the scale-out tests (worker
     processes, Ray) compare with one process; ``kw`` overrides any field."""
-    from mlora.batch.job.prepare import JobOptions
+    from mlora.batch.config import JobConfig
 
     base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=os.path.join(DEMO, "base"),
                 adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=DEMO_MAX_NEW_TOKENS, device="cpu",
                 dtype="float32", shard_rows=7, keep_columns=("prompt",))
     base.update(kw)
-    return JobOptions(**base)
+    return JobConfig(**base)
 
 
 def shard_digests(out) -> list[str]:
@@ -45,7 +45,7 @@ def single_process_output(tmp_path_factory):
     """The demo job's output from one process (:func:`demo_job_options`), run once per session
     and only read by the tests (one torch thread: a busy 2-core host slows multi-threaded
     tiny CPU ops by an order of magnitude)."""
-    from mlora.batch.job.prepare import run_job
+    from mlora.batch.runner import run_job
 
     out = tmp_path_factory.mktemp("single") / "out"
     threads = torch.get_num_threads()

@@ -17,8 +17,9 @@ from conftest import REPO
 
 JOB = """
 import resource, sys
-from mlora.batch.job.prepare import JobOptions, run_job
-s = run_job(JobOptions(input=sys.argv[1], output=sys.argv[2], base=sys.argv[3], prompt_column=None,
+from mlora.batch.config import JobConfig
+from mlora.batch.runner import run_job
+s = run_job(JobConfig(input=sys.argv[1], output=sys.argv[2], base=sys.argv[3], prompt_column=None,
                        prompt_ids_column="prompt_ids", max_new_tokens=1, device="cpu",
                        max_num_seqs=512, max_batch_tokens=4096, shard_rows=20000))
 assert s.ok_rows == s.rows, s

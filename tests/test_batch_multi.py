@@ -17,7 +17,9 @@ import torch
 from conftest import DEMO, DEMO_MAX_NEW_TOKENS, demo_job_options as _opts, shard_digests as _shards
 
 from mlora.batch.scaleout.assign import Dispatcher
-from mlora.batch.job.prepare import JobError, JobOptions, run_job
+from mlora.batch.config import JobConfig
+from mlora.batch.errors import JobError
+from mlora.batch.runner import run_job
 from mlora.batch.job.output import read_output
 from mlora.batch.scaleout.placement import gpu_places, plan_workers
 
@@ -165,9 +167,9 @@ def test_gpus_are_checked_against_the_visible_devices(monkeypatch):
     assert e.value.code == "E_GPUS_DEVICE"
     # --num-workers on a CUDA host runs on the CPU only when asked to
     with pytest.raises(JobError) as e:
-        plan_workers(JobOptions(input="", output="", base="", num_workers=2))
+        plan_workers(JobConfig(input="", output="", base="", num_workers=2))
     assert e.value.code == "E_WORKERS_DEVICE"
-    plan = plan_workers(JobOptions(input="", output="", base="", num_workers=2, device="cpu"))
+    plan = plan_workers(JobConfig(input="", output="", base="", num_workers=2, device="cpu"))
     assert [p.device for p in plan.places] == ["cpu", "cpu"] and plan.places[0].threads >= 1
 
 

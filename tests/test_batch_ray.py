@@ -16,7 +16,9 @@ import pyarrow as pa
 import pytest
 from conftest import DEMO, demo_job_options as _opts, shard_digests as _shards
 
-from mlora.batch.job.prepare import JobError, run_job
+from mlora.batch.errors import JobError
+
+from mlora.batch.runner import run_job
 from mlora.batch.job.output import read_output
 
 try:

@@ -73,13 +73,14 @@ def env(tmp_path_factory):
 
 
 def _run(env, out, **kw):
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.runner import run_job
 
     opts = dict(input=env["input"], output=str(out), base=env["base"], adapters_dir=env["adapters"],
                 prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=MAX_NEW, device="cpu",
                 dtype="float32", keep_columns=("note",))
     opts.update(kw)
-    return run_job(JobOptions(**opts))
+    return run_job(JobConfig(**opts))
 
 
 def _rows(out):
@@ -221,11 +222,12 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
 def _demo_job_gives_the_expected_rows(tmp_path, device="cpu", **options):
     """Run the demo workspace's job in float32 and assert every row equals expected.json;
     returns the job summary."""
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.runner import run_job
 
     with open(os.path.join(DEMO, "expected.json")) as f:
         expected = json.load(f)
-    summary = run_job(JobOptions(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+    summary = run_job(JobConfig(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
                                  base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
                                  max_new_tokens=expected["max_new_tokens"], device=device, dtype="float32",
                                  **options))
@@ -333,7 +335,7 @@ def test_joint_mode_blocking_loads_wait_for_free_slot_pages(tmp_path, monkeypatc
 def test_memory_ledger_refusals(tmp_path):
     """An unknown --memory-ledger, and an arena too small for one slot beside one longest row,
     are refused before any row runs (E_MEMORY_LEDGER, exit 2)."""
-    from mlora.batch.job.prepare import JobError
+    from mlora.batch.errors import JobError
 
     for i, (options, words) in enumerate((
             (dict(memory_ledger="shared"), "must be one of split, joint"),
@@ -406,7 +408,8 @@ def test_sampled_rows_do_not_depend_on_batch_options(env, tmp_path):
 
 
 def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.runner import run_job
 
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({
@@ -415,7 +418,7 @@ def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
         "adapter": [None, "upper", "reverse"],
         "limit": pa.array([None, None, 3], pa.int64()),
     }), inp)
-    run_job(JobOptions(input=inp, output=str(tmp_path / "out"), base=os.path.join(DEMO, "base"),
+    run_job(JobConfig(input=inp, output=str(tmp_path / "out"), base=os.path.join(DEMO, "base"),
                        adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=40, stop=(" ",),
                        max_new_tokens_column="limit", device="cpu"))
     rows = _rows(tmp_path / "out")
@@ -430,7 +433,9 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
 
     from mlora.batch.job import session as session_mod
 
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+
+    from mlora.batch.runner import run_job
 
     base = str(tmp_path / "base")
     factory.save_base(factory.tiny_model("llama", seed=0, hidden=16, layers=1), base)
@@ -445,7 +450,7 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
     pq.write_table(pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int64())), "adapter": pa.array(names, pa.string())}), inp)
 
     def run(out, slots, prefetch=4, gpu=4, processes=0, lookahead=False, window=2048, **kw):
-        return run_job(JobOptions(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
+        return run_job(JobConfig(input=inp, output=str(tmp_path / out), base=base, adapters_dir=str(tmp_path / "adapters"),
                                   prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=4, device="cpu",
                                   max_num_seqs=8, max_gpu_adapters=slots, prefetch_adapters=prefetch,
                                   prefetch_gpu_adapters=gpu, image_build_processes=processes, lookahead=lookahead,
@@ -596,46 +601,47 @@ def test_a_cold_adapter_is_not_starved_by_hot_work(env):
 
 
 def test_default_adapter_slots_come_from_free_gpu_memory(monkeypatch):
-    from mlora.batch.job.prepare import JobOptions, num_slots
+    from mlora.batch.config import JobConfig
+    from mlora.batch.job.sizing import num_slots
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert num_slots(JobOptions(input="", output="", base=""), 40, 10, cpu) == 40
-    assert num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=3), 40, 10, cuda) == 3
-    assert num_slots(JobOptions(input="", output="", base="", max_gpu_adapters=80), 40, 10, cuda) == 40
+    assert num_slots(JobConfig(input="", output="", base=""), 40, 10, cpu) == 40
+    assert num_slots(JobConfig(input="", output="", base="", max_gpu_adapters=3), 40, 10, cuda) == 3
+    assert num_slots(JobConfig(input="", output="", base="", max_gpu_adapters=80), 40, 10, cuda) == 40
     GiB = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GiB, 140 * GiB))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     # usable = 100 - 0.1 * 140 = 86 GiB; a quarter is 21.5 GiB: 21 slots of 1 GiB
-    assert num_slots(JobOptions(input="", output="", base=""), 1000, GiB, cuda) == 21
-    assert num_slots(JobOptions(input="", output="", base=""), 5, GiB, cuda) == 5
+    assert num_slots(JobConfig(input="", output="", base=""), 1000, GiB, cuda) == 21
+    assert num_slots(JobConfig(input="", output="", base=""), 5, GiB, cuda) == 5
     # --kv-cache-gb fixes the KV cache: the adapters have the rest of the usable 86 GiB (56 slots
     # beside 30 GiB, 6 beside 80 GiB: not the quarter, which would not fit), at least one slot
-    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=30), 1000, GiB, cuda) == 56
-    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=80), 1000, GiB, cuda) == 6
-    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=90), 1000, GiB, cuda) == 1
-    assert num_slots(JobOptions(input="", output="", base="", kv_cache_gb=30), 40, GiB, cuda) == 40
+    assert num_slots(JobConfig(input="", output="", base="", kv_cache_gb=30), 1000, GiB, cuda) == 56
+    assert num_slots(JobConfig(input="", output="", base="", kv_cache_gb=80), 1000, GiB, cuda) == 6
+    assert num_slots(JobConfig(input="", output="", base="", kv_cache_gb=90), 1000, GiB, cuda) == 1
+    assert num_slots(JobConfig(input="", output="", base="", kv_cache_gb=30), 40, GiB, cuda) == 40
 
 
 def test_batch_run_option_defaults_are_the_job_defaults():
-    """Every `mlora batch-run` option that is a JobOptions field defaults to JobOptions' own
+    """Every `mlora batch-run` option that is a JobConfig field defaults to JobConfig' own
     default (both are written out: the CLI must not import torch to render --help), so a
     shell script and a Python caller get the same job. The exceptions are deliberate: the
     CLI's None for --prompt-column means "prompt unless --prompt-ids-column is given", and
-    repeatable options default to None where JobOptions holds an empty tuple."""
+    repeatable options default to None where JobConfig holds an empty tuple."""
     import dataclasses
 
     import typer
 
-    from mlora.batch.job.prepare import JobOptions
+    from mlora.batch.config import JobConfig
     from mlora.cli.app import app
 
     command = typer.main.get_command(app).commands["batch-run"]
-    fields = {f.name: f for f in dataclasses.fields(JobOptions)}
+    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
     compared = 0
     for param in command.params:
         f = fields.get(param.name)
         if f is None or f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            continue  # not a JobOptions field (--adapters, --json, ...) or required (INPUT, OUTPUT, --base)
+            continue  # not a JobConfig field (--adapters, --json, ...) or required (INPUT, OUTPUT, --base)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if param.name == "prompt_column" or (param.default is None and default == ()):
             continue

@@ -15,3 +15,11 @@ class CodedError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class JobError(CodedError):
+    """The job cannot start or continue; ``code`` is stable, the message says what to do."""
+
+    def __init__(self, code: str, message: str, exit_code: int = 1):
+        super().__init__(code, message)
+        self.exit_code = exit_code

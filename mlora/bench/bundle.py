@@ -194,7 +194,8 @@ BUNDLE_RUNS = ("bundle", "base", "bundle-triton", "adapters")
 
 
 def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.runner import run_job
 
     ws = write_workspace(root, o, progress)
     slots, bundle_bytes, slot_bytes = matched_slots(root, o)
@@ -204,7 +205,7 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
     def job(name: str, out_name: str, rows_file: str, max_new_tokens: int):
         """(output directory, summary) of run ``name``'s batch-run job over ``rows_file``."""
         out = fresh_output(root, out_name)
-        return out, run_job(JobOptions(
+        return out, run_job(JobConfig(
             input=rows_file, output=out, base=os.path.join(root, "base"),
             adapters_dir=None if name == "base" else os.path.join(root, "bundle" if name == "bundle-triton" else name),
             prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=max_new_tokens, device=o.device,

@@ -71,7 +71,7 @@ class ResidencyBenchOptions:
     seed: int = 0
     runs: tuple[str, ...] = ("limited", "all-resident")
     prefetch_gpu_adapters: int = 4  # batch-run's option (0: loads block the engine)
-    image_build_processes: int = 0  # JobOptions.image_build_processes (0: prefetch threads build images)
+    image_build_processes: int = 0  # JobConfig.image_build_processes (0: prefetch threads build images)
     warmup_rows: int = 256  # rows of the untimed warm-up job before each run (0: none)
     memory_ledger: str = "split"  # batch-run's --memory-ledger (joint: KV and slots from one arena)
     warmup_new_tokens: int = 16
@@ -251,7 +251,8 @@ def fresh_output(root: str, name: str) -> str:
 
 
 def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> dict:
-    from mlora.batch.job.prepare import JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.runner import run_job
 
     ws = write_workspace(root, o, progress)
     adapter_file = os.path.join(root, "adapters", "a0000", "adapter_model.safetensors")
@@ -261,7 +262,7 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
     def job(name: str, slots: int, rows_file: str, max_new_tokens: int):
         """(output directory, summary) of one batch-run job over ``rows_file``."""
         out = fresh_output(root, name)
-        return out, run_job(JobOptions(
+        return out, run_job(JobConfig(
             input=rows_file, output=out, base=os.path.join(root, "base"),
             adapters_dir=os.path.join(root, "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
             max_new_tokens=max_new_tokens, device=o.device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,

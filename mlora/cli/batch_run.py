@@ -83,7 +83,9 @@ def batch_run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Generate a completion for every input row with the adapter it names (Parquet in, Parquet out)."""
-    from mlora.batch.job.prepare import JobError, JobOptions, run_job
+    from mlora.batch.config import JobConfig
+    from mlora.batch.errors import JobError
+    from mlora.batch.runner import run_job
 
     err = Console(stderr=True)
     if adapters is not None and catalog is not None:
@@ -93,7 +95,7 @@ def batch_run(
     if not 0 < top_p <= 1:
         _fail(err, "E_USAGE", "--top-p must lie in (0, 1]", EXIT_USAGE)
     keep = tuple(c.strip() for item in (keep_columns or []) for c in item.split(",") if c.strip())
-    opts = JobOptions(
+    opts = JobConfig(
         input=input, output=str(output), base=str(base),
         adapters_dir=str(adapters) if adapters else None, catalog_file=str(catalog) if catalog else None,
         id_column=id_column, prompt_column=None if prompt_ids_column else (prompt_column or "prompt"),

@@ -114,6 +114,9 @@ def tile_capacity(num_rows: int, num_slots: int, block_m: int) -> int:
     return max(1, (num_rows + active_slots * (block_m - 1)) // block_m)
 
 
+DECODE_BLOCK_M = 16  # row tile of decode batches (below 1024 rows choose_block_m gives 16)
+
+
 def choose_block_m(num_active: int, num_segments: int) -> int:
     """Row tile for a batch, from the H200 sweep (scripts/kernel_sweep.py,
     BENCHMARKS.md): 16, the smallest tensor-core tile, for decode-like and

@@ -75,6 +75,8 @@ from dataclasses import dataclass
 import torch
 
 from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels.launch import DECODE_BLOCK_M
+from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
 
 from mlora.batch.adapters.slots import BankError, BankStats, lru_slot
 from mlora.batch.adapters.catalog import PinnedAdapter
@@ -271,8 +273,6 @@ class BundleBank:
     def _triton_banks(self, bases: dict, shapes: dict) -> None:
         """The Triton operator's device tensors: per (layer, group) its cluster bases as the
         segmented kernels' A and B banks and views of the slot tables (``_Banks``)."""
-        from mlora.kernels.triton_sgmv import _INTERPRET
-
         if self.device.type != "cuda" and not _INTERPRET:
             raise ValueError("the triton bundle operator needs a CUDA device (or TRITON_INTERPRET=1)")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -437,11 +437,10 @@ class BundleBank:
         row buffer (``graph_context(buf[:rows])`` and ``context(..., static=buf)`` of ``rows``
         row slots name the same plan), held with the buffer, so the key's address is never
         reused. Empty (no tiles) until ``context`` fills it."""
-        from mlora.batch.engine.graphs import BLOCK_M  # the decode graphs' row tile
-
         key = (static.data_ptr(), rows)
         if key not in self._static_plans:
-            lp = empty_launch_plan(rows, tile_capacity(rows, self.num_slots, BLOCK_M), BLOCK_M, self.device)
+            lp = empty_launch_plan(rows, tile_capacity(rows, self.num_slots, DECODE_BLOCK_M), DECODE_BLOCK_M,
+                                   self.device)
             self._static_plans[key] = (static, lp)
         return self._static_plans[key][1]
 
@@ -514,7 +513,5 @@ class BundleTritonContext:
         banks = self.bank.banks.get((layer, group))
         if banks is None or self.plan is None:
             return
-        from mlora.kernels.triton_sgmv import add_bundle_slices_triton  # deferred: importing triton is slow
-
         add_bundle_slices_triton(y, x, banks.A, banks.B, self.plan, banks.ranks, banks.rows, banks.cores,
                                  banks.widths, banks.out_offsets, diag=banks.diag)

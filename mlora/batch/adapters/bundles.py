@@ -33,7 +33,11 @@ import os
 
 import torch
 
-from mlora.batch.adapters.catalog import AdapterChanged, AdapterError, CatalogEntry, PinnedAdapter, PinnedModule, TensorRef
+from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
+                                         PinnedModule, TensorRef, unsupported_module)
+from mlora.batch.model.decoder import load_config
+from mlora.compress.bundle import read_bundle
+from mlora.compress.solvers import CompressError
 from mlora.batch.model.lora import config_role_shapes, module_layer_role
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
@@ -42,8 +46,6 @@ _BUNDLES: dict[tuple[str, str], object] = {}
 
 def bundle_entries(root: str) -> dict[str, CatalogEntry]:
     """One catalog entry per member of the bundle at ``root`` (ids from bundle.json, in order)."""
-    from mlora.batch.adapters.catalog import CatalogError
-
     try:
         with open(os.path.join(root, "bundle.json")) as f:
             members = [m["id"] for m in json.load(f)["members"]]
@@ -56,8 +58,6 @@ def bundle_entries(root: str) -> dict[str, CatalogEntry]:
 
 def _verified(path: str):
     """Read and verify the bundle now (every job start does), and keep it for the job's loads."""
-    from mlora.compress.bundle import read_bundle
-
     b = read_bundle(path)
     _BUNDLES[(path, b.manifest["bundle_sha256"])] = b
     return b
@@ -66,11 +66,6 @@ def _verified(path: str):
 def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> dict[str, PinnedAdapter]:
     """Pin bundle members: the bundle verified (a tampered bundle makes every member an
     error), every module's shape checked against the base."""
-    from mlora.compress.solvers import CompressError
-
-    from mlora.batch.adapters.catalog import _unsupported_module
-    from mlora.batch.model.decoder import load_config
-
     config = load_config(base_dir)
     expected = config_role_shapes(config)
     out: dict[str, PinnedAdapter] = {}
@@ -104,7 +99,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
             if e.bundle_member not in mod["assignments"]:
                 continue
             layer, role = module_layer_role(name)
-            problem = _unsupported_module(name, "linear", role, layer)
+            problem = unsupported_module(name, "linear", role, layer)
             shape = expected.get(role)
             if problem is None and (layer >= config.num_layers or shape != (mod["d_out"], mod["d_in"])):
                 problem = (f"module {name} is [{mod['d_out']}, {mod['d_in']}] in the bundle, the base has "

@@ -25,8 +25,6 @@ Error code of a bad adapter, first match wins::
 
 from __future__ import annotations
 
-from mlora.batch.errors import CodedError
-
 import hashlib
 import json
 import os
@@ -42,7 +40,9 @@ from mlora.lora_tools.findings import ERROR, UNSERVABLE, Finding, finding
 from mlora.lora_tools.manifest import base_identity as measure_base, build_manifest, load_base
 from mlora.lora_tools.safetensors_io import TensorInfo, tensor_digest_prefix
 
-from mlora.batch.model.lora import ROLE_SLICE
+from mlora.batch.adapters.bundles import bundle_entries, member_factors, pin_members
+from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
+                                         PinnedModule, TensorRef, unsupported_module)
 
 BASE_ID = "__base__"  # an adapter-column value that means "the base model on purpose"
 MAX_CATALOG_BYTES = 64 * 1024 * 1024
@@ -50,84 +50,7 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-class CatalogError(CodedError, ValueError):
-    """The catalog itself is unusable (the job cannot start). ``code`` is one of
-    E_CATALOG_NOT_FOUND, E_CATALOG_INVALID, E_CATALOG_EMPTY."""
-
-
-class AdapterError(CodedError, RuntimeError):
-    """A pinned adapter cannot be served; ``code`` says why."""
-
-    def __init__(self, code: str, message: str, adapter_id: str | None = None):
-        super().__init__(code, message)
-        self.adapter_id = adapter_id
-
-
-class AdapterChanged(AdapterError):
-    """The bytes on disk no longer hash to the digests pinned at job start."""
-
-    def __init__(self, adapter_id: str, detail: str):
-        super().__init__(
-            "E_ADAPTER_CHANGED",
-            f"adapter {adapter_id!r}: {detail}; adapter bytes changed since the job started; the old identity is "
-            "never served: restore the adapter or start a new job",
-            adapter_id,
-        )
-
-
 # ---- catalog ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    id: str
-    path: str  # absolute
-    expected_artifact_sha256: str | None = None
-    bundle_member: str | None = None  # set: ``path`` is a collection bundle and this is the member's id there
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one factor's bytes lie and the tensor digest they must hash to."""
-
-    name: str
-    path: str
-    offset: int
-    nbytes: int
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    sha256: str
-
-
-@dataclass(frozen=True)
-class PinnedModule:
-    name: str  # canonical module name, e.g. model.layers.3.self_attn.q_proj
-    layer: int
-    role: str  # q_proj ... down_proj
-    rank: int
-    scale: float
-    d_in: int
-    d_out: int
-    a: TensorRef  # [rank, d_in]
-    b: TensorRef  # [d_out, rank]
-
-
-@dataclass(frozen=True)
-class PinnedAdapter:
-    """One catalog id as pinned at job start. ``modules`` is empty unless ``ok``."""
-
-    id: str
-    path: str | None
-    ok: bool
-    error_code: str | None = None
-    error_message: str | None = None
-    artifact_sha256: str | None = None
-    semantic_sha256: str | None = None
-    max_rank: int = 0
-    modules: tuple[PinnedModule, ...] = ()
-    findings: tuple[Finding, ...] = ()
-    bundle: str | None = None  # a collection bundle member (``mlora.batch.adapters.bundles``): the bundle directory
-    bundle_member: str | None = None  # ... and the member's id in that bundle
 
 
 class Catalog:
@@ -176,9 +99,7 @@ class Catalog:
         for i, art in arts.items():
             out[i] = _pin_one(self.entries[i], art, base_identity)
         if members:
-            from mlora.batch.adapters.bundles import pin_members
-
-            out.update(pin_members([self.entries[i] for i in members], base_dir, base_identity))
+                out.update(pin_members([self.entries[i] for i in members], base_dir, base_identity))
         return out
 
 
@@ -204,8 +125,6 @@ def _from_dir(root: str) -> Catalog:
         raise CatalogError("E_CATALOG_NOT_FOUND", f"--adapters {root}: no such directory; pass the directory "
                            "that holds one sub-directory per adapter")
     if os.path.exists(os.path.join(root, "bundle.json")):  # a collection bundle: its members are the adapters
-        from mlora.batch.adapters.bundles import bundle_entries
-
         return Catalog(bundle_entries(root), root)
     entries = {}
     for name in sorted(os.listdir(root)):
@@ -317,7 +236,7 @@ def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -
         return bad(unservable.code, _where(unservable))
     modules = []
     for rec in sorted(art.modules, key=lambda m: m.name):
-        problem = _unsupported_module(rec.name, rec.kind, rec.role, rec.layer)
+        problem = unsupported_module(rec.name, rec.kind, rec.role, rec.layer)
         if problem:
             return bad("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {entry.id!r}: {problem}")
         modules.append(PinnedModule(
@@ -333,20 +252,6 @@ def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -
 
 def _where(f: Finding) -> str:
     return f"{f.module}: {f.message}" if f.module else f.message
-
-
-def _unsupported_module(name: str, kind: str, role: str, layer: int | None) -> str | None:
-    """Why the batch engine cannot serve this module (None when it can): only
-    linear q/k/v/o/gate/up/down projections of numbered decoder layers, named
-    as in Hugging Face Llama-family models."""
-    if kind != "linear" or role not in ROLE_SLICE or layer is None:
-        return (f"module {name!r} is not served by the batch engine; it serves LoRA on the q/k/v/o/gate/up/down "
-                "projections of decoder layers only: retrain without it or merge it with `mlora merge`")
-    block = "self_attn" if ROLE_SLICE[role][0] in ("qkv", "o") else "mlp"
-    if name != f"model.layers.{layer}.{block}.{role}":
-        return (f"module {name!r} is not a decoder-layer projection (expected model.layers.{layer}.{block}.{role}); "
-                "the batch engine serves Llama-family decoders only")
-    return None
 
 
 def _ref(t, sha256: str | None) -> TensorRef:
@@ -367,14 +272,12 @@ def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tupl
     if not pinned.ok:
         raise AdapterError(pinned.error_code or "E_ADAPTER_INVALID", pinned.error_message or "not servable", pinned.id)
     if pinned.bundle is not None:
-        from mlora.batch.adapters.bundles import member_factors
-
-        return member_factors(pinned, dtype, device)
+            return member_factors(pinned, dtype, device)
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     files: dict[str, int] = {}
     try:
         for m in pinned.modules:
-            problem = _unsupported_module(m.name, "linear", m.role, m.layer)
+            problem = unsupported_module(m.name, "linear", m.role, m.layer)
             if problem:
                 raise AdapterError("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {pinned.id!r}: {problem}", pinned.id)
             a, b = (_read_verified(pinned.id, ref, files) for ref in (m.a, m.b))

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from mlora.batch.model.kvcache import KVCache
+
 ALIGN = 256  # bytes: every slot tensor starts at a multiple (any dtype's alignment, vector loads)
 
 
@@ -53,8 +55,6 @@ class PageArena:
                  dtype: torch.dtype) -> torch.Tensor:
         """Every page (spare ones last) as one page-major KV block; the page size must be one
         block's K and V of every layer."""
-        from mlora.batch.model.kvcache import KVCache
-
         block = KVCache.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         if block != self.page_bytes:
             raise ValueError(f"a KV block of this model is {block} bytes, the arena's pages {self.page_bytes}")

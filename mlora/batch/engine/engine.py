@@ -38,6 +38,7 @@ import torch
 from mlora.batch.model.attention import AttentionMetadata
 from mlora.batch.adapters.catalog import AdapterError
 from mlora.batch.envknobs import env_choice
+from mlora.batch.engine.graphs import DecodeGraphs
 from mlora.batch.engine.joint import LedgerBlocks
 from mlora.batch.model.kvcache import BlockAllocator, KVCache, KVCacheFull
 from mlora.batch.engine.sampling import SamplingParams, row_key, sample
@@ -204,8 +205,6 @@ class Engine:
             self.allocator = BlockAllocator(num_blocks)
         self.graphs = None
         if cuda_graphs:
-            from mlora.batch.engine.graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(model, self.kv, bank, max_num_seqs, scratch_slot=num_blocks * block_size)
         self.num_blocks = num_blocks
         self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0

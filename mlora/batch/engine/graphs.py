@@ -38,13 +38,14 @@ import os
 import torch
 
 from mlora.kernels import empty_launch_plan, tile_capacity
+from mlora.kernels.launch import DECODE_BLOCK_M
 
 from mlora.batch.model.attention import AttentionMetadata
 from mlora.batch.adapters.slots import BankContext
 from mlora.kernels.greedy import greedy_tokens
 from mlora.kernels.paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
 
-BLOCK_M = 16  # LoRA row tile of decode batches (kernels.launch.choose_block_m below 1024 rows)
+BLOCK_M = DECODE_BLOCK_M  # LoRA row tile of decode batches
 
 
 class GraphBufferError(AssertionError):

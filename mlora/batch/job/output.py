@@ -55,6 +55,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mlora import __version__
 from mlora.lora_tools.canonical import canonical_json, canonicalize_floats, sha256_hex
 
 try:  # POSIX only; elsewhere the job runs without the concurrent-writer guard
@@ -294,8 +295,6 @@ class JobOutput:
 
 
 def _mlora_version() -> str:
-    from mlora import __version__
-
     return __version__
 
 

@@ -21,13 +21,21 @@ from collections.abc import Iterator
 
 import torch
 
+from mlora.batch.adapters.bundle_bank import BundleBank
+from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import PinnedAdapter
-from mlora.batch.engine.engine import Engine, Request, Result, chain_from_env
-from mlora.batch.envknobs import env_int
-from mlora.batch.gcpauses import GcRegime
-from mlora.batch.model.gemms import blas_for
-from mlora.batch.job.prepare import BASE_IDS, JobOptions, Tokenizer, kv_blocks, num_slots
+from mlora.batch.adapters.residency import ResidencyBank
+from mlora.batch.adapters.residency.manager import PER_LOAD_STATS
+from mlora.batch.config import JobConfig
+from mlora.batch.engine.engine import Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
+from mlora.batch.errors import JobError
+from mlora.batch.gcpauses import GcRegime
+from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.prepare import BASE_IDS, Tokenizer
+from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots
+from mlora.batch.model.decoder import DecoderModel
+from mlora.batch.model.lora import held_slices
 
 
 class EngineSession:
@@ -39,35 +47,22 @@ class EngineSession:
     model and the preloaded adapters are in place, so its clock measures
     generation only, as the single-process job always did."""
 
-    def __init__(self, opts: JobOptions, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
-        from mlora.batch.model.lora import held_slices
-        from mlora.batch.job.metrics import JobMetrics
-        from mlora.batch.model.decoder import DecoderModel
-        from mlora.batch.adapters.residency import ResidencyBank
-
+    def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
         self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
-        blas_for(1, device)  # MLORA_BLAS_ROWS, the same (every forward reads it)
-        chain_from_env()  # MLORA_CHAIN_DECODE, the same (the engine reads it once it is built)
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
         self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         config = model.config
         good = {a: p for a, p in pinned.items() if p.ok}
         max_rank = max((p.max_rank for p in good.values()), default=0)
         self.bank = self.arena = None
-        check_memory_ledger(opts.memory_ledger)  # also here: MloraPredictor actors build sessions without prepare_job
         bundle = served_bundle(opts, good)
         if bundle is not None and opts.memory_ledger == "joint":
-            from mlora.batch.job.prepare import JobError
-
             raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint carves adapter slots and KV blocks from one "
                            "arena, but this job's adapters are the members of one bundle, served by its three-stage "
                            "operator with resident shared bases; use --memory-ledger split, or --bundle-operator "
                            "materialized to serve the members through slots", 2)
         if bundle is not None:
-            from mlora.batch.adapters.bundle_bank import BundleBank
-            from mlora.batch.job.prepare import JobError, adapter_share_bytes
-
             operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
             if operator == "triton" and device.type != "cuda":
                 raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
@@ -106,7 +101,7 @@ class EngineSession:
                                       build_processes=opts.image_build_processes if workers else 0, slices=slices,
                                       arena=self.arena)
         self._switch = None
-        switch = switch_interval_s()
+        switch = SWITCH_INTERVAL_S
         if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > switch:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
             # must win it back quickly: at Python's default 5 ms interval each re-acquisition
@@ -164,8 +159,6 @@ class EngineSession:
         if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
             engine["graph_replays"] = self.engine.graphs.replays
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
-        from mlora.batch.adapters.residency.manager import PER_LOAD_STATS  # lazily, as the bank itself (only jobs with adapters)
-
         bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in PER_LOAD_STATS} if self.bank else {}
         # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
         # wait; and the host's time to issue a load (the copy stream cannot finish before it)
@@ -206,83 +199,9 @@ class EngineSession:
             self._switch = None
 
 
-# three-stage-triton: three-stage through the segmented Triton kernels (bundle_bank
-# operator="triton"), CUDA only, opt-in until the H200 serving benchmark compares it
-BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
-# the GIL switch interval while prefetch threads run (MLORA_SWITCH_INTERVAL_US); 50 us measured
-# worse in the 8,000-row residency job: 5% fewer tokens/s, slower load issue (twenty-first session)
-SWITCH_INTERVAL_US = 500
-
-
-def switch_interval_s() -> float:
-    """The interpreter's switch interval while prefetch threads run, in seconds:
-    ``MLORA_SWITCH_INTERVAL_US`` (microseconds, >= 1; A/B runs) or ``SWITCH_INTERVAL_US``."""
-    return env_int("MLORA_SWITCH_INTERVAL_US", SWITCH_INTERVAL_US, minimum=1, unit="microseconds") / 1e6
-
-
-MEMORY_LEDGERS = ("split", "joint")
-
-
-def check_memory_ledger(mode: str) -> None:
-    if mode not in MEMORY_LEDGERS:
-        from mlora.batch.job.prepare import JobError
-
-        raise JobError("E_MEMORY_LEDGER", f"--memory-ledger must be one of {', '.join(MEMORY_LEDGERS)}, got "
-                       f"{mode!r}", 2)
-
-
-def decode_graphs(opts: JobOptions, device: torch.device) -> bool:
-    """Whether the job's decode steps replay graphs: ``--cuda-graphs`` (the default) on a GPU;
-    on the CPU only with ``MLORA_EMULATE_GRAPHS=1`` (tests: the graphs emulated, the slot bank
-    on the Triton kernels, interpreted; ``mlora.batch.engine.graphs``)."""
-    return bool(opts.cuda_graphs) and (device.type == "cuda" or os.environ.get("MLORA_EMULATE_GRAPHS") == "1")
-
-
-def joint_arena(opts: JobOptions, config, dtype: torch.dtype, device: torch.device, adapters: int, slot_bytes: int,
-                groups: int):
-    """(arena, adapter slots) of the joint memory mode: one ``PageArena`` of KV-block pages for
-    the whole budget (``--kv-cache-gb`` when given, else the usable GPU memory; on the CPU the
-    split mode's KV blocks plus the slots), with at most one slot per adapter
-    (``--max-gpu-adapters``) and always room for one longest row's KV beside the slots. A
-    slot's pages are KV pages while no adapter holds it."""
-    from mlora.batch.engine.arena import ALIGN, PageArena
-    from mlora.batch.job.prepare import JobError, _usable_gpu_bytes
-    from mlora.batch.model.kvcache import KVCache
-    from mlora.batch.adapters.residency import ResidencyBank
-
-    page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
-    spare = int(decode_graphs(opts, device))  # the decode graphs' scratch block
-    pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
-    want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
-    row_pages = -(-config.max_position_embeddings // opts.block_size)
-    if opts.kv_cache_gb:
-        budget = opts.kv_cache_gb * 2**30
-    elif device.type == "cuda":
-        budget = _usable_gpu_bytes(opts, device)
-    else:
-        budget = (kv_blocks(opts, config, dtype, device) + want * pps + spare) * page
-    pages = int(budget // page) - spare
-    slots = min(want, (pages - row_pages) // pps) if pages > row_pages else 0
-    if page % ALIGN:
-        raise JobError("E_MEMORY_LEDGER", f"this model's KV block is {page} bytes, not a multiple of {ALIGN}: one "
-                       "arena cannot carve aligned slots from such pages; use --memory-ledger split", 2)
-    if not (opts.prefetch_adapters and opts.prefetch_gpu_adapters):
-        raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint loads cold adapters asynchronously (a load holds its "
-                       "slot's pages from the moment its row is admitted); it needs --prefetch-adapters and "
-                       "--prefetch-gpu-adapters above 0", 2)
-    if slots < 1:
-        source = ""  # where the budget came from
-        if opts.kv_cache_gb:
-            source = f" (from --kv-cache-gb {opts.kv_cache_gb:g})"
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            source = (f" (from the usable GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after "
-                      f"the weights, less the {1 - opts.gpu_memory_utilization:.0%} that --gpu-memory-utilization "
-                      f"{opts.gpu_memory_utilization:g} keeps free)")
-        raise JobError("E_MEMORY_LEDGER", f"one arena of {max(pages, 0)} pages of {page} bytes{source} cannot hold "
-                       f"an adapter slot ({pps} pages) beside one longest row's KV ({row_pages} pages); give it more "
-                       "memory (--kv-cache-gb, --gpu-memory-utilization) or use --memory-ledger split", 2)
-    return PageArena(pages, page, device, spare), slots
+# the GIL switch interval while prefetch threads run: the engine thread must win the lock back
+# quickly at every device sync (50 us measured slower than this in the residency benchmark)
+SWITCH_INTERVAL_S = 500e-6
 
 
 def prefetch_workers() -> int:
@@ -293,7 +212,7 @@ def prefetch_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
+def served_bundle(opts: JobConfig, good: dict[str, PinnedAdapter]):
     """The verified bundle to serve with the three-stage operator, or None for slots.
 
     ``auto``: the three-stage operator when every servable adapter of the job is a
@@ -303,12 +222,7 @@ def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
     ``U_c core_i``, ``V_c^T`` in a slot of its own); ``three-stage-triton``: as
     ``three-stage``, the operator run by the segmented Triton kernels (CUDA only:
     E_BUNDLE_OPERATOR, exit 2, on another device)."""
-    from mlora.batch.job.prepare import JobError
-
     mode = opts.bundle_operator
-    if mode not in BUNDLE_OPERATORS:
-        raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
-                       f"not {mode!r}", 2)
     if mode == "materialized" or not good:
         return None
     bundles = {(p.bundle, p.artifact_sha256) if p.bundle else None for p in good.values()}
@@ -318,8 +232,6 @@ def served_bundle(opts: JobOptions, good: dict[str, PinnedAdapter]):
                            "but this job also names adapters that are not members of it (or members of several "
                            "bundles); use --bundle-operator materialized or auto", 2)
         return None
-    from mlora.batch.adapters.bundles import pinned_bundle
-
     return pinned_bundle(next(iter(good.values())))
 
 
@@ -341,7 +253,7 @@ def result_record(res: Result, pinned: dict[str, PinnedAdapter], tokenizer: Toke
     }
 
 
-def requests_of(batch, opts: JobOptions, tokenizer: Tokenizer | None, vocab_size: int,
+def requests_of(batch, opts: JobConfig, tokenizer: Tokenizer | None, vocab_size: int,
                 kept: dict | None = None) -> Iterator[Request | Result]:
     """Requests (or refused rows as error Results) of one :class:`~mlora.batch.job.input.InputBatch`, in order.
     With ``kept``, each row's kept input columns are stored there by row position."""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from mlora.batch.model.kvcache import KVCache
+from mlora.kernels.paged_attention import PagedLayout, paged_attention
 
 # Largest query rows x keys of one grouped SDPA call (the mask's element count).
 GROUP_ELEMENTS = 1 << 16
@@ -122,8 +123,6 @@ class AttentionMetadata:
 
     def paged_layout(self, block_size: int, group: int, device: torch.device):
         """The Triton kernel's device metadata, built on the first layer's call."""
-        from mlora.kernels.paged_attention import PagedLayout
-
         key = ("paged", block_size, group, str(device))
         if key not in self._views:
             self._check(block_size)
@@ -140,8 +139,6 @@ def attention(q: torch.Tensor, layer: int, kv: KVCache, meta: AttentionMetadata,
         raise ValueError(f"attention backend {meta.backend!r}; expected 'auto', 'torch' or 'triton'")
     heads = q.shape[1]
     if meta.backend == "triton" or (meta.backend == "auto" and q.is_cuda):
-        from mlora.kernels.paged_attention import paged_attention
-
         layout = meta.paged_layout(kv.block_size, heads // kv.num_kv_heads, q.device)
         return paged_attention(q, kv.k[layer], kv.v[layer], layout, scale)
     group = heads // kv.num_kv_heads

@@ -57,8 +57,11 @@ from multiprocessing.connection import wait
 
 from mlora.batch.scaleout.assign import Dispatcher
 from mlora.batch.engine.engine import Request, Result, stored_adapter_bytes
-from mlora.batch.job.prepare import JobError, PreparedJob, RowWriter, finish_job
+from mlora.batch.errors import JobError
+from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.prepare import PreparedJob, RowWriter, finish_job
 from mlora.batch.scaleout.placement import WorkerPlace
+from mlora.batch.scaleout.worker import worker_main
 from mlora.batch.job.session import requests_of, result_record
 
 STOP_TIMEOUT_S = 60.0  # a worker told to stop reports within this, or is killed
@@ -135,8 +138,6 @@ class _Coordinator:
     # -- processes ---------------------------------------------------------
 
     def _spawn(self, places: list[WorkerPlace]) -> list[_Worker]:
-        from mlora.batch.scaleout.worker import worker_main
-
         ctx = multiprocessing.get_context("spawn")
         payload = pickle.dumps((self.opts, self.prep.pinned, self.prep.device.type, self.prep.dtype))
         workers = []
@@ -216,8 +217,6 @@ class _Coordinator:
         if kind == "ready":
             w.ready = True
             if self.writer is None:  # the first engine is up: the job's clock starts (as in one process)
-                from mlora.batch.job.metrics import JobMetrics
-
                 self.metrics = JobMetrics()
                 self.writer = RowWriter(self.prep.sink, self.prep.summary, self.metrics)
         elif kind == "done":

@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlora.batch.job.prepare import JobError, JobOptions, resolve_device
+from mlora.batch.config import JobConfig, resolve_device
 
-ENGINES = ("local", "ray")
-
+from mlora.batch.errors import JobError
 
 @dataclass(frozen=True)
 class WorkerPlace:
@@ -55,12 +54,9 @@ def _usage(code: str, message: str) -> JobError:
     return JobError(code, message, 2)
 
 
-def plan_workers(opts: JobOptions) -> WorkerPlan:
-    """Check the scale-out options of ``opts`` and say where the engines run (module docstring)."""
-    if opts.engine not in ENGINES:
-        raise _usage("E_SCALEOUT_USAGE", f"--engine must be local or ray, not {opts.engine!r}")
-    if opts.num_workers is not None and opts.num_workers < 1:
-        raise _usage("E_SCALEOUT_USAGE", f"--num-workers must be >= 1, not {opts.num_workers}")
+def plan_workers(opts: JobConfig) -> WorkerPlan:
+    """Check the scale-out options of a validated ``opts`` against this host and say where the engines
+    run (module docstring)."""
     if opts.engine == "ray":
         if opts.gpus is not None:
             raise _usage("E_SCALEOUT_USAGE", "--gpus is for --engine local; with --engine ray give --num-workers N "

@@ -55,15 +55,26 @@ import os
 from dataclasses import fields
 
 import pyarrow as pa
+import torch
 
-from mlora.batch.job.prepare import JobError, JobOptions, RowWriter, finish_job, prepare_job
+from mlora.batch.adapters.catalog import load_catalog
+from mlora.batch.config import resolve_device, resolve_dtype
+from mlora.batch.job.input import InputBatch, InputSpec, JobInputError, open_input
+from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.session import EngineSession, requests_of
+from mlora.batch.model.decoder import load_config
+from mlora.batch.config import JobConfig
+
+from mlora.batch.errors import JobError
+
+from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
 from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
 # the role columns of the table read_window yields (kept input columns keep their names)
 ROW, ID, PROMPT, PROMPT_IDS, ADAPTER, MAX_NEW = "_row", "_id", "_prompt", "_prompt_ids", "_adapter", "_max_new_tokens"
-# JobOptions fields a predictor takes as keyword options (the rest are about files and the job)
-PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobOptions)) - {
+# JobConfig fields a predictor takes as keyword options (the rest are about files and the job)
+PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
     "input", "output", "base", "adapters_dir", "catalog_file", "keep_columns", "strict", "resume", "shard_rows",
     "workers", "gpus", "num_workers", "engine", "ray_address"}
 
@@ -85,8 +96,6 @@ def pin_adapters(base: str, adapters: str | None = None, catalog: str | None = N
     ``MloraPredictor(pinned=...)``: actors then serve exactly these identities and
     do not hash the base and the adapters again each. Bad adapters are kept
     (their rows become error rows)."""
-    from mlora.batch.adapters.catalog import load_catalog
-
     catalog_ = load_catalog(adapters, catalog)
     return catalog_.pin(set(ids if ids is not None else catalog_.ids()), base, workers=workers)
 
@@ -127,20 +136,15 @@ class MloraPredictor:
                  pinned: dict | None = None, adapter_ids: list[str] | None = None, device: str = "auto",
                  dtype: str = "auto", torch_threads: int | None = None, keep_columns: list[str] | None = None,
                  **options):
-        import torch
-
-        from mlora.batch.job.prepare import resolve_device, resolve_dtype
-        from mlora.batch.model.decoder import load_config
-        from mlora.batch.job.session import EngineSession
-
         unknown = sorted(set(options) - PREDICTOR_OPTIONS)
         if unknown:
             raise TypeError(f"MloraPredictor: unknown option(s) {unknown}; known: {sorted(PREDICTOR_OPTIONS)}")
         if options.get("prompt_ids_column"):
             options.setdefault("prompt_column", None)
         self.keep_columns = None if keep_columns is None else list(keep_columns)
-        self.opts = JobOptions(input="", output="", base=base, adapters_dir=adapters, catalog_file=catalog,
-                               device=device, dtype=dtype, **options)
+        self.opts = JobConfig(input="", output="", base=base, adapters_dir=adapters, catalog_file=catalog,
+                              device=device, dtype=dtype, **options)
+        self.opts.validate()
         if torch_threads:
             torch.set_num_threads(torch_threads)
         if pinned is None:
@@ -149,9 +153,6 @@ class MloraPredictor:
         self.session = EngineSession(self.opts, pinned, dev, resolve_dtype(dtype, load_config(base).dtype, dev))
 
     def __call__(self, batch):
-        from mlora.batch.job.input import InputBatch
-        from mlora.batch.job.session import requests_of
-
         as_pandas = type(batch).__module__.startswith("pandas")
         table = _to_table(batch)
         o = self.opts
@@ -207,11 +208,9 @@ def _to_table(batch) -> pa.Table:
                     f"not {type(batch).__name__}")
 
 
-def read_window(items: dict, opts: JobOptions, fingerprint: list, batch_rows: int):
+def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int):
     """Ray Data UDF: rows ``[lo, hi)`` of each window item, sorted by adapter then
     position, yielded as tables of at most ``batch_rows`` rows (the module docstring)."""
-    from mlora.batch.job.input import InputSpec, JobInputError, open_input
-
     spec = InputSpec(id_column=opts.id_column, prompt_column=opts.prompt_column,
                      prompt_ids_column=opts.prompt_ids_column, adapter_column=opts.adapter_column,
                      max_new_tokens_column=opts.max_new_tokens_column, keep_columns=tuple(opts.keep_columns))
@@ -263,7 +262,7 @@ def _ray_failure(exc: BaseException) -> JobError:
                     "kept: rerun with --resume (MLORA_DEBUG=1 shows the Ray traceback)", 3)
 
 
-def run_ray_job(opts: JobOptions, plan, progress=None, note=None):
+def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
     """``batch-run --engine ray`` (module docstring)."""
     import torch
 
@@ -296,8 +295,6 @@ def run_ray_job(opts: JobOptions, plan, progress=None, note=None):
 
 
 def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
-    from mlora.batch.job.metrics import JobMetrics
-
     opts = prep.opts
     batch_rows = opts.schedule_window
     window = batch_rows * n

@@ -26,6 +26,8 @@ import os
 import pickle
 import signal
 
+from mlora.batch.errors import JobError
+
 KILL_ENV = "MLORA_TEST_KILL_WORKER"
 
 
@@ -42,8 +44,6 @@ def worker_main(index: int, conn, cuda_visible: str | None, threads: int | None,
 
 def _error(exc: BaseException) -> tuple[str, str, int]:
     """(code, message, exit code) of a worker failure, mapped as the CLI maps the same error in one process."""
-    from mlora.batch.job.prepare import JobError
-
     code = getattr(exc, "code", None)
     if isinstance(exc, JobError):
         return exc.code, exc.message, exc.exit_code
@@ -53,6 +53,7 @@ def _error(exc: BaseException) -> tuple[str, str, int]:
 
 
 def _serve(index: int, conn, threads: int | None, payload: bytes) -> None:
+    # torch and the engine are imported only once worker_main has set CUDA_VISIBLE_DEVICES
     import torch
 
     from mlora.batch.job.session import EngineSession

@@ -4,7 +4,7 @@ Owns a small pool of spawned processes that run ``SlotLayout.artifact`` (read
 the pinned adapter files, re-hash them against the pinned digests, place the
 factors, lay out the slot views, compute the validation numbers) and send the
 image back as raw bytes; the receiving prefetch thread copies them into one
-pinned buffer. Opt-in (``JobOptions.image_build_processes``; default: the
+pinned buffer. Opt-in (``JobConfig.image_build_processes``; default: the
 prefetch threads build). Written because thread builders take the interpreter
 lock from the engine thread (a 1.8 ms load took 16-40 ms next to them when
 loads blocked the engine); once admission's loads became asynchronous that no

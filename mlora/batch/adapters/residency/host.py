@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mlora.batch.adapters.residency.errors import ResidencyError
+from mlora.kernels.wordstats import split_sums, word_partials, word_stats
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,6 @@ class StatsPart:
         """name -> view_stats as a list (read once the rows have landed)."""
         if self.counts is None:
             return dict(zip(self.names, self.rows.tolist()))
-        from mlora.kernels.wordstats import split_sums
-
         return dict(zip(self.names, split_sums(self.rows, self.counts)))
 
 
@@ -240,8 +239,6 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
     for pair in word_stats_pairs({n: flats[n] for n in take}):
         if _WORDSTATS_FAILED is not None and not fused:
             break
-        from mlora.kernels.wordstats import word_partials
-
         try:
             rows = word_partials([flats[n].view(torch.int16) for n in pair], *float_masks(flats[pair[0]].dtype),
                                  CHECK_MODULUS)
@@ -308,8 +305,6 @@ def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     """:func:`view_stats` of a contiguous 1-D bfloat16/float16 tensor in one Triton pass
     (``wordstats.py``) and one sum of its partials, instead of about ten torch kernels with
     int32 temporaries twice the view's size."""
-    from mlora.kernels.wordstats import word_stats
-
     exp, mag = float_masks(flat.dtype)
     return word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from mlora.batch.adapters.residency.errors import ResidencyError
 from mlora.batch.adapters.residency.host import HostArtifact, HostCache
 
 
@@ -91,9 +92,7 @@ class HostPrefetcher:
 
     def _absorb(self, digest: str, art: HostArtifact) -> None:
         if art.digest != digest:
-            from mlora.batch.adapters.residency.errors import ResidencyError
-
-            raise ResidencyError("E_RESIDENCY_HOST_SOURCE", f"the source of {digest[:16]} produced {art.digest[:16]}")
+                raise ResidencyError("E_RESIDENCY_HOST_SOURCE", f"the source of {digest[:16]} produced {art.digest[:16]}")
         self.host.put(art, key_names_it=False)
         self._unused.add(digest)
 

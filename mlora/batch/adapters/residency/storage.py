@@ -27,6 +27,7 @@ import torch
 
 from mlora.batch.adapters.residency import host as host_mod
 from mlora.batch.adapters.residency.errors import ValidationError
+from mlora.kernels.wordstats import chunks_for, word_partials
 from mlora.batch.adapters.residency.host import HostArtifact, StatsPart, pieces_sha256, view_stats, view_stats_parts
 
 
@@ -153,8 +154,6 @@ class _ProbePlan:
             if flat.stride(0) != 1 or not host_mod.takes_word_stats(flat):
                 return None  # a copy or another reduction per load: the plain path does that
             large[n] = flat
-        from mlora.kernels.wordstats import chunks_for
-
         groups = host_mod.word_stats_pairs(large)  # the launches view_stats_parts would make
         chunks = [sum(chunks_for(views[n].numel()) for n in pair) for pair in groups]
         # every host buffer of the plan carved from one page-locked allocation: pinning takes a
@@ -177,8 +176,6 @@ class _ProbePlan:
         return self._owner is not None and self._owner() is not None
 
     def issue(self, views: dict[str, torch.Tensor]) -> Probe | None:
-        from mlora.kernels.wordstats import word_partials
-
         for n, buf in self.small.items():
             buf.copy_(views[n], non_blocking=True)
         parts = []

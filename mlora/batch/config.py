@@ -1,0 +1,129 @@
+"""Every choice of a batch job, typed, documented and validated once.
+
+:class:`EngineConfig` holds the choices of one engine (device, memory, scheduling,
+adapter residency); :class:`JobConfig` adds what a job reads and writes (input,
+output, columns, sampling) and where its engines run (scale-out). The CLI and the
+Python API fill a JobConfig; :meth:`JobConfig.validate` refuses a bad value with a
+:class:`~mlora.batch.errors.JobError` (exit 2) before any weight is read. Imports
+nothing of mlora.batch but the errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlora.batch.errors import JobError
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# three-stage-triton: the three-stage operator on the segmented Triton kernels (CUDA only)
+BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
+MEMORY_LEDGERS = ("split", "joint")
+ENGINES = ("local", "ray")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The choices of one engine on one device (docs/batch.md, docs/sizing.md)."""
+
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"  # auto (the checkpoint's on a GPU, float32 on the CPU) | float32 | bfloat16 | float16
+    max_num_seqs: int = 64  # rows running at once
+    max_batch_tokens: int = 2048  # tokens per model invocation (prefill chunks + decode rows)
+    max_gpu_adapters: int | None = None  # GPU adapter slots (default: a quarter of the usable GPU memory)
+    gpu_memory_utilization: float = 0.9  # share of the device memory the job may take
+    kv_cache_gb: float | None = None  # KV cache size (default: from the free memory)
+    host_cache_gb: float | None = None  # host cache of verified adapter images (default: unbounded)
+    block_size: int = 16  # tokens per KV block
+    schedule_window: int = 8192  # rows admission may reorder among (one residency job's adapters load about once)
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
+    lookahead: bool = True  # build the next decode iteration's inputs while the device runs this one
+    prefetch_adapters: int = 16  # cold adapters of the waiting rows whose host images are built ahead
+    prefetch_gpu_adapters: int = 4  # of those, loaded into free or unneeded GPU slots per iteration, ahead of use
+    image_build_processes: int = 0  # host images built in this many processes (0: on the prefetch threads)
+    preload_adapters: bool = False  # load up to max_gpu_adapters adapters before the first row
+    bundle_operator: str = "auto"  # how a bundle's members are served (BUNDLE_OPERATORS; docs/compress.md)
+    # split: KV cache and adapter slots sized once from one budget; joint: both carved from one
+    # arena of pages, KV growth may evict idle adapters (docs/sizing.md)
+    memory_ledger: str = "split"
+
+    def validate(self) -> None:
+        """Raise JobError (exit 2) for a value outside its domain."""
+        if self.device not in DEVICES:
+            raise JobError("E_DEVICE", f"--device must be auto, cuda or cpu, not {self.device!r}", 2)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise JobError("E_DTYPE", f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}", 2)
+        if self.memory_ledger not in MEMORY_LEDGERS:
+            raise JobError("E_MEMORY_LEDGER", f"--memory-ledger must be one of {', '.join(MEMORY_LEDGERS)}, got "
+                           f"{self.memory_ledger!r}", 2)
+        if self.bundle_operator not in BUNDLE_OPERATORS:
+            raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
+                           f"not {self.bundle_operator!r}", 2)
+
+
+@dataclass(kw_only=True)
+class JobConfig(EngineConfig):
+    """One ``mlora batch-run`` job: its files and columns, sampling, and where its engines run."""
+
+    input: str
+    output: str
+    base: str
+    adapters_dir: str | None = None
+    catalog_file: str | None = None
+    id_column: str = "id"
+    prompt_column: str | None = "prompt"
+    prompt_ids_column: str | None = None
+    adapter_column: str = "adapter"
+    max_new_tokens_column: str | None = None
+    keep_columns: tuple[str, ...] = ()
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    strict: bool = False
+    resume: bool = False
+    shard_rows: int = 10000
+    workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
+    # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
+    gpus: str | None = None  # "0,1" or "all": one worker process per GPU
+    num_workers: int | None = None  # local: CPU worker processes; ray: actors
+    engine: str = "local"  # local | ray
+    ray_address: str | None = None  # --engine ray: an existing cluster (default: start a local one)
+
+    def validate(self) -> None:
+        """Raise JobError (exit 2) for a value outside its domain; the host-dependent checks of
+        the scale-out options are :func:`mlora.batch.scaleout.placement.plan_workers`'s."""
+        if self.engine not in ENGINES:
+            raise JobError("E_SCALEOUT_USAGE", f"--engine must be local or ray, not {self.engine!r}", 2)
+        if self.num_workers is not None and self.num_workers < 1:
+            raise JobError("E_SCALEOUT_USAGE", f"--num-workers must be >= 1, not {self.num_workers}", 2)
+        super().validate()
+        if self.max_new_tokens < 1:
+            raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device`` on this host (JobError when CUDA is asked for and absent)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise JobError("E_DEVICE", "--device cuda was asked for but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise JobError("E_DEVICE", f"--device must be auto, cuda or cpu, not {name!r}", 2)
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    """The torch dtype of ``--dtype``: ``auto`` is float32 on the CPU (16-bit CPU matmuls are slow
+    and the tests compare in float32), else the checkpoint's dtype (bfloat16 when it names none)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(config_dtype or "", torch.bfloat16)
+    if name not in DTYPES:
+        raise JobError("E_DTYPE", f"--dtype must be auto, float32, bfloat16 or float16, not {name!r}", 2)
+    return DTYPES[name]
