@@ -3,7 +3,6 @@
 import pytest
 
 from mlora.batch.envknobs import env_int, env_row_range
-from mlora.batch.job.session import SWITCH_INTERVAL_US, switch_interval_s
 
 
 def test_env_int_reads_defaults_and_refuses(monkeypatch):
@@ -22,19 +21,6 @@ def test_env_int_reads_defaults_and_refuses(monkeypatch):
         monkeypatch.setenv("MLORA_TEST_KNOB", bad)
         with pytest.raises(ValueError, match="MLORA_TEST_KNOB=.*unset it for the automatic value"):
             env_int("MLORA_TEST_KNOB", None)
-
-
-def test_switch_interval_knob(monkeypatch):
-    """The engine's GIL switch interval beside prefetch threads: 500 us unless
-    MLORA_SWITCH_INTERVAL_US says otherwise; zero or garbage refused."""
-    monkeypatch.delenv("MLORA_SWITCH_INTERVAL_US", raising=False)
-    assert switch_interval_s() == SWITCH_INTERVAL_US / 1e6 == 0.0005
-    monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", "50")
-    assert switch_interval_s() == 50e-6
-    for bad in ("0", "fast"):
-        monkeypatch.setenv("MLORA_SWITCH_INTERVAL_US", bad)
-        with pytest.raises(ValueError, match="MLORA_SWITCH_INTERVAL_US="):
-            switch_interval_s()
 
 
 def test_env_choice_reads_defaults_and_refuses(monkeypatch):

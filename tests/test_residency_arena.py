@@ -132,7 +132,7 @@ BLOCK = 16  # tokens per KV block: with the tiny model's 2 layers, 2 KV heads of
 def arena_bank(slots: int, pages: int, backend: str = "auto"):
     from test_residency import LAYERS, rbank
 
-    from mlora.batch.engine.arena import PageArena
+    from mlora.batch.model.arena import PageArena
     from mlora.batch.model.kvcache import KVCache
 
     arena = PageArena(pages, 2 * LAYERS * BLOCK * 2 * 8 * 4, "cpu", spare_pages=1)

@@ -15,7 +15,7 @@ import torch
 
 from mlora.batch.adapters.residency import ResidencyBank
 from mlora.batch.config import EngineConfig
-from mlora.batch.engine.arena import ALIGN, PageArena
+from mlora.batch.model.arena import ALIGN, PageArena
 from mlora.batch.errors import JobError
 from mlora.batch.model.kvcache import KVCache
 
