@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Step 8 target (issue 9): the step-3 synthetic job (`mlora bench batch`'s shape, prompts and
-# adapter picks: Llama-3-8B, 64 rank-16 adapters on every projection, prompts of 128-1024
-# tokens, 128 new tokens) run by `mlora batch-run` on 1 GPU and with --gpus 0,1; prints both
-# generation tokens/s and the speed-up (target >= 1.8x on two H200s).
+# `mlora bench gpus` with the scale-out settings: the `mlora bench batch` synthetic job (Llama-3-8B
+# shape, 64 rank-16 adapters on every projection, prompts of 128-1024 tokens, 128 new tokens) run by
+# `mlora batch-run` on one GPU and with --gpus 0,1; prints both generation tokens/s and the speed-up.
 #
 # Usage: scripts/bench_gpus.sh [WORKDIR] [extra `mlora bench gpus` options]
 #   WORKDIR holds the synthetic workspace (about 21 GB: base + adapters; reused when complete)
-#   and the two outputs. Results: gpus-bench.json in the current directory (OUT=... to change).
+#   and the two outputs. Results: gpus-bench.json in the current directory (OUT=... to change);
+#   GPUS=0,1 picks the GPUs.
 # CPU smoke run: scripts/bench_gpus.sh /tmp/w --device cpu --preset tiny --dtype float32 --rows 32 \
 #                  --prompt-max 64 --max-new-tokens 8 --adapters 4
 set -euo pipefail

@@ -51,8 +51,8 @@ def _by_width(ops: list[tuple[str, str]], more_vectors: int = 0) -> str:
 
 def _global_accesses(ptx: str) -> str:
     """", global loads: N vector / M scalar (widths); stores: ..." from the PTX: scalar 16-bit
-    accesses of a 16-bit tensor are what a mask on the contiguous axis at a runtime bound produces
-    (the LoRA expand's B tile did, fourteenth session); cp.async copies count as vector loads.
+    accesses of a 16-bit tensor are what a mask on the contiguous axis at a runtime bound produces;
+    cp.async copies count as vector loads.
     Scalar 32-bit ones are plan metadata and the shrink's fp32 z tile (a few per thread)."""
     access = r"\b{}\.global[.\w:]*?(\.v[248])?\.([busf]\d+)\b"
     copies = len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx))
@@ -87,9 +87,9 @@ def main() -> int:
 
     from mlora.kernels import elementwise as fused
     from mlora.kernels import paged_attention as pa
-    from mlora.kernels import wordstats
     from mlora.kernels import triton_fused as tf
     from mlora.kernels import triton_sgmv as sgmv
+    from mlora.kernels import wordstats
 
     target = GPUTarget("cuda", args.arch, 32)
     pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "zp_ptr": "*fp32",
@@ -113,7 +113,7 @@ def main() -> int:
         # attention metadata's 64-byte offsets are aligned), the row and column strides and the
         # sizes that are multiples of 16; not the slot tables' strides (their slot count is any
         # number). Without the marks, loads are not vectorised: the decode attention kernel
-        # needs 255 registers and spills instead of 94 (thirteenth session).
+        # needs 255 registers and spills instead of 94.
         # a parameter the kernel declares do_not_specialize gets no mark at a launch either
         unmarked = set(getattr(kernel, "do_not_specialize", ()) or ())
         attrs = {} if args.no_marks else {

@@ -1,14 +1,12 @@
-"""Every Triton kernel compile (or disk-cache load) of one mlora command, as it happens.
+"""Every Triton kernel compile (or disk-cache load) of one mlora command, as it happens: shows
+compiles that land inside a benchmark's timed runs, and how many variants each kernel compiles.
 
-    PYTHONPATH=. python scripts/compile_log.py bench batch --rows 512 --adapters 0,8
+    PYTHONPATH=. python scripts/compile_log.py bench batch --rows 1024 --adapters 64 --no-repeat-base
 
-Runs the mlora command line with Triton's JIT hooks installed and prints to
-stderr, per compile: seconds since start, seconds the compile took, the
-kernel with its launch options, constexpr values and specialisation
-attributes (which arguments were taken as 16-byte aligned or divisible by 16). A compile that lands after a benchmark's warm-up is time inside
-a timed run (the eleventh and twelfth sessions' first scenario of ``bench
-batch`` had 1.6-1.9x the prefill time of a repeat of the same scenario). Ends
-with the count of compiles per kernel. Changes nothing else.
+Runs the mlora command line with Triton's JIT hooks installed and prints to stderr, per compile:
+seconds since start, seconds the compile took, the kernel with its launch options, constexpr
+values and specialisation attributes (which arguments were taken as 16-byte aligned or divisible
+by 16). Ends with the count of compiles per kernel. Changes nothing else.
 """
 import collections
 import sys
