@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mlora.batch.adapters.residency.errors import ResidencyError
-from mlora.kernels.wordstats import split_sums, word_partials, word_stats
+from mlora.kernels import wordstats
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class StatsPart:
         """name -> view_stats as a list (read once the rows have landed)."""
         if self.counts is None:
             return dict(zip(self.names, self.rows.tolist()))
-        return dict(zip(self.names, split_sums(self.rows, self.counts)))
+        return dict(zip(self.names, wordstats.split_sums(self.rows, self.counts)))
 
 
 def word_stats_pairs(flats: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -240,7 +240,7 @@ def view_stats_parts(views: dict[str, torch.Tensor], fused: bool | None = None) 
         if _WORDSTATS_FAILED is not None and not fused:
             break
         try:
-            rows = word_partials([flats[n].view(torch.int16) for n in pair], *float_masks(flats[pair[0]].dtype),
+            rows = wordstats.word_partials([flats[n].view(torch.int16) for n in pair], *float_masks(flats[pair[0]].dtype),
                                  CHECK_MODULUS)
         except Exception as exc:  # noqa: BLE001 - the kernel cannot run here (e.g. it does not compile)
             if fused:
@@ -306,7 +306,7 @@ def _view_stats_fused(flat: torch.Tensor) -> torch.Tensor:
     (``wordstats.py``) and one sum of its partials, instead of about ten torch kernels with
     int32 temporaries twice the view's size."""
     exp, mag = float_masks(flat.dtype)
-    return word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
+    return wordstats.word_stats(flat.view(torch.int16), exp, mag, CHECK_MODULUS)
 
 
 def _view_stats_torch(flat: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from mlora.batch.adapters.residency import host as host_mod
 from mlora.batch.adapters.residency.errors import ValidationError
-from mlora.kernels.wordstats import chunks_for, word_partials
+from mlora.kernels import wordstats
 from mlora.batch.adapters.residency.host import HostArtifact, StatsPart, pieces_sha256, view_stats, view_stats_parts
 
 
@@ -155,7 +155,7 @@ class _ProbePlan:
                 return None  # a copy or another reduction per load: the plain path does that
             large[n] = flat
         groups = host_mod.word_stats_pairs(large)  # the launches view_stats_parts would make
-        chunks = [sum(chunks_for(views[n].numel()) for n in pair) for pair in groups]
+        chunks = [sum(wordstats.chunks_for(views[n].numel()) for n in pair) for pair in groups]
         # every host buffer of the plan carved from one page-locked allocation: pinning takes a
         # process-wide driver lock that the engine thread's CUDA calls wait behind (pinned.py)
         host = _HostBuffers([(tuple(views[n].shape), views[n].dtype) for n in small]
@@ -181,7 +181,7 @@ class _ProbePlan:
         parts = []
         for pair, counts, words, masks, dev_rows, host_rows in self.pairs:
             try:  # words alias the views' memory (the plan matches their addresses, shapes and strides)
-                word_partials(words, *masks, host_mod.CHECK_MODULUS, out=dev_rows)
+                wordstats.word_partials(words, *masks, host_mod.CHECK_MODULUS, out=dev_rows)
             except Exception:  # noqa: BLE001 - the plain path records why and says it once
                 return None
             host_rows.copy_(dev_rows, non_blocking=True)
