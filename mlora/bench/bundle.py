@@ -1,9 +1,9 @@
 """The bundle serving benchmark behind ``mlora bench bundle``.
 
-Owns a synthetic workspace and the serving comparison of a bundle: members of a Compress-then-Serve bundle served with the three-stage
-operator against the same adapters served uncompressed from GPU slots under
-the same GPU memory budget, and against the base model alone. The figures go
-into BENCHMARKS.md.
+Owns a synthetic workspace and the serving comparison of a bundle: members of
+a Compress-then-Serve bundle served with the three-stage operator against the
+same adapters served uncompressed from GPU slots under the same GPU memory
+budget, and against the base model alone. The figures go into BENCHMARKS.md.
 
 * Workspace (``write_workspace``, reused when complete): a random base
   checkpoint of a shape preset (``mlora.bench.residency.write_base``; default

@@ -16,8 +16,9 @@ batch, every ``PROGRESS_EVERY_S`` seconds of generation (tokens of the
 finished batches plus decode steps so far x rows of the running batch): one
 ``generate`` call can outlast a time limit (64 adapters, a 128-row batch),
 and a stopped run still leaves its rate. Batch size: the caller's
-(an out-of-memory batch raises), or 0 for the largest that fits: ``AUTO_START`` rows, halved after each
-out-of-memory batch, the size that worked kept for the rest of the job.
+(an out-of-memory batch raises), or 0 for the largest that fits: ``AUTO_START``
+rows, halved after each out-of-memory batch, the size that worked kept for the
+rest of the job.
 """
 
 from __future__ import annotations

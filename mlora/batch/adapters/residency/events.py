@@ -152,8 +152,8 @@ class CudaCopier:
         self.device = torch.device(device)
         # high priority: a load's validation kernels (a few microseconds of work) get SMs as
         # soon as the compute stream's running blocks retire, instead of after every block of
-        # the kernel queued there (a prefill GEMM); copies use copy engines either way, so the
-        # mean load time is the same at either priority (BENCHMARKS.md, residency).
+        # the kernel queued there (a prefill GEMM). Copies use copy engines at any priority; the
+        # mean load time does not depend on it (BENCHMARKS.md, residency).
         self.stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
         self._inside = False  # within side(): the copy stream is already current
 
