@@ -1,4 +1,4 @@
-"""Synthetic collection for the step-5 CPU compression benchmark (BENCHMARKS.md).
+"""Synthetic collection for the compression benchmarks of BENCHMARKS.md (CPU and GPU).
 
     python examples/make_compress_bench_data.py OUT [--adapters 100] [--rank 16] [--shared-rank 24] [--noise 0.05]
         [--shape demo|mistral-7b]
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 SHAPES = {  # hidden, intermediate, layers, q_out, kv_out, modules
     "demo": (128, 256, 4, 128, 64, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
-    "mistral-7b": (4096, 14336, 32, 4096, 1024, ("q_proj", "k_proj", "v_proj")),  # the step-5 GPU benchmark
+    "mistral-7b": (4096, 14336, 32, 4096, 1024, ("q_proj", "k_proj", "v_proj")),  # the GPU compression benchmark's shape
 }
 
 

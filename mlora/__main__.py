@@ -1,3 +1,5 @@
+"""``python -m mlora``: the ``mlora`` console script."""
+
 from mlora.cli.app import main
 
 main()

@@ -1,4 +1,4 @@
-"""Memory does not grow with the number of input rows (issue step 3).
+"""Memory does not grow with the number of input rows.
 
 A 200k-row job and a 20k-row job (tiny model, one new token per row) run in
 fresh processes; the larger one's peak RSS must stay within 1.3x of the

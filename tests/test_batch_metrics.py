@@ -1,4 +1,4 @@
-"""mlora.batch.job.metrics: the job's counters, derived figures and their two renderings (spec 0x0B)."""
+"""mlora.batch.job.metrics: the job's counters, derived figures and their two renderings."""
 
 from __future__ import annotations
 

@@ -573,7 +573,7 @@ def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
 
 
 def test_a_cold_adapter_is_not_starved_by_hot_work(env):
-    """0x09I: one slot; a cold-adapter row arrives first, then a stream of rows of the
+    """The starvation bound (docs/design.md, Schedule window): one slot; a cold-adapter row arrives first, then a stream of rows of the
     resident adapter. Hot rows may overtake it only until max_wait of them were
     admitted after it arrived; then it runs."""
     from mlora.batch.adapters.slots import SlotBank

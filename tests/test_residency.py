@@ -1,6 +1,6 @@
-"""The residency engine (spec 0x04-0x05H, 0x07F-0x07I, 0x09J-0x09L, residency items of 0x0C).
+"""The residency engine (docs/design.md, Residency states to Page ledger).
 
-Each fixture of the spec is replayed exactly, then mutated one field at a time;
+Each fixture of the specification is replayed exactly, then mutated one field at a time;
 every mutation must fail closed with its code. The CPU is the "device": copies
 are synchronous and the fault injector stands in for slow or failing transfers.
 """
@@ -25,7 +25,7 @@ from mlora.batch.adapters.residency import (TRANSITIONS, AdapterLoadError, Admis
                                    ResidencyError, RollbackError, SlotStorage, State, TransitionError,
                                    ValidationError, check_transition)
 
-# ---- the sixteen-slot fixture of 0x05B -----------------------------------------------------
+# ---- the sixteen-slot fixture (docs/design.md, Page ledger) --------------------------------
 
 H, LAYERS, ELEM = 8, 2, 2  # hidden width, layers, bytes per element (binary16)
 SLOT_BYTES = 2 * LAYERS * H * ELEM  # paired S-LoRA slot: 64 bytes
@@ -52,7 +52,7 @@ def paged(num_pages: int, arts: dict[str, int], **kw):
 
 
 def fixture16(**kw) -> Residency:
-    """0x05B initial ownership: r0 KV 0..3 (active, pinned), a 4..7 (refcount 1, pin 1),
+    """The fixture's initial ownership: r0 KV 0..3 (active, pinned), a 4..7 (refcount 1, pin 1),
     b 8..11 (idle, unpinned, host-backed, generation 4), 12..15 free."""
     res = paged(16, {"a": 4, "b": 4, "c": 4 * RANK_C}, max_load_attempts=1, **kw)
     assert res.reserve_kv("r0", 4) == [0, 1, 2, 3]
@@ -147,7 +147,7 @@ ROLLBACK_TRACE = [
 
 
 def _assert_rolled_back(res: Residency, a_handle, b_bytes):
-    """0x05F after rollback: r0 and a unchanged, b@g5 resident again, c absent, r1 not admitted."""
+    """After rollback: r0 and a unchanged, b@g5 resident again, c absent, r1 not admitted."""
     assert res.pool.pages_of(Owner.kv("r0")) == [0, 1, 2, 3]
     assert res.resolve("a") == a_handle and res.entry("a").refcount == 1 and res.entry("a").pin_count == 1
     b = res.resolve("b")
@@ -191,7 +191,7 @@ def test_fixture16_digest_failure_rollback():
     _assert_rolled_back(res, a_handle, b_bytes)
 
 
-# ---- one-field mutations: eligibility (0x04F, 0x05D) -------------------------------------------
+# ---- one-field mutations: eligibility (docs/design.md, Eviction eligibility) -------------------
 
 
 def _b(res):
@@ -237,12 +237,12 @@ def test_api_level_references_block_eviction():
     assert res.ineligible(_b(res)) == ["state", "refcount"]
     res.release_lease("q#1")
     assert _b(res).state is State.IDLE and res.ineligible(_b(res)) == []
-    res.reserve_queued("b")  # a queued request's admission assumes b stays resident (0x0C)
+    res.reserve_queued("b")  # a queued request's admission assumes b stays resident
     with pytest.raises(NotEvictable) as e:
         res.evict("b")
     assert e.value.reasons == ["queued_reservations"]
     res.release_queued("b")
-    launch = res.launch([res.resolve("b")])  # a live launch snapshot names b@g4 (0x0C)
+    launch = res.launch([res.resolve("b")])  # a live launch snapshot names b@g4
     assert res.ineligible(_b(res)) == ["live_launch"]
     kernel = ManualEvent()
     launch.finish(kernel)  # issued, still running: the event guards the pages
@@ -377,7 +377,7 @@ def test_transition_table_is_the_spec_chain_and_nothing_else():
         assert b not in TRANSITIONS[a]
 
 
-# ---- hotswap and leases (0x07B1, 0x07F-0x07I) -------------------------------------------------
+# ---- hotswap and leases (docs/design.md, Slot generation, Lease) ------------------------------
 
 W = torch.tensor([[2.0, -1, 0], [1, 3, -2]], dtype=torch.float64)
 X_OLD, X_NEW = torch.tensor([1.0, 2, -1], dtype=torch.float64), torch.tensor([2.0, 0, 1], dtype=torch.float64)
@@ -481,7 +481,7 @@ def test_hotswap_copy_failure_leaves_catalog_and_output():
     res.audit()
 
 
-# ---- retries (0x09L) ---------------------------------------------------------------------------
+# ---- retries -----------------------------------------------------------------------------------
 
 
 def test_retry_gets_new_attempt_and_generation_and_keeps_arrival():
@@ -514,7 +514,7 @@ def test_permanent_failure_ends_in_adapter_load_error():
     assert res.audit() == {"free": 4, "reserved": 0, "adapter": 4, "kv": 0}
 
 
-# ---- residency and scheduling items of 0x0C ---------------------------------------------------
+# ---- residency and scheduling failure cases ---------------------------------------------------
 
 
 def test_cancel_during_transfer_rolls_back():
@@ -919,7 +919,7 @@ def test_images_built_in_a_worker_process_equal_those_built_here(pinned, tmp_pat
     """residency/build.py: a spawned worker builds the same image (pieces, bytes and the
     validation numbers); a worker that cannot build returns None (the caller rebuilds
     on its own thread and raises the real error); a bank with a worker serves the same
-    deltas as step 3's bank."""
+    deltas as the plain SlotBank."""
     import dataclasses
 
     bank = rbank(2, prefetch_workers=1, build_processes=1)
@@ -976,7 +976,7 @@ def _cache_image(bank, p):
 def test_gpu_tier_prefetch_takes_free_or_unneeded_slots_only(pinned):
     """bank.prefetch_device: starts loads only for adapters whose host image is cached, into a
     free slot or the slot of an adapter no waiting row names; never evicts a wanted one;
-    commit_device commits them (counted as prefetches), and the deltas are step 3's."""
+    commit_device commits them (counted as prefetches), and the deltas are the plain SlotBank's."""
     bank = rbank(2, prefetch_workers=0)
     ref = SlotBank(LAYERS, SHAPES, 5, 8, torch.float32, "cpu")
     assert bank.prefetch_device(["qv"], pinned, 4) == 0  # no host image yet: never built here

@@ -1,5 +1,5 @@
 """One ledger for KV pages and adapter slots carved from the same pages (docs/sizing.md, one
-arena; spec 0x05C, 0x09J): a slot is a fixed run of ledger pages, KV pages are taken lowest
+arena; docs/design.md, Joint memory ledger): a slot is a fixed run of ledger pages, KV pages are taken lowest
 first, a slot takes an adapter only while all its pages are free or its own, and KV growth
 may evict idle adapters to take their pages. CPU, the residency engine's own API."""
 

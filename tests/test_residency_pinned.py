@@ -157,7 +157,7 @@ def test_host_cache_recycles_blocks_as_it_evicts():
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_bank_through_a_small_pool_equals_the_plain_bank(pinned, blocks):
     """Residency loads from pool blocks (one or two blocks for two slots and a one-image host
-    cache: blocks recycle) give exactly the deltas of step 3's bank. A published adapter
+    cache: blocks recycle) give exactly the deltas of the plain SlotBank. A published adapter
     keeps no image (``HostArtifact.header``), so two blocks are enough for every image to be
     staged; with one, some images stay pageable, and the deltas are still the same."""
     pool = PinnedPool(rbank(2).layout.max_image_bytes(), blocks, pin=False)

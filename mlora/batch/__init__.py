@@ -1,16 +1,18 @@
-"""The offline batch engine behind ``mlora batch-run`` (spec 0x01-0x05, 0x09; docs/batch.md).
+"""The offline batch engine behind ``mlora batch-run`` (docs/design.md, Inside ``mlora.batch``).
 
-Entry point: :func:`mlora.batch.job.prepare.run_job`. Modules: ``io`` (Parquet input),
-``catalog`` (adapters pinned by digest), ``engine`` (continuous batching,
-adapter-aware admission), ``model`` / ``attention`` / ``kvcache`` (the
-decoder), ``residency`` (the adapter residency engine and its slot bank),
-``bank`` (step 3's simple slot bank, the reference for the residency bank),
-``lora`` (the model seam), ``sampling``, ``metrics``, ``output`` (atomic
-shards, manifest, resume), ``session`` (one engine on one device), and the
-scale-out (docs/scaleout.md): ``placement`` (--gpus / --num-workers /
---engine), ``assign``, ``multi`` and ``worker`` (the coordinator and its
-worker processes), ``ray`` (Ray Data and ``MloraPredictor``); on a GPU
-``paged_attention`` (Triton), ``graphs`` (CUDA graphs for decode steps) and
-``fused`` (element-wise kernels); ``bundles`` / ``bundle_bank`` (compressed
-collection members); the ``bench*`` modules behind ``mlora bench``.
+Entry point: :func:`mlora.batch.runner.run_job`. Rooms, top to bottom; a module
+imports only from its own room and those below it (pyproject.toml's contracts):
+
+    runner      run_job: validates the config, then runs the job here, in worker processes or on Ray
+    scaleout    placement (--gpus / --num-workers / --engine), assign, coordinator and worker, ray
+    job         input (Parquet), output (shards, manifest, resume), prepare, session (one engine
+                on one device), sizing, metrics
+    engine      continuous batching: engine, waiting, sampling, graphs (CUDA graphs of decode), joint
+    adapters    catalog (adapters pinned by digest), slots, residency, bundles, bundle_bank
+    model       decoder, attention, kvcache, lora (the LoRA seam), gemms, arena
+    config, errors, gcpauses    shared by every room
+
+The engine never reads adapter files (it asks the adapters room for slots); the
+model never knows where factors live. GPU kernels live in :mod:`mlora.kernels`,
+the ``mlora bench`` drivers in :mod:`mlora.bench`.
 """

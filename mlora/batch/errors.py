@@ -4,7 +4,8 @@ A ``CodedError`` carries a stable ``code`` (``E_...``, the contract scripts
 match on) and a message that ends with what to do; ``str(err)`` is
 ``"CODE: message"``. Concrete classes mix it with the builtin they specialise
 (``ValueError`` for bad input, ``RuntimeError`` for a state that cannot go on)
-so callers can catch either way.
+so callers can catch either way. Imports nothing of mlora: every room of
+``mlora.batch`` may raise these.
 """
 
 from __future__ import annotations

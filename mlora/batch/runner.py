@@ -4,7 +4,8 @@ Owns :func:`run_job`: validate the configuration, decide where the engines run
 (this process, worker processes or Ray: ``mlora.batch.scaleout``), prepare the job
 (``mlora.batch.job.prepare``) and drive it to its last row; and the single-process
 run (:func:`run_single`), which feeds one engine a bounded window of rows and hands
-each finished row to the writer.
+each finished row to the writer. Builds engines only through ``EngineSession``
+and writes OUTPUT only through ``job.prepare``'s writer.
 """
 
 from __future__ import annotations

@@ -1,24 +1,23 @@
-"""The bundle serving benchmark behind ``mlora bench bundle`` (issue step 5).
+"""The bundle serving benchmark behind ``mlora bench bundle``.
 
-Owns a synthetic workspace and the comparison the step-5 serving target asks
-for: members of a Compress-then-Serve bundle served with the three-stage
-operator against the same adapters served uncompressed from GPU slots under
-the same GPU memory budget, and against the base model alone. The figures go
-into BENCHMARKS.md.
+Owns a synthetic workspace and the serving comparison of a bundle: members of
+a Compress-then-Serve bundle served with the three-stage operator against the
+same adapters served uncompressed from GPU slots under the same GPU memory
+budget, and against the base model alone. The figures go into BENCHMARKS.md.
 
 * Workspace (``write_workspace``, reused when complete): a random base
-  checkpoint of a shape preset (``bench_residency.write_base``; default
+  checkpoint of a shape preset (``mlora.bench.residency.write_base``; default
   Mistral-7B); ``adapters`` PEFT adapters (rank ``rank`` on ``targets``)
   whose updates lie mostly in a per-module subspace of rank ``shared_rank``
   shared by the collection, plus independent noise of relative size
   ``noise`` (``write_collection``: the structure joint compression exploits;
   independent random adapters would fail the error gate, honestly); the
-  job's input (``bench_residency.write_input``: random prompt ids, lengths
+  job's input (``mlora.bench.residency.write_input``: random prompt ids, lengths
   uniform in [prompt_min, prompt_max], adapters drawn with Zipf(``zipf``)
   popularity, 0 = uniform) and the same prompts without adapters.
 * Compression: the bundle is fitted once with ``mlora compress``'s library
   path (method, R, clusters, ``compress_device``) and its wall time recorded
-  next to it (the step-5 compression-speed figure); reused when present.
+  next to it (the compression-speed figure); reused when present.
 * Runs (``run_job``, the real ``mlora batch-run``): ``bundle`` (every member
   resident, three-stage operator), ``adapters`` (the uncompressed adapters
   through ``slots`` GPU slots; default: as many slots as fit in the bundle's
@@ -219,7 +218,7 @@ def run_bundle_bench(root: str, o: BundleBenchOptions, progress=None) -> dict:
         if name not in o.runs:
             continue
         source = "input-base.parquet" if name == "base" else "input.parquet"
-        if o.warmup_rows:  # the fourteenth session's first call paid 8 Triton compiles inside the bundle run (-11%)
+        if o.warmup_rows:  # untimed: a run's first job pays its Triton compiles
             if progress:
                 progress(f"warm-up for {name}: {o.warmup_rows} rows, {o.warmup_new_tokens} new tokens (untimed)")
             job(name, f"warmup-{name}", warmup_input(root, source, o.warmup_rows), o.warmup_new_tokens)

@@ -1,13 +1,13 @@
-"""The scale-out benchmark behind ``mlora bench gpus`` (issue step 8; target: >= 1.8x on 2 GPUs).
+"""The scale-out benchmark behind ``mlora bench gpus`` (target: >= 1.8x on 2 GPUs).
 
-Owns a synthetic on-disk workspace of the step-3 job and the comparison the
-step-8 target asks for; the figures go into BENCHMARKS.md.
+Owns a synthetic on-disk workspace of ``mlora bench batch``'s job and the
+one-GPU against several-GPU comparison; the figures go into BENCHMARKS.md.
 
 * Workspace (``write_gpus_workspace``): the job of ``mlora bench batch`` as files,
   so the real ``mlora batch-run`` runs it: a base checkpoint of the shape preset
   with random weights and no EOS id (every row generates ``max_new_tokens``),
   ``adapters`` PEFT adapters of rank ``rank`` on every linear projection, and an
-  input Parquet whose rows are ``bench.py``'s synthetic requests (the same
+  input Parquet whose rows are :mod:`mlora.bench.batch`'s synthetic requests (the same
   prompts and the same uniform adapter picks as ``mlora bench batch``).
   Reused when already complete.
 * Runs: the real ``mlora batch-run`` command, each run a fresh process: once

@@ -1,4 +1,4 @@
-"""The transformers + PEFT baseline of ``mlora bench batch`` (issue step 7: "against the obvious alternative").
+"""The transformers + PEFT baseline of ``mlora bench batch``: the same job through the obvious alternative.
 
 Runs the same synthetic job as :mod:`mlora.bench.batch` (same prompts, same
 adapter assignment, ``max_new_tokens`` per row with EOS ignored) through
@@ -16,9 +16,9 @@ batch, every ``PROGRESS_EVERY_S`` seconds of generation (tokens of the
 finished batches plus decode steps so far x rows of the running batch): one
 ``generate`` call can outlast a time limit (64 adapters, a 128-row batch),
 and a stopped run still leaves its rate. Batch size: the caller's
-(an out-of-memory batch raises), or 0 for the largest that fits (the issue's
-"largest batch that fits"): ``AUTO_START`` rows, halved after each
-out-of-memory batch, the size that worked kept for the rest of the job.
+(an out-of-memory batch raises), or 0 for the largest that fits: ``AUTO_START``
+rows, halved after each out-of-memory batch, the size that worked kept for the
+rest of the job.
 """
 
 from __future__ import annotations

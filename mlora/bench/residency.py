@@ -1,7 +1,7 @@
-"""The residency benchmark behind ``mlora bench residency`` (issue step 4).
+"""The residency benchmark behind ``mlora bench residency``.
 
-Owns a synthetic on-disk workspace and the comparison the step-4 target asks
-for; the figures go into BENCHMARKS.md.
+Owns a synthetic on-disk workspace and the comparison of limited GPU slots
+against every adapter resident; the figures go into BENCHMARKS.md.
 
 * Workspace (``write_workspace``): a Hugging Face base checkpoint of a shape
   preset (``mlora.bench.batch.PRESETS``) with random weights, sharded
@@ -18,8 +18,8 @@ for; the figures go into BENCHMARKS.md.
   metrics clock, so its loads do not appear in its metrics). Before each
   timed run, a warm-up job over the first ``warmup_rows`` rows with the same
   slots (16 new tokens, output discarded) compiles the Triton kernels that
-  run needs: the compile cache is on disk, so without it whichever run came
-  first paid ~25 s of compilation the other did not (eighth session).
+  run needs: the compile cache is on disk, so without it whichever run comes
+  first pays compilation the other does not.
 * Reported per run: generated tokens/s over the generation phase (the job's
   metrics clock starts after pinning and model loading, which both runs pay
   alike), the job's wall time, load amplification, loads, evictions, prefetch
@@ -210,9 +210,9 @@ H2D_PROBE_BYTES = 64 << 20
 
 def h2d_bandwidth(nbytes: int = H2D_PROBE_BYTES) -> float | None:
     """Host (pinned) to device copy rate in bytes/s: one untimed copy, then the median of 5
-    (CUDA only). The bench measures it at a fixed 64 MiB: one 84 MB copy (an all-module
-    adapter's size) ran at 23 GB/s on the H200 while the same job's loads copied at ~48
-    (twenty-third session), so the floor is a machine property, not the adapter's size."""
+    (CUDA only). The bench measures it at a fixed 64 MiB, not at the adapter's size: a
+    single large copy can run well below the rate the job's loads reach, and the floor
+    is a property of the machine."""
     if not torch.cuda.is_available():
         return None
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -355,7 +355,7 @@ def throughput_ratio(runs: list[dict]) -> float | None:
     return None
 
 
-COLD_LOAD_TARGET = 2.0  # step 4: a cold load within 2x (adapter bytes / H2D bandwidth)
+COLD_LOAD_TARGET = 2.0  # a cold load within 2x its floor (adapter bytes / H2D bandwidth)
 
 
 def cold_load_vs_floor(run: dict, floor_s: float | None) -> dict[str, float] | None:

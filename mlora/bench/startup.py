@@ -1,4 +1,4 @@
-"""``mlora bench startup``: a checkpoint to the GPU and its first token, against the disk (step 7).
+"""``mlora bench startup``: a checkpoint to the GPU and its first token, against the disk.
 
 Start-up of a batch job is reading the checkpoint, moving it to the device and
 running the first prompt. The floor is the checkpoint's bytes over the disk's
@@ -7,7 +7,7 @@ is written back and dropped from the page cache (``posix_fadvise``
 ``DONTNEED``, no privileges needed), read once in 16 MiB blocks (the cold read
 bandwidth), dropped again, then loaded by ``DecoderModel.from_pretrained``
 onto the device and one 16-token prompt is run to its first generated token
-through the engine (no CUDA graphs). The issue's target is
+through the engine (no CUDA graphs). The target is
 1.5 x floor + 10 s. ``cache_dropped`` says whether the kernel accepted the
 advice for every file (when it did not, the "cold" figures are warm ones).
 Without ``BASE`` a random checkpoint of ``--preset`` is written into

@@ -1,4 +1,4 @@
-"""``mlora batch-run``: thin CLI over :func:`mlora.batch.job.prepare.run_job`.
+"""``mlora batch-run``: thin CLI over :func:`mlora.batch.runner.run_job`.
 
 Parses options, shows progress on stderr (rich, only on a terminal and without
 ``--quiet``), prints the end-of-run summary (a table, or JSON with ``--json``)
@@ -67,13 +67,13 @@ def batch_run(
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",
-                                        help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, materialized (each member's factors in a slot), or three-stage-triton (three-stage through the segmented Triton kernels; CUDA only, experimental: 0.98x the torch operator's speed in the H200 serving benchmark)."),
+                                        help="How bundle members are served: auto (three-stage when every adapter of the job is a member of one bundle), three-stage, materialized (each member's factors in a slot), or three-stage-triton (three-stage through the segmented Triton kernels; CUDA only, experimental)."),
     memory_ledger: str = typer.Option("split", "--memory-ledger",
-                                      help="split: the KV cache and the adapter slots get fixed shares of the memory budget; joint: both are carved from one arena of pages (KV growth may evict idle adapters, an idle slot's pages serve as KV; slot banks only, a bundle served three-stage is refused; measured equal to split on the H200 residency job). docs/sizing.md"),
+                                      help="split: the KV cache and the adapter slots get fixed shares of the memory budget; joint: both are carved from one arena of pages (KV growth may evict idle adapters, an idle slot's pages serve as KV; slot banks only, a bundle served three-stage is refused). docs/sizing.md"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
-                                   help="Build the next decode iteration's inputs while the device runs the current one (same outputs; 6-8% off a decode iteration on the H200; --no-lookahead: strictly serial, for debugging)."),
+                                   help="Build the next decode iteration's inputs while the device runs the current one (same outputs; --no-lookahead: strictly serial, for debugging)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers", min=1,
                                               help="--engine local: N worker processes on the CPU (--device cpu); --engine ray: N actors."),

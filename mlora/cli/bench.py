@@ -58,7 +58,7 @@ def bench_kernels(
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
-    """Time the segmented Triton kernels against their floors and baselines on the GPU (step 2 grid)."""
+    """Time the segmented Triton kernels against their floors and baselines on the GPU."""
     from mlora.bench.kernels import run_kernel_bench
 
     err = Console(stderr=True)
@@ -279,7 +279,7 @@ def bench_residency(
                                               help="batch-run's option of the same name (0: loads block)."),
     image_build_processes: int = typer.Option(0, "--image-build-processes", min=0,
                                               help="Build host images in this many worker processes instead of "
-                                                   "the prefetch threads (GPU; A/B of residency/build.py)."),
+                                                   "the prefetch threads (GPU only; 0: the prefetch threads build them)."),
     warmup_rows: int = typer.Option(256, "--warmup-rows", min=0,
                                     help="Rows of an untimed warm-up job before each run (compiles its kernels; 0: none)."),
     memory_ledger: str = typer.Option("split", "--memory-ledger",
@@ -342,7 +342,7 @@ def bench_residency(
 
     for r in results["runs"]:
         x = cold_load_vs_floor(r, floor)
-        if x:  # the copy stream's time per job load against the floor (step 4's cold-load target)
+        if x:  # the copy stream's time per job load against the floor (the cold-load target, COLD_LOAD_TARGET)
             con.print(f"{r['name']}: cold load (copy stream per load) "
                       + ", ".join(f"{k} {v:.2f}x" for k, v in x.items())
                       + f" the floor (target <= {COLD_LOAD_TARGET:g}x)")
@@ -476,8 +476,8 @@ def bench_startup(
     json_out: bool = typer.Option(False, "--json"),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
 ) -> None:
-    """Checkpoint to device and first token, against the checkpoint's bytes over the measured cold disk read
-    bandwidth (target: 1.5 x that + 10 s)."""
+    """Checkpoint to device and first token, against the checkpoint's bytes over the disk's cold read
+    bandwidth, read in the same run (target: 1.5 x that + 10 s)."""
     import torch
 
     from mlora.bench.residency import write_base
@@ -519,7 +519,7 @@ def bench_gpus(
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
-    """The step-3 synthetic job through `mlora batch-run` on one GPU and with --gpus; prints both tokens/s."""
+    """A synthetic many-adapter job through `mlora batch-run` on one GPU and with --gpus; prints both tokens/s."""
     from mlora.bench.gpus import GpusBenchOptions, run_gpus_bench
 
     err = Console(stderr=True)

@@ -1,4 +1,4 @@
-"""The metrics of one ``mlora batch-run`` job (spec 0x0B, 0x09K): counters in, figures out.
+"""The metrics of one ``mlora batch-run`` job: counters in, figures out.
 
 Owns the per-job metric state, its Prometheus view (a private
 ``prometheus_client.CollectorRegistry``, never the process-global one), the
@@ -8,7 +8,7 @@ derived figures and the two renderings the job writes into OUTPUT:
 engine, the residency engine or the output protocol: callers report events
 with plain Python numbers; files go through ``output.atomic_write``.
 
-Each method is the publication point (0x09K) of its metrics; call it when the
+Each method is the publication point of its metrics; call it when the
 event has happened, not when it is planned::
 
     row_finished(finish_reason, error_code=None, prompt_tokens=0, completion_tokens=0)
@@ -19,7 +19,7 @@ event has happened, not when it is planned::
         one load attempt ended, published (ok) or rolled back (not ok)
     cache(hit, tier)             one residency lookup at ``tier`` found (or missed) a usable generation
     eviction(tier)               one adapter left ``tier``
-    residency_states(counts)     the current count of adapters per 0x04C state (states not named: 0)
+    residency_states(counts)     the current count of adapters per residency state (states not named: 0)
     prefetch(issued, used)       host-tier prefetch builds started / prefetched images a load later used
     unique_adapter_bytes(n)      ``n`` more adapter bytes used for the first time in this job
     preemption()                 one sequence preempted (its KV freed, recomputed later)
@@ -29,12 +29,12 @@ plain numbers. Vocabularies are fixed: an unknown ``finish_reason``, ``tier``,
 ``phase`` or residency state is a caller bug and raises ``ValueError``; an
 unknown error code is a new code, counted as ``other``.
 
-Label policy (0x0B: bounded cardinality). Labels and their only values:
+Label policy (bounded cardinality). Labels and their only values:
 
     finish_reason  stop | length | error
     error_code     one of :data:`ERROR_CODES` (row codes and every finding code), else "other"
     phase          prefill | decode
-    state          :data:`RESIDENCY_STATES` (0x04C)
+    state          :data:`RESIDENCY_STATES` (docs/design.md, Residency states)
     tier           disk | host | device
 
 No metric carries an adapter id, alias, digest, path, row id or request id:
@@ -105,8 +105,8 @@ Decisions:
 * No ``*_created`` series: the file describes one job, and the same events
   with the same clock give byte-identical text.
 * ``adapter_load`` counts H2D bytes of failed attempts too: load amplification
-  measures the copies the job paid for (0x09K: failed attempts belong in the
-  denominator where the meaning needs them).
+  measures the copies the job paid for, failed attempts included (docs/design.md,
+  Load amplification).
 """
 
 from __future__ import annotations
@@ -504,7 +504,7 @@ class _Collector:
                       label="tier", values=s["cache_misses"])
         yield counter("mlora_adapter_evictions_total", "Adapters removed from a tier.", label="tier",
                       values=s["evictions"])
-        yield gauge("mlora_adapter_residency_state_count", "Adapters per residency state (spec 0x04C).",
+        yield gauge("mlora_adapter_residency_state_count", "Adapters per residency state.",
                     label="state", values=s["residency_states"])
         yield counter("mlora_adapter_prefetch_issued_total", "Host-tier adapter prefetch builds started.",
                       s["prefetch_issued"])

@@ -33,7 +33,7 @@ def release_device_memory(device) -> None:
     collector runs, and the caching allocator keeps freed blocks: the next job in the
     process (a bench's timed run after its warm-up) would load its weights into the
     freed arena's cached block, splitting it, and find that block neither free nor
-    returnable (measured: 13.5 of 139.8 GiB free on the H200, a 0-page arena)."""
+    returnable (the next arena could get no pages at all)."""
     gc.collect()
     if getattr(device, "type", device) == "cuda":
         torch.cuda.empty_cache()

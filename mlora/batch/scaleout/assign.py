@@ -1,10 +1,10 @@
 """Adapter-aware assignment of input rows to engine workers (``--gpus`` / ``--num-workers``).
 
 Owns which worker runs which row. Must not know processes, pipes or engines:
-the coordinator (``multi.py``) asks for chunks and says what came back. Pure
+the coordinator (``coordinator.py``) asks for chunks and says what came back. Pure
 and deterministic, so it is tested alone (tests/test_batch_multi.py).
 
-Goals (issue 9): each adapter's rows on as few workers as possible, so the job
+Goals: each adapter's rows on as few workers as possible, so the job
 loads each adapter about once (load amplification near 1), and token load
 balanced, so no worker idles while another still has a queue.
 

@@ -2,11 +2,11 @@
 
 Owns the meaning and the checks of ``--gpus``, ``--num-workers``, ``--engine``
 and ``--ray-address`` (docs/scaleout.md). Must not start anything: the
-coordinator (``multi.py``) and the Ray driver (``ray.py``) do. Every refusal
+coordinator (``coordinator.py``) and the Ray driver (``ray.py``) do. Every refusal
 is a usage error (exit 2) with a stable code, decided before any work:
 
     --engine local (default)
-      neither option       one engine in this process, on --device (as always)
+      neither option       one engine in this process, on --device
       --gpus 0,1 | all     one worker process per listed GPU; indices number the devices this process
                            sees (CUDA_VISIBLE_DEVICES applies). Needs CUDA (E_GPUS_NO_CUDA), every index
                            present (E_GPUS_UNAVAILABLE), a comma list of distinct integers or "all"

@@ -1,6 +1,6 @@
 """A worker process of ``--gpus`` / ``--num-workers``: one engine, fed by the coordinator.
 
-Owns the worker side of the protocol in ``multi.py``: pin its device before
+Owns the worker side of the protocol in ``coordinator.py``: pin its device before
 anything touches CUDA, build its :class:`~mlora.batch.job.session.EngineSession`,
 run the rows it is sent, send each finished row back as soon as it finishes,
 and report its engine metrics when told to stop. Must not read the input or

@@ -1,20 +1,22 @@
-"""Adapter residency (spec 0x04-0x05H, 0x07F-0x07H): which adapter generation sits in
-which device slot, how it gets there, and when it may leave.
+"""Adapter residency (docs/design.md, Residency states): which adapter generation sits
+in which device slot, how it gets there, and when it may leave.
 
 Owns the residency engine; must not know the model or the scheduler's
 policy (the engine asks, this package answers and keeps the invariants).
 One concept per module::
 
-    states.py    the 0x04C state machine and its transition table
+    states.py    the residency state machine and its transition table
     errors.py    the error classes and their stable codes
     events.py    Event protocol; CPU and CUDA copiers (side stream + events)
     pool.py      the joint page ledger: free | reserved(txn) | owned(object, generation)
     host.py      verified host artifacts and the bounded host cache
     pinned.py    page-locked blocks for host images, pinned once before the job
     storage.py   slot storage (fixed max-rank slots, vector pages) and validation of landed bytes
+    prefetch.py  host-tier prefetch threads
+    build.py     optional host-image builds in spawned worker processes
     faults.py    the test-only fault injector
     manager.py   Residency: counts, eligibility, load transactions, rollback, leases, launches, admission
-    bank.py      ResidencyBank: step 3's SlotBank seam (ensure / context) over a Residency
+    bank.py      ResidencyBank: the SlotBank seam of adapters/slots.py (ensure / context) over a Residency
 """
 
 from mlora.batch.adapters.residency.bank import BankError, ResidencyBank, ResidencyContext

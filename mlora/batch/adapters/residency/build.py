@@ -5,12 +5,9 @@ the pinned adapter files, re-hash them against the pinned digests, place the
 factors, lay out the slot views, compute the validation numbers) and send the
 image back as raw bytes; the receiving prefetch thread copies them into one
 pinned buffer. Opt-in (``JobConfig.image_build_processes``; default: the
-prefetch threads build). Written because thread builders take the interpreter
-lock from the engine thread (a 1.8 ms load took 16-40 ms next to them when
-loads blocked the engine); once admission's loads became asynchronous that no
-longer cost throughput, and four workers measured on the H200 were far slower
-than threads (2.7 s per image at torch's default thread count; since then one
-thread per worker, not measured): BENCHMARKS.md, residency, sixth session.
+prefetch threads build). Builder threads share the interpreter lock with the
+engine thread; worker processes do not, but pay a spawn and a copy of every image
+back (the two are compared in BENCHMARKS.md, residency).
 
 Trust: a worker only speeds up what the engine would do itself. Its image
 carries the same digests and is validated on the device like any other; when
@@ -39,9 +36,8 @@ def _ready() -> bool:
 
 
 def _init_worker() -> None:
-    """In a new worker: one intra-op thread. With torch's default (one per core) four
-    workers ran 64 threads on the H200 host's 16 cores: 2.7 s per image, and the engine's
-    own host work slowed down (BENCHMARKS.md, residency, sixth session)."""
+    """In a new worker: one intra-op thread. With torch's default (one per core) several
+    workers oversubscribe the host's cores and slow the engine's own host work."""
     torch.set_num_threads(1)
 
 

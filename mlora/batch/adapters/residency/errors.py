@@ -3,8 +3,8 @@
 Owns the codes only; raising them is the business of the modules that detect
 the broken invariant. Codes::
 
-    E_RESIDENCY_TRANSITION           a state move outside the 0x04C table (names from/to)
-    E_RESIDENCY_NOT_EVICTABLE        eviction asked of a slot that fails the 0x04F predicate (names the clauses)
+    E_RESIDENCY_TRANSITION           a state move outside the transition table (names from/to)
+    E_RESIDENCY_NOT_EVICTABLE        eviction asked of a slot that fails the eligibility predicate (names the clauses)
     E_RESIDENCY_NOT_PUBLISHED        a bind to an adapter generation that is not published
     E_RESIDENCY_STALE_GENERATION     a launch named a handle whose slot/pointer generation moved on
     E_RESIDENCY_PUBLISH_BEFORE_COPY  publication asked before the copy-complete event
@@ -35,7 +35,7 @@ class ResidencyError(CodedError, RuntimeError):
 class TransitionError(ResidencyError):
     def __init__(self, what: str, from_state, to_state):
         super().__init__("E_RESIDENCY_TRANSITION", f"{what}: {from_state.value} -> {to_state.value} is not a "
-                         "transition of the residency state machine (spec 0x04C)")
+                         "transition of the residency state machine (docs/design.md, Residency states)")
         self.from_state, self.to_state = from_state, to_state
 
 
@@ -48,8 +48,8 @@ class NotEvictable(ResidencyError):
 
 
 class AdmissionError(ResidencyError):
-    """Joint admission refused; the pool, slots and catalog are unchanged. ``reason`` is the
-    0x05C word ("joint_adapter_kv_capacity", "adapter_slot_capacity", "adapter_kernel_contract")."""
+    """Joint admission refused; the pool, slots and catalog are unchanged. ``reason`` is one
+    word ("joint_adapter_kv_capacity", "adapter_slot_capacity", "adapter_kernel_contract")."""
 
     def __init__(self, code: str, reason: str, message: str, demand=None):
         super().__init__(code, message)

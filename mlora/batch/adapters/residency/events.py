@@ -152,10 +152,8 @@ class CudaCopier:
         self.device = torch.device(device)
         # high priority: a load's validation kernels (a few microseconds of work) get SMs as
         # soon as the compute stream's running blocks retire, instead of after every block of
-        # the kernel queued there (a prefill GEMM); copies use copy engines either way. The
-        # eighth session measured 1.21 ms mean per load on the copy stream at priority 0
-        # against a 0.35 ms copy floor; with this priority (and one-launch validation) the
-        # ninth measured 1.27 ms mean: no gain on the mean, kept (BENCHMARKS.md, residency).
+        # the kernel queued there (a prefill GEMM). Copies use copy engines at any priority; the
+        # mean load time does not depend on it (BENCHMARKS.md, residency).
         self.stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
         self._inside = False  # within side(): the copy stream is already current
 

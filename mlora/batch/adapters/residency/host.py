@@ -7,8 +7,9 @@ registered *verified source* per digest that can rebuild an evicted artifact,
 e.g. ``catalog.load_factors`` re-hashing the pinned file bytes). Must not
 know slots or devices beyond pinning host memory for CUDA transfers.
 
-A trusted host source is what rollback restores victims from (0x05F) and
-what the eviction predicate asks for (``host_source_verified``, 0x05D).
+A trusted host source is what rollback restores victims from (docs/design.md,
+Load transaction) and what the eviction predicate asks for (``host_source_verified``;
+docs/design.md, Eviction eligibility).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """The residency manager: adapter generations in device slots, loaded as transactions.
 
-Owns every adapter generation's state (0x04C), its counts and the eviction
-predicate (0x04F, 0x05D), slot handles and their generations (0x07F), request
-leases (0x07H), launch snapshots, the load transaction -- reserve, copy,
-validate, publish -- with compensating rollback (0x04E, 0x05F) and retries,
-and joint admission of adapter and KV pages from one ledger (0x05C, 0x09J).
+Owns every adapter generation's state, its counts and the eviction predicate,
+slot handles and their generations, request leases, launch snapshots, the load
+transaction -- reserve, copy, validate, publish -- with compensating rollback and
+retries, and joint admission of adapter and KV pages from one ledger (docs/design.md:
+Residency states, Eviction eligibility, Slot generation, Lease, Launch snapshot,
+Load transaction, Page ledger).
 Must not know the model, the layout of a slot (``storage.py``) or where host
 bytes come from (``host.py``).
 
 Concurrency: single-threaded engine ownership plus stream events plus a
-generation check at launch (one of the 0x05E options). Device work is
+generation check at launch (a stale handle fails its launch). Device work is
 asynchronous only through ``Event``s; every state move happens on the
 calling thread, and a publication is one assignment of ``catalog[key]``.
 
@@ -48,7 +49,7 @@ S = State
 @dataclass(frozen=True)
 class Handle:
     """One immutable published generation: (slot_id, slot_generation, pointer_generation,
-    artifact_digest) as in 0x07F, plus the key, adapter generation and page table it names."""
+    artifact_digest) (docs/design.md, Slot generation), plus the key, adapter generation and page table it names."""
 
     slot_id: int
     slot_generation: int
@@ -65,7 +66,7 @@ class Handle:
 
 @dataclass(frozen=True)
 class RequestAttempt:
-    """A request's admission attempt: a retry gets a new id and keeps the original arrival (0x09L)."""
+    """A request's admission attempt: a retry gets a new id and keeps the original arrival."""
 
     request_id: str
     attempt: int = 1
@@ -81,7 +82,7 @@ class RequestAttempt:
 
 @dataclass(eq=False)
 class Entry:
-    """One adapter generation and its 0x04F counts."""
+    """One adapter generation and its counts (docs/design.md, Eviction eligibility)."""
 
     key: str
     digest: str
@@ -155,7 +156,7 @@ class Admission:
 
 @dataclass(frozen=True)
 class Demand:
-    """The two sides of the 0x05C inequality, in pages (``bytes`` converts exactly)."""
+    """The two sides of the joint admission inequality, in pages (``bytes`` converts exactly)."""
 
     adapter: int
     kv_initial: int
@@ -204,18 +205,18 @@ class ResidencyStats:
     unique_load_bytes: int = 0  # bytes of distinct artifacts published for use (load amplification denominator)
     load_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # device time of each committed load's copies and validation reads on the copy stream (the
-    # cold-load figure of the step-4 target; CPU: the synchronous copies' wall time)
+    # figure the cold-load target compares with its floor; CPU: the synchronous copies' wall time)
     load_device_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # of which the copies alone (start mark to the mark after the last copy)
     load_copy_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # host time to issue each load's copies and probe (start mark to end mark): the copy stream
-    # cannot finish a load before the host has issued all of it (twentieth session)
+    # cannot finish a load before the host has issued all of it
     load_issue_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # the issuing thread's CPU time over the same span: wall time well above it is time the
     # thread waited (for the interpreter lock behind prefetch builders, or a driver lock)
     load_issue_cpu_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     # the garbage collector's pauses inside the same span (any thread's: a collection holds the
-    # interpreter lock), from gcpauses.PAUSES while a session has it installed (else zeros)
+    # interpreter lock), from gcpauses.PAUSES while an EngineSession has it installed (else zeros)
     load_issue_gc_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def as_dict(self) -> dict:
@@ -342,7 +343,7 @@ class Residency:
             raise ResidencyError("E_RESIDENCY_SLOT_BUSY", f"slot {slot} is not free")
         s.slot_generation, s.pointer_generation = slot_generation, pointer_generation
 
-    # ---- eligibility (0x04F, 0x05D) ----------------------------------------------------
+    # ---- eligibility (docs/design.md, Eviction eligibility) ----------------------------
 
     def live_generations(self) -> set[tuple[str, int]]:
         self._launches = [l for l in self._launches if l.live]
@@ -408,7 +409,7 @@ class Residency:
                                  demand)
         return victims
 
-    # ---- joint admission (0x05C) -----------------------------------------------------
+    # ---- joint admission (docs/design.md, Page ledger) -------------------------------
 
     def demand(self, key: str | None = None, kv_pages: int = 0, growth_pages: int = 0, *,
                digest: str | None = None) -> Demand:
@@ -447,7 +448,7 @@ class Residency:
     def _peek_artifact(self, key: str, digest: str | None) -> HostArtifact:
         return self.host.get(digest or self.host.digest_of(key))
 
-    # ---- the load transaction (0x04E) ---------------------------------------------------
+    # ---- the load transaction (docs/design.md, Load transaction) ------------------------
 
     def begin(self, key: str | None = None, *, request: str | None = None, kv_pages: int = 0,
               growth_pages: int = 0, digest: str | None = None, generation: int | None = None,
@@ -457,7 +458,7 @@ class Residency:
         victims, reserve every page atomically, retire the victims and issue the copy.
 
         ``key=None`` reserves KV only. A resident generation of ``key`` is bound without a
-        load (unless ``replace``: a shadow copy that publishes a new generation, 0x07G).
+        load (unless ``replace``: a shadow copy that publishes a new generation).
         Raises AdmissionError (nothing changed), ArtifactRefused (or the host source's
         AdapterError) for an artifact refused before any eviction, LoadError after rolling the
         attempt back, RollbackError when the rollback could not restore a victim."""
@@ -647,7 +648,7 @@ class Residency:
                     self.stats.load_copy_seconds.append(copy_s)
         return Admission(txn.id, handle, tuple(txn.kv if txn.request else ()), txn.request)
 
-    # ---- rollback (0x05F) -------------------------------------------------------------
+    # ---- rollback ---------------------------------------------------------------------
 
     def _rollback(self, txn: Txn, exc: ResidencyError) -> None:
         """Compensating work: close every ownership the attempt opened and restore its victims
@@ -751,7 +752,7 @@ class Residency:
             return str(key)
 
     def prefetch(self, key: str) -> Txn | None:
-        """Start a speculative load from the same ledger (0x09J); None when ``key`` is resident or
+        """Start a speculative load from the same ledger; None when ``key`` is resident or
         loading, or when it does not fit without touching pages that are not reclaimable."""
         if self._hit(key, None) is not None or self.loading(key) is not None:
             return None
@@ -812,7 +813,7 @@ class Residency:
         if rec is not None:
             self.pool.release(rec.pages, Owner.kv(request))
 
-    # ---- leases (0x07H), pins, queued reservations ------------------------------------------
+    # ---- leases (docs/design.md, Lease), pins, queued reservations --------------------------
 
     def acquire(self, request: str, key: str) -> Handle:
         """Bind a request attempt to the generation ``key`` names now, for its whole lifetime."""
@@ -931,7 +932,7 @@ class Residency:
         return done
 
     def replace(self, artifact: HostArtifact, *, slot: int | None = None) -> Handle:
-        """Hotswap (0x07G): stage ``artifact`` as a new generation of its key in a free slot,
+        """Hotswap: stage ``artifact`` as a new generation of its key in a free slot,
         publish it in one catalog update, retire the old generation (reclaimed after its
         leases and last-use events). On failure the catalog still names the old generation."""
         self.host.put(artifact)
@@ -1010,7 +1011,7 @@ class Residency:
 
     def _copy(self, e: Entry, slot: Slot, attempt: int) -> tuple[Event, Event]:
         """Zero the slot views no whole-view piece covers, copy the pieces, record the copy-complete
-        event (0x06A: tails zero)."""
+        event (padded rank tails are zero: docs/design.md, Logical and physical rank)."""
         self._move(e, S.LOADING)
         if not complete(slot.last_use):
             raise ResidencyError("E_RESIDENCY_REUSE_BEFORE_EVENT", f"slot {slot.id}'s last use has not completed")
@@ -1058,7 +1059,7 @@ class Residency:
             self._log(f"retire {old.label}")
 
     def _drop_staged(self, e: Entry, slot: Slot) -> None:
-        """Discard a never-published generation; its slot's generations advance (0x07I)."""
+        """Discard a never-published generation; its slot's generations advance."""
         e.events.clear()
         if e.state is not S.HOST_READY:
             self._move(e, S.HOST_READY)

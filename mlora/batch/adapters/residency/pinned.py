@@ -3,9 +3,9 @@
 Why: pinning host memory (``cudaHostAlloc``, what ``torch.empty(pin_memory=True)``
 does on a cache miss) holds a process-wide CUDA driver lock for a time that grows
 with the bytes pinned, and every other CUDA call of the process waits behind it.
-With one pinned buffer per host image, the prefetch threads pinned ~16 GB during
-the 8,000-row residency job and the engine thread's event records waited 14 s in
-total (BENCHMARKS.md, residency, eighth session). A :class:`PinnedPool` pins all
+Pinning one buffer per host image while the job runs would make the engine
+thread's event records wait behind the prefetch threads' pinning for the whole job
+(BENCHMARKS.md, residency). A :class:`PinnedPool` pins all
 its bytes in its constructor (a few large allocations, before the first row) and
 afterwards only hands out and takes back fixed-size blocks: no driver call.
 

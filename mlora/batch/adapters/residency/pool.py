@@ -1,4 +1,4 @@
-"""The joint page ledger (spec 0x05, 0x05A, 0x05C, 0x09J): one pool that adapter pages,
+"""The joint page ledger (docs/design.md, Page ledger): one pool that adapter pages,
 initial KV pages and the decode-growth reserve are all drawn from.
 
 Owns the physical state of every page -- free, ``reserved(txn)`` or
@@ -6,7 +6,7 @@ Owns the physical state of every page -- free, ``reserved(txn)`` or
 that proves conservation and single ownership. Must not know why a page is
 taken: the residency manager decides owners, victims and rollback.
 
-Invariant (0x05A)::
+Invariant::
 
     P_total = P_free + P_reserved + P_adapter + P_KV        bytes = pages * page_bytes
 
@@ -15,11 +15,11 @@ the page's current owner first, so a double grant or a release by a
 non-owner raises instead of corrupting the ledger. Free pages are handed out
 lowest id first, so allocation is deterministic.
 
-Three uses, one class: in the exact fixture of 0x05B the pages are the adapter
+Three uses, one class: in the sixteen-slot fixture (tests/test_residency.py) the pages are the adapter
 and KV storage themselves (``storage.PagedStorage``); in the GPU slot bank a
 page is a budget token of ``page_bytes`` (adapter factors live in slot
 tensors, KV in the KV cache); with ``--memory-ledger joint`` the pages are one
-arena's (``arena.py``): KV blocks, and slots on fixed runs of pages taken by id
+arena's (``mlora/batch/model/arena.py``): KV blocks, and slots on fixed runs of pages taken by id
 (``take(specific=...)``).
 """
 

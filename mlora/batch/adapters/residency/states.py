@@ -1,4 +1,4 @@
-"""The residency state machine of spec 0x04C: one adapter generation's device life.
+"""The residency state machine (docs/design.md, Residency states): one adapter generation's device life.
 
 Owns the nine states, the legal transitions and what each state allows.
 Must not know pages, slots or tensors: ``manager.py`` moves entries and calls
@@ -13,7 +13,7 @@ again), published/active -> retiring (a replacement or a failure after
 publication stops new binds), and the rollback edges reserved/loading/validated
 -> host_ready (the attempt is undone, the host copy remains) and host_ready ->
 absent (the attempt is abandoned). A generation never goes back to published:
-restoring a victim publishes a *new* generation (0x05F).
+restoring a victim publishes a *new* generation.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     S.RETIRING: frozenset({S.ABSENT}),
 }
 
-# The 0x04C table. "Bindable": a new batch or request may bind this generation.
+# The transition table's derived sets. "Bindable": a new batch or request may bind this generation.
 PAGES_ASSIGNED = frozenset({S.RESERVED, S.LOADING, S.VALIDATED, S.PUBLISHED, S.ACTIVE, S.IDLE, S.RETIRING})
 VISIBLE = frozenset({S.PUBLISHED, S.ACTIVE, S.IDLE})
 BINDABLE = frozenset({S.PUBLISHED, S.ACTIVE, S.IDLE})
-EVICTABLE_STATES = frozenset({S.PUBLISHED, S.IDLE})  # 0x04F: state_a in {published, idle}
+EVICTABLE_STATES = frozenset({S.PUBLISHED, S.IDLE})  # eligibility's state clause (docs/design.md, Eviction eligibility)
 
 
 def check_transition(what: str, from_state: State, to_state: State) -> None:

@@ -3,16 +3,16 @@
 Owns the ``Storage`` protocol (named destination views of one slot, the
 pages an artifact needs, host-side and device-side metadata checks) and two
 implementations, plus :func:`validate_landed`, the one validation every load
-and every rollback restoration runs before publication (spec 0x04E, 0x05E).
+and every rollback restoration runs before publication (docs/design.md, Load transaction).
 Must not know states, leases or the page ledger's rules.
 
 * :class:`SlotStorage` -- fixed max-rank slots: named device tensors with a
-  slot axis (the GPU slot bank's A/B/ranks/scales, ``bank.py``; a tiny
+  slot axis (the GPU slot bank's A/B/ranks/scales, ``residency/bank.py``; a tiny
   rank-two slot table in the hotswap fixture). A slot's pages are ledger
   tokens and its bytes the slot's sub-tensors; or, with ``first_page`` (one
-  arena, ``arena.py``), its pages are a fixed run of the ledger's pages and
+  arena, ``mlora/batch/model/arena.py``), its pages are a fixed run of the ledger's pages and
   the sub-tensors lie on them.
-* :class:`PagedStorage` -- unified vector pages (0x05B): one device tensor of
+* :class:`PagedStorage` -- unified vector pages (the sixteen-slot fixture): one device tensor of
   ``num_pages`` pages; an adapter's pages *are* its storage, in page-table order.
 """
 
@@ -91,8 +91,8 @@ class SlotProber:
     copy stream a load's probe is then
     one word-stats launch and a few asynchronous copies, with none of the per-load host
     allocation and view bookkeeping. The host enqueues a load's probe after its copies, and
-    the copy stream cannot finish before the host has enqueued it, so this host time was on
-    a cold load's critical path (twentieth session, BENCHMARKS.md).
+    the copy stream cannot finish before the host has enqueued it, so this host time lies on
+    a cold load's critical path.
 
     The same numbers as :func:`probe_landed` (tested). A slot's buffers are reused only
     once the Probe that read into them has been dropped (a weak reference): a probe issued
@@ -107,9 +107,8 @@ class SlotProber:
 
     def prepare(self, slot: int, views: dict[str, torch.Tensor]) -> None:
         """Build slot ``slot``'s buffers now, for its views ``views`` (the bank does for every
-        slot when it is made): a slot's first load then allocates nothing. In the 8,000-row
-        residency job each of the 64 slots' first loads (1 in 13 loads) pinned its read-back
-        buffers while issuing, the suspected p90 of a load's issue (twenty-first session)."""
+        slot when it is made): a slot's first load then allocates nothing, instead of pinning
+        its read-back buffers while the load is being issued."""
         if slot not in self._plans:
             self._plans[slot] = _ProbePlan.build(views)
 
@@ -248,7 +247,8 @@ def _diagnose(views: dict[str, torch.Tensor], artifact: HostArtifact, what: str)
                               f"artifact to {image_sha256[:16]}")
     for name, v in views.items():
         # Pieces are disjoint and matched bit for bit above, so any further non-zero lies
-        # outside them: a stale value in a padded rank tail or an untargeted slice (0x06A).
+        # outside them: a stale value in a padded rank tail or an untargeted slice (docs/design.md,
+        # Logical and physical rank).
         extra = int(torch.count_nonzero(v)) - nonzeros.get(name, 0)
         if extra:
             raise ValidationError("E_VALIDATE_TAIL", f"{what}: {extra} non-zero value(s) outside the adapter's "
@@ -258,7 +258,7 @@ def _diagnose(views: dict[str, torch.Tensor], artifact: HostArtifact, what: str)
 class SlotStorage:
     """``tensors``: name -> (device tensor, slot axis). Every tensor has ``num_slots`` along its axis.
 
-    ``first_page``: the slots are carved from the ledger's own pages (one arena, ``arena.py``):
+    ``first_page``: the slots are carved from the ledger's own pages (one arena, ``model/arena.py``):
     slot ``s`` is pages ``first_page + s * pages_per_slot`` onwards, and only an adapter in
     slot ``s`` may own them (:meth:`slot_pages`); a slot whose pages hold anything else (KV
     blocks) cannot take an adapter until they are free. None: a slot's pages are budget tokens,
