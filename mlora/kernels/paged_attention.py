@@ -63,8 +63,9 @@ DECODE_STAGES: int | None = 2
 
 
 def decode_order() -> tuple[bool, bool]:
-    """(tiles longest context first, heads-first grid) of decode launches: both. Longest first,
-    the block scheduler fills the SMs with the short tiles last (longest-processing-time-first
+    """(tiles longest context first, heads-first grid) of decode launches: both, in
+    :meth:`PagedLayout.build` and in the decode graphs that mirror it. Longest first, the block
+    scheduler fills the SMs with the short tiles last (longest-processing-time-first
     scheduling); heads first, a tile's KV heads are dispatched together. Any order of the tiles
     gives the same numbers."""
     return True, True

@@ -517,7 +517,7 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 2 if tiles_bm * block_r <= 16 * 16 else 4,
         # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand)
         shrink_stages=4, expand_warps=4, expand_stages=3 if block_r_expand > 32 else 2, rank_class=16,
-        # split-K partials loaded per step of the final sum: one at a time (chunks are a sweep variant)
+        # split-K partials loaded per step of the final sum: one at a time (an override may chunk them)
         sum_chunk=1,
         pdl=override.get("pdl", True),
     )
