@@ -6,9 +6,8 @@ before any device time is spent. Run with TRITON_INTERPRET unset.
 
 Compiles the LoRA shrink and expand kernels (without and with split-K; narrow and wide
 rank tiles; one and three slices; the bundle operator's variants with the bank-row map and
-the JD-Full / JD-Diag core), the fused small-batch LoRA kernel (one and three slices,
-ranks 16 and 64), the residency word-stats kernel and the paged
-attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
+the JD-Full / JD-Diag core), the gate/up expand fused with the SiLU product, the
+residency word-stats kernel and the paged attention kernel (decode and prefill tiles of an 8B shape) and the fused element-wise
 kernels (add+RMSNorm, RoPE, SiLU product); prints one line per kernel (cubin size, registers,
 spilled stack, and its global loads and stores by width: a mask at a runtime bound on a tensor's
 contiguous axis turns 16-byte accesses into one 2-byte access per element) and exits 1 on the
@@ -87,7 +86,6 @@ def main() -> int:
 
     from mlora.kernels import elementwise as fused
     from mlora.kernels import paged_attention as pa
-    from mlora.kernels import triton_fused as tf
     from mlora.kernels import triton_sgmv as sgmv
     from mlora.kernels import wordstats
 
@@ -191,14 +189,6 @@ def main() -> int:
               f"bundle expand block_m={bm} slices=3 block_r={cfg['block_r_expand']} "
               f"core={('jd-diag', 'jd-full')[core - 1]}",
               num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
-    # the fused small-batch launch (triton_fused) with fused_config's block sizes, warps and stages
-    for slices, rank in ((1, 16), (1, 64), (3, 16), (3, 64)):
-        cfg = tf.fused_config(4, 64, rank, 4096, [4096] * slices, 2, torch.device("cpu"))
-        build(tf._fused_kernel,
-              dict(BLOCK_M=16, N_SLICES=slices, BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"],
-                   BLOCK_K=cfg["block_k"], NATIVE_A=True, NATIVE_B=True),
-              f"fused block_m=16 slices={slices} block_r={cfg['block_r']}",
-              num_warps=cfg["warps"], num_stages=cfg["stages"])
     for unroll in (1, 4):
         build(wordstats._word_partials_kernel, dict(EXP=0x7F80, MAG=0x7FFF, MOD=65521, BLOCK=wordstats.BLOCK,
                                                  TILES=wordstats.TILES, UNROLL=unroll),
@@ -215,7 +205,7 @@ def main() -> int:
         block_n = opts.pop("block_n")
         build(pa._paged_attention_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=block_q, BLOCK_N=block_n,
                                                HEAD_DIM=128, BLOCK_D=128, NATIVE_DOT=True, SPLIT=splits > 1,
-                                               HEADS_FIRST=pa.DECODE_ORDER.endswith("heads") and label != "prefill"),
+                                               HEADS_FIRST=label != "prefill"),
               f"paged attention ({label} tiles)", **opts)
     build(pa._merge_splits_kernel, dict(GROUP=group, GROUP_P=group, BLOCK_Q=pa.decode_block_q(group), HEAD_DIM=128,
                                         BLOCK_D=128), "paged attention split merge", num_warps=4)

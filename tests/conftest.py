@@ -113,17 +113,3 @@ def manifests(run_cli):
 
 def codes(manifest: dict) -> set[str]:
     return {f["code"] for f in manifest["findings"]}
-
-
-@pytest.fixture(params=["two_launch", "fused"])
-def lora_path(request, monkeypatch):
-    """Every Triton LoRA call of the test is forced down one path, the shrink + expand pair
-    or the fused launch, whatever triton_fused.fused_config's rule and default say (an
-    explicit ``config={"fused": ...}`` in the test still wins)."""
-    from mlora.kernels import triton_fused as tf
-    from mlora.kernels import triton_sgmv as ts
-
-    forced, rule = request.param == "fused", tf.fused_config
-    monkeypatch.setattr(tf, "fused_config", lambda *args, **override: rule(*args, **{"fused": forced, **override}))
-    monkeypatch.setattr(ts, "_CONFIGS", {})  # no choice cached by an earlier test
-    return request.param

@@ -7,6 +7,7 @@ past a sequence's context) with NaN, poisons the output with NaN, and packs
 prefill chunks, whole prompts and decode rows into one invocation.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -115,18 +116,10 @@ def test_layout_splits_decode_and_prefill_launches(monkeypatch):
     from mlora.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "PREFILL_ROWS", 64)  # 16 new rows x 4 heads: the 20-row prompt takes two tiles
-
-    def build():
-        return PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
-                                 device=torch.device("cpu"))
-
-    monkeypatch.setenv("MLORA_DECODE_ORDER", "batch")
-    layout = build()
+    layout = PagedLayout.build([0, 1, 21, 22], [8, 20, 30], [[0, 1], [2, 3, 4], [5, 6, 7, 8]], group=4,
+                               device=torch.device("cpu"))
     by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in layout.launches}
-    assert by_q == {16: ([1, 1], [0, 16]), 4: ([0, 2], [0, 0])}
-    monkeypatch.delenv("MLORA_DECODE_ORDER")  # the default order: decode tiles longest context first
-    by_q = {t.block_q: (t.tile_seq.tolist(), t.tile_q0.tolist()) for t in build().launches}
-    assert by_q == {16: ([1, 1], [0, 16]), 4: ([2, 0], [0, 0])}
+    assert by_q == {16: ([1, 1], [0, 16]), 4: ([2, 0], [0, 0])}  # decode tiles longest context first
     pad = [0] * 12  # the tables' row stride is a multiple of 16 whatever the longest table
     assert layout.block_tables.tolist() == [[0, 1, 0, 0] + pad, [2, 3, 4, 0] + pad, [5, 6, 7, 8] + pad]
     assert layout.context_lens.tolist() == [8, 20, 30] and layout.query_starts.tolist() == [0, 1, 21, 22]
@@ -200,38 +193,30 @@ def test_split_keys_of_decode_rows_equal_the_reference(splits, dtype):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_orders_do_not_change_results(splits, monkeypatch):
-    """Every MLORA_DECODE_ORDER (decode tiles longest context first, a heads-first grid, both)
-    gives every row the numbers of the batch order; the layout really lists the decode tiles
-    longest first (ties in batch order) and marks the grid; the prefill launch is unchanged;
-    an unknown order is refused naming the variable."""
+def test_decode_dispatch_order_does_not_change_results(splits):
+    """The decode launch lists its tiles longest context first (ties in batch order) on a
+    heads-first grid; the prefill launch keeps batch order on a tiles-first grid. Every row
+    gets the reference's numbers, and the same numbers as the decode tiles in batch order on a
+    tiles-first grid."""
     from mlora.kernels import paged_attention as pa
 
     seqs = [(1, 3), (1, 3 * pa.DECODE_BLOCK_N + 5), (9, 20), (1, 130), (1, 70), (1, 130)]
     q, kv, meta = paged_case(31 + splits, seqs, 8, 2, 16, 4, torch.float32)
     group = q.shape[1] // kv.num_kv_heads
-
-    def build():
-        return pa.PagedLayout.build(meta.query_starts, meta.context_lens, meta.block_tables, group, q.device)
-
-    monkeypatch.setenv("MLORA_DECODE_ORDER", "batch")
-    want = paged_attention(q, kv.k[0], kv.v[0], build(), q.shape[-1] ** -0.5, splits_override=splits)
-    torch.testing.assert_close(want, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
-    for order in ("longest", "heads", "longest-heads"):
-        monkeypatch.setenv("MLORA_DECODE_ORDER", order)
-        layout = build()
-        decode = next(t for t in layout.launches if t.decode)
-        prefill = next(t for t in layout.launches if not t.decode)
-        assert decode.heads_first == order.endswith("heads") and not prefill.heads_first
-        listed = decode.tile_seq.tolist()
-        assert listed == ([1, 3, 5, 4, 0] if order.startswith("longest") else [0, 1, 3, 4, 5]), (order, listed)
-        assert prefill.tile_seq.tolist() == [2]
-        out = torch.full_like(q, float("nan"))
-        got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    monkeypatch.setenv("MLORA_DECODE_ORDER", "shortest")
-    with pytest.raises(ValueError, match="MLORA_DECODE_ORDER='shortest'"):
-        build()
+    layout = pa.PagedLayout.build(meta.query_starts, meta.context_lens, meta.block_tables, group, q.device)
+    decode = next(t for t in layout.launches if t.decode)
+    prefill = next(t for t in layout.launches if not t.decode)
+    assert decode.heads_first and not prefill.heads_first
+    assert decode.tile_seq.tolist() == [1, 3, 5, 4, 0]
+    assert prefill.tile_seq.tolist() == [2]
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
+    torch.testing.assert_close(got, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
+    in_batch_order = dataclasses.replace(decode, tile_seq=torch.tensor([0, 1, 3, 4, 5], dtype=torch.int32),
+                                         heads_first=False)
+    plain = dataclasses.replace(layout, launches=[in_batch_order if t is decode else t for t in layout.launches])
+    want = paged_attention(q, kv.k[0], kv.v[0], plain, q.shape[-1] ** -0.5, splits_override=splits)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_graph_tile_order_is_a_permutation_of_the_bucket():
@@ -243,34 +228,26 @@ def test_graph_tile_order_is_a_permutation_of_the_bucket():
     assert DecodeGraphs._tile_order([7], 1).tolist() == [0]
 
 
-def test_decode_splits_rule(monkeypatch):
-    """Few programs per SM split (powers of two, capped); enough do not; the env var forces."""
+def test_decode_splits_rule():
+    """Few programs per SM split (powers of two, capped); enough do not."""
     from mlora.kernels import paged_attention as pa
 
     cpu = torch.device("cpu")  # 4 "SMs"
-    monkeypatch.delenv("MLORA_DECODE_SPLITS", raising=False)
     assert pa.decode_splits(pa.SPLIT_BELOW_PROGRAMS_PER_SM * 4, cpu) == 1
+    assert pa.decode_splits(10_000, cpu) == 1
     assert pa.decode_splits(pa.SPLIT_BELOW_PROGRAMS_PER_SM * 4 // 2, cpu) == 2
     assert pa.decode_splits(1, cpu) == pa.MAX_DECODE_SPLITS
-    monkeypatch.setenv("MLORA_DECODE_SPLITS", "3")
-    assert pa.decode_splits(10_000, cpu) == 3
-    for bad in ("two", "0", "-2", "1.5"):  # refused naming the variable, never read as another count
-        monkeypatch.setenv("MLORA_DECODE_SPLITS", bad)
-        with pytest.raises(ValueError, match="MLORA_DECODE_SPLITS="):
-            pa.decode_splits(10_000, cpu)
 
 
-def test_kv_layout_from_the_environment_is_checked(monkeypatch):
-    """MLORA_KV_LAYOUT picks the layout when the caller names none; an unknown value is refused
-    naming the variable (an explicit argument wins over it)."""
+def test_kv_layout_is_a_parameter():
+    """Layer-major unless the caller names page-major or passes pages; an unknown layout is
+    refused by name."""
     from mlora.batch.model.kvcache import KVCache
 
-    monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
-    assert KVCache(2, 4, 16, 2, 8).layout == "page-major"
-    assert KVCache(2, 4, 16, 2, 8, layout="layer-major").layout == "layer-major"
-    monkeypatch.setenv("MLORA_KV_LAYOUT", "pagemajor")
-    with pytest.raises(ValueError, match="MLORA_KV_LAYOUT='pagemajor'"):
-        KVCache(2, 4, 16, 2, 8)
+    assert KVCache(2, 4, 16, 2, 8).layout == "layer-major"
+    assert KVCache(2, 4, 16, 2, 8, layout="page-major").layout == "page-major"
+    pages = torch.zeros(4, 2, 2, 16, 2, 8)
+    assert KVCache(2, 4, 16, 2, 8, pages=pages).layout == "page-major"
     with pytest.raises(ValueError, match="KV cache layout 'sideways'"):
         KVCache(2, 4, 16, 2, 8, layout="sideways")
 

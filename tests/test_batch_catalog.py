@@ -12,10 +12,19 @@ import struct
 
 import pytest
 import torch
-from factory import copy_adapter, load_tensors, make_adapter, read_config, save_base, save_tensors, tiny_model, write_config
+from factory import (
+    copy_adapter,
+    load_tensors,
+    make_adapter,
+    read_config,
+    save_base,
+    save_tensors,
+    tiny_model,
+    write_config,
+)
 
-from mlora.batch.adapters.slots import BankError, BankFull, SlotBank
 from mlora.batch.adapters.catalog import AdapterChanged, AdapterError, CatalogError, load_catalog, load_factors
+from mlora.batch.adapters.slots import BankError, BankFull, SlotBank
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE, group_shapes
 from mlora.lora_tools.manifest import inspect_paths
 
@@ -421,13 +430,13 @@ def test_triton_backend_equals_torch(ws, pinned, R):
 
 
 @pytest.mark.parametrize("R", [8, 24])
-def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
+def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R):
     """``BankContext.apply_silu_mul`` on a Triton bank (the expand inside the SiLU product:
     ``mlora.kernels.lora_silu_mul``) against a torch bank's ``apply`` then the SiLU product,
-    and against the same Triton bank with the fusion off; one adapter targets gate/up
-    ("all"), two do not (their rows, like the slot-less ones, get the SiLU product alone);
-    at R 24 B is rank-pitched with pitch 8. A batch of fewer than ``fuse_silu_min_rows`` rows
-    is left to the two launches."""
+    and against the same Triton bank's two launches; one adapter targets gate/up ("all"), two
+    do not (their rows, like the slot-less ones, get the SiLU product alone); at R 24 B is
+    rank-pitched with pitch 8. A batch of fewer than ``fuse_silu_min_rows`` rows (1,024 unless
+    lowered) is left to the two launches."""
     from mlora.kernels.elementwise import ElementwiseOps, silu_mul_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -443,70 +452,18 @@ def test_gate_up_deltas_fused_into_the_silu_product(ws, pinned, R, monkeypatch):
     want = silu_mul_ref(gu, inter)
     assert not torch.equal(want, silu_mul_ref(gu0, inter))  # the adapter changes something
     ops = ElementwiseOps(True)  # the Triton element-wise kernels (interpreted on the CPU)
-    outs = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("MLORA_LORA_SILU_FUSED", fused)
-        bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
-        assert bank.fuse_silu == (fused == "1")
-        bank.fuse_silu_min_rows = 1  # a 10-row batch
-        bank.ensure(["all", "pattern", "qv"], pinned)
-        gu = gu0.to(device, copy=True)
-        outs[fused] = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
-        assert torch.equal(gu.cpu(), gu0) == (fused == "1")  # fused: the deltas never written into gate_up
-    torch.testing.assert_close(outs["1"], want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "ten")
-    with pytest.raises(ValueError, match="MLORA_LORA_SILU_MIN_ROWS='ten'"):
-        SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
-    monkeypatch.delenv("MLORA_LORA_SILU_MIN_ROWS")
     bank = SlotBank(LAYERS, SHAPES, 3, R, torch.float32, device, backend="triton")
     assert bank.fuse_silu_min_rows == 1024
     bank.ensure(["all", "pattern", "qv"], pinned)
-    gu = gu0.to(device, copy=True)
-    out = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
-    assert not torch.equal(gu.cpu(), gu0)  # 10 rows: the expand wrote gate_up, then the SiLU product
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-
-
-def test_shrinks_launched_ahead_give_the_same_bits_for_every_module(ws, pinned, monkeypatch):
-    """A SlotBank with ``overlap`` (MLORA_LORA_OVERLAP=1): ``prepare`` before the base GEMM
-    then ``apply`` gives, for every (layer, group), the bits of ``apply`` alone; a module no
-    active slot adapts launches nothing ahead; the split-K path is forced (small batches
-    otherwise take the fused launch, which is never split)."""
-    import mlora.kernels.triton_sgmv as ts
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setenv("MLORA_LORA_OVERLAP", "1")
-    real = ts._choose_config
-    monkeypatch.setattr(ts, "_choose_config", lambda *a, **k: real(*a[:-1], {**a[-1], "fused": False}, **k))
-    ts._CONFIGS.clear()
-    banks = {on: SlotBank(LAYERS, SHAPES, 3, 8, torch.float32, device, backend="triton") for on in (True, False)}
-    banks[False].overlap = False
-    assert banks[True].overlap
-    g = torch.Generator().manual_seed(11)
-    row_slots = torch.tensor([0, -1, 1, 2, 2, 0, -1, 1, 0, 2, 1], dtype=torch.int32)
-    ctxs = {}
-    for on, bank in banks.items():
-        assert bank.ensure(["all", "pattern", "qv"], pinned) == {"all": 0, "pattern": 1, "qv": 2}
-        ctxs[on] = bank.context(row_slots.to(device))
-    launched = 0
-    for layer in range(LAYERS):
-        for group, (d_in, widths) in SHAPES.items():
-            x = torch.randn(len(row_slots), d_in, generator=g).to(device)
-            y0 = torch.randn(len(row_slots), sum(widths), generator=g).to(device)
-            out = {}
-            for on, ctx in ctxs.items():
-                y = y0.clone()
-                ctx.prepare(layer, group, x)
-                launched += len(ctx._ahead)
-                ctx.apply(layer, group, x, y)
-                assert not ctx._ahead  # apply consumed what prepare launched
-                out[on] = y
-            assert torch.equal(out[True].view(torch.int32), out[False].view(torch.int32)), (layer, group)
-            if (layer, group) in ctxs[True].targeted:
-                assert not torch.equal(out[True], y0)
-    assert launched == len(ctxs[True].targeted) > 0  # one shrink ahead per adapted module, none when off
-    ts._CONFIGS.clear()
+    outs = {}
+    for min_rows in (1, 1024):  # a 10-row batch: fused, then the two launches
+        bank.fuse_silu_min_rows = min_rows
+        gu = gu0.to(device, copy=True)
+        outs[min_rows] = bank.context(row_slots.to(device)).apply_silu_mul(0, x.to(device), gu, inter, ops).cpu()
+        assert torch.equal(gu.cpu(), gu0) == (min_rows == 1)  # fused: the deltas never written into gate_up
+    torch.testing.assert_close(outs[1], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1024], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], outs[1024], rtol=1e-5, atol=1e-5)
 
 
 def test_static_launch_plan_is_refilled_only_when_the_row_slots_change(ws, pinned):

@@ -68,17 +68,6 @@ def test_strided_rows_and_the_public_function():
     assert greedy_tokens(full[:0]).shape == (0,)
 
 
-def test_the_torch_knob_and_a_bad_value(monkeypatch):
-    """``MLORA_GREEDY=torch``: torch.argmax everywhere (the engine A/B's other arm); any value but
-    ``triton`` or ``torch`` is refused, naming the variable."""
-    x = _logits(4, 3, 300, torch.bfloat16).to(DEVICE)
-    monkeypatch.setenv("MLORA_GREEDY", "torch")
-    assert torch.equal(greedy_tokens(x), torch.argmax(x, dim=-1))
-    monkeypatch.setenv("MLORA_GREEDY", "fast")
-    with pytest.raises(ValueError, match="MLORA_GREEDY='fast'"):
-        greedy_tokens(x)
-
-
 def test_written_into_a_given_buffer():
     """``out``: the tokens land in the given int64 buffer (the decode graph's token ids), rows
     past it untouched, on both paths."""

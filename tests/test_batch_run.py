@@ -244,12 +244,6 @@ def test_demo_workspace_outputs(tmp_path, lookahead):
     assert summary.engine.get("lookahead_iterations", 0) > 0 if lookahead else "lookahead_iterations" not in summary.engine
 
 
-def test_demo_workspace_outputs_with_the_page_major_kv_cache(tmp_path, monkeypatch):
-    """The whole demo job through the page-major KV layout (MLORA_KV_LAYOUT) gives the expected rows."""
-    monkeypatch.setenv("MLORA_KV_LAYOUT", "page-major")
-    _demo_job_gives_the_expected_rows(tmp_path)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the GPU run of the joint mode needs a CUDA device (runs on the device)"))])
 def test_demo_workspace_outputs_with_one_arena_for_kv_and_slots(tmp_path, device):
@@ -301,12 +295,10 @@ def test_demo_job_reports_the_collectors_pauses_and_freezes_on_request(tmp_path,
         _demo_job_gives_the_expected_rows(tmp_path / "c")
 
 
-@pytest.mark.parametrize("var, value, message", [("MLORA_BLAS_ROWS", "1-64", r"MLORA_BLAS_ROWS='1-64': expected LO:HI"),
-                                                  ("MLORA_CHAIN_DECODE", "yes", r"MLORA_CHAIN_DECODE='yes'")])
+@pytest.mark.parametrize("var, value, message", [("MLORA_CHAIN_DECODE", "yes", r"MLORA_CHAIN_DECODE='yes'")])
 def test_malformed_knob_refused_before_the_weights_load(tmp_path, monkeypatch, var, value, message):
-    """MLORA_BLAS_ROWS (read by every forward) and MLORA_CHAIN_DECODE (read by the engine): a
-    malformed value stops the job when its session is built, before the base weights are
-    read, with the variable named."""
+    """MLORA_CHAIN_DECODE (read by the engine): a malformed value stops the job when its session
+    is built, before the base weights are read, with the variable named."""
     from mlora.batch.model import decoder as model_mod
 
     def no_load(*a, **k):
@@ -352,9 +344,11 @@ def test_memory_ledger_refusals(tmp_path):
                     reason="the fused gate/up SiLU product runs on a CUDA GPU (runs on the device)")
 def test_demo_workspace_outputs_with_the_gate_up_deltas_fused_everywhere(tmp_path, monkeypatch):
     """The demo job on the GPU in float32 with the gate/up deltas added inside the SiLU product
-    in every invocation (MLORA_LORA_SILU_MIN_ROWS=1: prefill chunks and the captured decode
+    in every invocation (``FUSE_SILU_MIN_ROWS`` 1: prefill chunks and the captured decode
     graphs, slot-less rows included) gives the expected rows."""
-    monkeypatch.setenv("MLORA_LORA_SILU_MIN_ROWS", "1")
+    from mlora.batch.adapters import slots as slots_mod
+
+    monkeypatch.setattr(slots_mod, "FUSE_SILU_MIN_ROWS", 1)
     _demo_job_gives_the_expected_rows(tmp_path, device="cuda")
 
 

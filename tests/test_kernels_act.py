@@ -8,9 +8,7 @@ import torch
 from test_kernels_reference import TOL
 from test_kernels_slices import DEVICE, _dev, sliced_case, sliced_oracle
 
-from mlora.kernels.elementwise import silu_mul_triton
 from mlora.kernels import (
-    add_lora_slices,
     build_plan,
     empty_launch_plan,
     lora_silu_mul,
@@ -18,6 +16,7 @@ from mlora.kernels import (
     tile_capacity,
     to_rank_pitched,
 )
+from mlora.kernels.elementwise import silu_mul_triton
 from mlora.kernels.triton_act import lora_silu_mul_triton
 
 
@@ -73,11 +72,11 @@ def test_fused_equals_the_plain_expand_then_the_silu_kernel(bm, group):
     lp = make_launch_plan(build_plan(rs), bm)
     from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
-    plain = add_lora_slices_triton(y.clone(), x, a, b, lp, ranks, scales, widths, config=dict(fused=False, block_n=16))
+    plain = add_lora_slices_triton(y.clone(), x, a, b, lp, ranks, scales, widths, config=dict(block_n=16))
     want = silu_mul_triton(plain, widths[0])
     out = torch.full((y.shape[0], widths[0]), float("nan"), device=y.device)
     lora_silu_mul_triton(y, x, a, b, lp, ranks, scales, widths[0], out=out,
-                         config=dict(fused=False, block_n=16, silu_group_tiles=group))
+                         config=dict(block_n=16, silu_group_tiles=group))
     if DEVICE == "cpu":
         assert torch.equal(out, want)
     else:  # compiled: the fused kernel's dot may round apart from the expand's

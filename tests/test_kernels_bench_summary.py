@@ -5,8 +5,8 @@ with made-up times. Also the static plan every timed case replays (``captured_pl
 import pytest
 import torch
 
-from mlora.kernels import build_plan, make_launch_plan, tile_capacity
 from mlora.bench.kernels import MIXED_CASES, captured_plan, summarize
+from mlora.kernels import build_plan, make_launch_plan, tile_capacity
 
 
 def case(T, adapters, floor_us, graph_us, loop_us=None):

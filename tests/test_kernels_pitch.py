@@ -8,7 +8,15 @@ import torch
 from test_kernels_reference import TOL
 from test_kernels_slices import sliced_case, sliced_oracle
 
-from mlora.kernels import PlanError, add_lora_slices, b_pitch, build_plan, make_launch_plan, pitched_view, to_rank_pitched
+from mlora.kernels import (
+    PlanError,
+    add_lora_slices,
+    b_pitch,
+    build_plan,
+    make_launch_plan,
+    pitched_view,
+    to_rank_pitched,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""SegmentPlan and the torch reference paths of add_lora (spec 0x02C-0x02G, 0x06A).
+"""SegmentPlan and the torch reference paths of add_lora (docs/design.md, Segment plan).
 
 The spec's 8-row fixed-rank trace first, then fresh random inputs against the
 float64 oracle with poisoned outputs and NaN rank tails, then one-field
@@ -21,7 +21,7 @@ from mlora.kernels import (
     validate_plan,
 )
 
-# ---- spec 0x02C-0x02E: the exact 8-row trace -------------------------------------
+# ---- the exact 8-row trace ------------------------------------------------------
 
 ADAPTER_IDS = [1, 2, 1, 0, 2, 2, 1, 0]  # 0 = base only; adapter k lives in slot k - 1
 ROW_SLOTS = torch.tensor([a - 1 for a in ADAPTER_IDS], dtype=torch.int32)

@@ -1,13 +1,12 @@
 """Two worked examples of the spec, exact on every path.
 
-Spec 0x03B-0x03C, 0x06B-0x06C: the mixed prefill/decode trace with ranks 2, 3
-and 1 in a physical rank-3 bank. Spec 0x0AA/0x0AF: the five-row table with two
-rank-2 adapters of different scales. Each expected number is first recomputed
-from the factors in Fractions and compared with the table the spec publishes;
-then the oracle, the loop, the gather-bmm path and add_lora (torch, triton)
-must reproduce it bit for bit in fp32 and bf16, with NaN wherever nothing may
-be read (base-only inputs, padded rank tails); triton on both of its paths
-(the ``lora_path`` fixture: shrink + expand, fused).
+The mixed prefill/decode trace with ranks 2, 3 and 1 in a physical rank-3 bank
+(docs/design.md: ``doff`` and ``prefill_indptr``, Logical and physical rank), and
+the five-row table with two rank-2 adapters of different scales. Each expected
+number is first recomputed from the factors in Fractions and compared with the
+table the spec publishes; then the oracle, the loop, the gather-bmm path and
+add_lora (torch, triton) must reproduce it bit for bit in fp32 and bf16, with
+NaN wherever nothing may be read (base-only inputs, padded rank tails).
 """
 
 import dataclasses
@@ -84,7 +83,7 @@ def run(path, y, x, a, b, row_slots, ranks, scales, plan=None):
     return out.cpu().double()
 
 
-# ---- spec 0x03B-0x03C, 0x06B-0x06C: the mixed trace ------------------------------------
+# ---- the mixed trace --------------------------------------------------------------------
 
 # slots: a = 0, b = 1, c = 2; each entry is (A [r, d_in], B [d_out, r])
 MIXED_FACTORS = [
@@ -108,7 +107,7 @@ def test_mixed_trace_runs_and_row_expansion():
     assert contiguous_runs(MIXED_SLOTS) == ([1, 0, -1, 2], [0, 2, 6, 7, 8])
     packed = expand_request_rows([1, 0, 0, -1, 2], [2, 3, 1, 1, 1])  # [p1, p0, d0, d1, d2]
     assert packed.dtype == torch.int32 and packed.tolist() == MIXED_SLOTS
-    # 0x03C: one row per prefill request instead of one per token; o_K = T detects it
+    # one row per prefill request instead of one per token; o_K = T detects it
     _, offsets = contiguous_runs(expand_request_rows([1, 0, 0, -1, 2], [1] * 5))
     assert offsets[-1] != len(MIXED_SLOTS)
     assert contiguous_runs([]) == ([], [0])
@@ -150,13 +149,13 @@ def test_mixed_trace_factors_reproduce_the_spec():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_trace_exact_on_every_path(path, dtype, lora_path):
+def test_mixed_trace_exact_on_every_path(path, dtype):
     assert torch.equal(run(path, *mixed_case(dtype)), as_f64(plus(MIXED_Y_BASE, SPEC_D)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_trace_prefill_reorder_keeps_every_row(path, dtype, lora_path):
+def test_mixed_trace_prefill_reorder_keeps_every_row(path, dtype):
     uid = [2, 3, 4, 0, 1, 5, 6, 7]  # scheduler order [p0, p1, d0, d1, d2]: row k is packed row uid[k]
     slots = expand_request_rows([0, 1, 0, -1, 2], [3, 2, 1, 1, 1])
     assert slots.tolist() == [MIXED_SLOTS[u] for u in uid]
@@ -171,7 +170,7 @@ def test_mixed_trace_prefill_reorder_keeps_every_row(path, dtype, lora_path):
     assert torch.equal(out, as_f64(plus(MIXED_Y_BASE, SPEC_D))[uid])
 
 
-# ---- spec 0x0AA/0x0AF: the five-row table -----------------------------------------------
+# ---- the five-row table ------------------------------------------------------------------
 
 FIVE_ADAPTERS = ["A", "A", "B", None, "B"]  # None = __base__
 FIVE_SCALE = {"A": F(1, 2), "B": F(3, 2)}
@@ -237,12 +236,12 @@ def test_five_row_plans_of_the_punica_lane_and_a_moved_segment():
 @pytest.mark.parametrize("b_slot", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_five_row_table_exact_on_every_path(path, dtype, b_slot, R, lora_path):
+def test_five_row_table_exact_on_every_path(path, dtype, b_slot, R):
     assert torch.equal(run(path, *five_case(dtype, b_slot, R)), as_f64(SPEC_FIVE_Y))
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_five_row_one_field_mutations_change_the_output(path, lora_path):
+def test_five_row_one_field_mutations_change_the_output(path):
     expected = as_f64(SPEC_FIVE_Y)
     swapped = five_case(torch.float32, scales={"A": FIVE_SCALE["B"], "B": FIVE_SCALE["A"]})
     assert not torch.equal(run(path, *swapped), expected)
@@ -251,7 +250,7 @@ def test_five_row_one_field_mutations_change_the_output(path, lora_path):
         mutated = rs.clone()
         mutated[row] = slot
         assert not torch.equal(run(path, y, x, a, b, mutated, ranks, scales), expected)
-    # 0x06A: zero tails are exact even when the rank comes from the physical R; a stale tail is not
+    # zero tails are exact even when the rank comes from the physical R; a stale tail is not
     y, x, a, b, rs, ranks, scales = five_case(torch.float32, R=3)
     a[:, 2], b[:, :, 2] = 0.0, 0.0
     assert torch.equal(run(path, y, x, a, b, rs, None, scales), expected)

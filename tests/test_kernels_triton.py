@@ -1,8 +1,7 @@
 """The Triton segmented kernels against the float64 oracle.
 
 On the CPU they run under TRITON_INTERPRET=1 (set in conftest), so shapes stay
-small; on a GPU the same tests run the compiled kernels on CUDA tensors. Each
-runs on both Triton paths (the ``lora_path`` fixture: shrink + expand, fused).
+small; on a GPU the same tests run the compiled kernels on CUDA tensors.
 """
 
 import pytest
@@ -19,7 +18,7 @@ def _to(device, *ts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_spec_trace_exact(dtype, lora_path):
+def test_triton_spec_trace_exact(dtype):
     x, y, a, b, s = _to(DEVICE, *spec_inputs(dtype))
     out = add_lora(y, x, a, b, ROW_SLOTS.to(DEVICE), scales=s, backend="triton")
     expected = torch.tensor([[float(v) for v in row] for row in Y_FINAL], dtype=torch.float64)
@@ -40,7 +39,7 @@ def test_triton_spec_trace_exact(dtype, lora_path):
         (6, torch.float32, dict(T=11, S=4, R=40, d_in=16, d_out=24)),
     ],
 )
-def test_triton_matches_the_oracle(seed, dtype, shape, lora_path):
+def test_triton_matches_the_oracle(seed, dtype, shape):
     y, x, a, b, rs, ranks, scales = random_case(seed, dtype=dtype, **shape)
     ref = lora_oracle_f64(y, x, a, b, rs, ranks, scales)
     y, x, a, b, rs, ranks, scales = _to(DEVICE, y, x, a, b, rs, ranks, scales)
@@ -53,7 +52,7 @@ def test_triton_matches_the_oracle(seed, dtype, shape, lora_path):
     assert err < TOL[dtype], float(err)
 
 
-def test_triton_equals_torch_backend_per_row_after_reordering(lora_path):
+def test_triton_equals_torch_backend_per_row_after_reordering():
     y, x, a, b, rs, ranks, scales = _to(DEVICE, *random_case(9))
     out_t = add_lora(y.clone(), x, a, b, rs, ranks=ranks, scales=scales, backend="torch")
     perm = torch.randperm(rs.numel(), generator=torch.Generator().manual_seed(1)).to(DEVICE)

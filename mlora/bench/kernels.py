@@ -1,4 +1,4 @@
-"""The segmented-kernel benchmark behind ``mlora bench kernels`` (issue step 2).
+"""The segmented-kernel benchmark behind ``mlora bench kernels``.
 
 Owns the measurement method; the figures go into BENCHMARKS.md.
 
@@ -7,9 +7,8 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 * Floors per case: bytes = the distinct adapters' A and B at true rank + x
   read + y read and written; flops = 2 * rows * rank * (n * d_in + d_out);
   floor = max(bytes / bandwidth, flops / rate).
-* Triton, graph-replayed: one shrink + expand call (or one fused launch, where
-  ``triton_fused.fused_config`` chooses it: ``fused`` in each case) captured in
-  a CUDA graph over a static LaunchPlan; each timed replay follows an L2 flush
+* Triton, graph-replayed: one shrink + expand call captured in a CUDA graph
+  over a static LaunchPlan; each timed replay follows an L2 flush
   (a 256 MiB write) so the factors come from HBM, timed with CUDA events; median.
 * Triton eager and the baselines (per-adapter loop = PEFT's way; gather +
   batched matmul): back-to-back calls, wall time per call after a sync (what a
@@ -31,10 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.kernels import (LaunchPlan, SegmentPlan, add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity,
-                to_rank_pitched)
+from mlora.kernels import (
+    LaunchPlan,
+    SegmentPlan,
+    add_lora_slices,
+    build_plan,
+    empty_launch_plan,
+    make_launch_plan,
+    tile_capacity,
+    to_rank_pitched,
+)
 from mlora.kernels.reference import lora_gather_bmm, lora_loop
-from mlora.kernels.triton_fused import fused_config
 
 D_IN = 4096
 OUTPUTS = {"4096": (4096,), "14336": (14336,), "qkv": (4096, 1024, 1024)}
@@ -107,10 +113,8 @@ def measure_ceilings(reps: int = 20) -> Ceilings:
     """The GPU's copy bandwidth (a 2 GiB bf16 device-to-device copy: read + write bytes) and bf16
     matmul rate (8192^3), each the fastest of ``reps`` event-timed calls after one warm-up call.
     A ceiling is the best the hardware does: noise (clocks, other tenants of the memory
-    system) only slows a call, so the fastest call estimates it and repeats agree. The median
-    of 10, used up to the twenty-seventh session, put one H200's copy ceiling anywhere in
-    4.14-4.24 TB/s across four runs within ten minutes, and every floor moved with it by up to
-    2.4% (BENCHMARKS.md, twenty-eighth session)."""
+    system) only slows a call, so the fastest call estimates it and repeats agree (a median
+    moves with the noise, and every floor with it)."""
     n = 1 << 30  # 2 GiB of bf16
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
@@ -124,10 +128,9 @@ def measure_ceilings(reps: int = 20) -> Ceilings:
 
 def sustained_matmul_rate(seconds: float = 3.0) -> float:
     """bf16 flops per second of 8192^3 matmuls run back to back for ``seconds``
-    (:func:`sustained_rate`). Not a ceiling of the floors (the issue defines those by the burst
-    rate of :func:`measure_ceilings`) but what the GPU holds under sustained load: an H200 at its
-    700 W power cap ran them at 659 TFLOP/s with the SM clock at 1,485 MHz, against 796 in a
-    burst at 1,980 (twenty-eighth session, BENCHMARKS.md)."""
+    (:func:`sustained_rate`). Not a ceiling of the floors (those use the burst rate of
+    :func:`measure_ceilings`) but what the GPU holds under sustained load, where a power cap
+    lowers the clocks (figures in BENCHMARKS.md)."""
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
@@ -232,8 +235,6 @@ def run_case(T, n_adapters, out_name, ranks_per_slot, R, ceil: Ceilings, flush, 
                distinct_used=len(used), **case_floor(T, widths, ranks_per_slot, used, ceil))
     seg = build_plan(rs)
     static = captured_plan(seg, n_adapters)
-    res["fused"] = fused_config(static.tile_capacity, static.row_capacity, R, D_IN, widths, a.element_size(),
-                                a.device)["fused"]  # the path timed (off by default until calibrated)
     y = y0.clone()
     kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False,
               b_layout=b_layout)
@@ -291,27 +292,18 @@ def grid(quick: bool):
 
 
 # (rows T, adapters, d_out) of the mixed-rank comparison. The first three (64 adapters, d_out
-# 4096) are the fourth session's: at T 64 and 256 the mixed batch's own floor is launch-bound
-# (~5 and ~8 us against ~11 and ~17 padded) and at T 4096 x and y outweigh the factors (floor
-# ratio 0.78), so none of them can reach the issue's 0.6x whatever the kernel. The last two
-# (fourteenth session) are factor-bound: 256 adapters of d_out 14336, one to four rows each,
-# mixed floors ~45 and ~80 us at floor ratios ~0.46 and ~0.51.
+# 4096) cannot reach 0.6x the padded time whatever the kernel: at T 64 and 256 the mixed
+# batch's own floor is launch-bound and at T 4096 x and y outweigh the factors. The last two
+# are factor-bound: 256 adapters of d_out 14336, one to four rows each.
 MIXED_CASES = ((64, 64, "4096"), (256, 64, "4096"), (4096, 64, "4096"), (256, 256, "14336"), (1024, 256, "14336"))
-# 15 of the grid's cases under 10 us of floor that missed the 12 us target in the eighteenth
-# session's grid (benchmarks/kernels-h200-session18.json), as (OUTPUTS key, rank, T, adapters):
-# the probes' sample of issue step 2's launch-bound misses (14 of the 58 are one adapter at T 256 / 1024)
-LAUNCH_BOUND_MISSES = (("qkv", 64, 1, 1), ("4096", 64, 16, 1), ("qkv", 64, 64, 1), ("4096", 16, 256, 1),
-                       ("14336", 64, 256, 1), ("qkv", 16, 256, 1), ("4096", 64, 1024, 1), ("qkv", 16, 1024, 1),
-                       ("qkv", 64, 1024, 1), ("4096", 64, 1024, 8), ("14336", 64, 256, 8), ("qkv", 16, 1024, 8),
-                       ("14336", 8, 256, 64), ("qkv", 8, 256, 64), ("4096", 8, 256, 256))
 
 
 def mixed_rank_cases(ceil, flush, cases=MIXED_CASES):
     """Ranks 8/16/64 in one batch against the same rows with every slot at rank 64
     (``floor_ratio``: the same ratio of the two memory floors, the best possible;
     ``mixed_floor_s`` below 10 us: the mixed batch is launch-bound). The mixed batch reads a
-    rank-pitched B bank, the engine's layout (``mixed_s``), and for the record the padded one
-    (``mixed_padded_layout_s``: the sixteenth session's layout); the padded twin's bank is the
+    rank-pitched B bank, the engine's layout (``mixed_s``), and for comparison the padded one
+    (``mixed_padded_layout_s``); the padded twin's bank is the
     same bytes in both layouts (every rank is R)."""
     out = []
     for T, n, d_out in cases:

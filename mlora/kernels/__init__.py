@@ -1,4 +1,4 @@
-"""Segmented LoRA execution (spec 0x02-0x03, 0x06A-0x06E).
+"""Segmented LoRA execution (docs/design.md: Segment plan, Launch plan, Logical and physical rank).
 
 Public entry points::
 
@@ -17,8 +17,8 @@ Public entry points::
       rows with s = -1 are left exactly as they were.
 
     add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None, ahead=None, b_layout="padded") -> y
-      the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch (one launch for small batches):
+                    plan=None, check_values=True, out_offsets=None, b_layout="padded") -> y
+      the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch:
       lora_a [S, n, R, d_in], lora_b [S, sum(widths), R], ranks and scales [n, S];
       slice j owns the output columns [off_j, off_j + widths[j]) with off_j = sum(widths[:j]):
          y[t, off_j:off_j+w_j] += scales[j, s] * (x[t] @ lora_a[s, j, :ranks[j, s]].T)
@@ -31,15 +31,10 @@ Public entry points::
       rounded up to 8 (``mlora.kernels.pitch``: contiguous rows for low-rank slots in a wide bank);
       ``lora_b[s, off_j:off_j+w_j, :r]`` above then means ``pitch.pitched_view(lora_b, s, off_j, w_j, r)``.
 
-    shrink_ahead(x, lora_a, lora_b, plan, *, widths, ranks, scales, stream=None) -> pending or None
-      launches the shrink half of that add_lora_slices call (Triton, a LaunchPlan) on ``stream`` now,
-      so it overlaps the base GEMM the caller launches next; ``add_lora_slices(..., ahead=pending)``
-      then waits for it and runs the expand: the same output bits as one call.
-
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
 ``"triton"`` (segmented split-K shrink and multi-slice expand over a
-LaunchPlan tile list, ``triton_sgmv.py``, or for small batches one fused
-launch, ``triton_fused.py``; runs on CPU under ``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and torch
+LaunchPlan tile list, ``triton_sgmv.py``; runs on CPU under
+``TRITON_INTERPRET=1``). ``"auto"`` picks Triton for CUDA tensors and torch
 otherwise. ``plan`` may be a SegmentPlan (either backend) or, for Triton, a
 LaunchPlan; with a LaunchPlan and ``check_values=False`` a Triton call does
 no host synchronisation and can be captured in a CUDA graph (the engine
@@ -56,12 +51,14 @@ from mlora.kernels.launch import LaunchPlan, choose_block_m, empty_launch_plan, 
 from mlora.kernels.pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_span, pitched_view, to_rank_pitched
 from mlora.kernels.plan import PlanError, SegmentPlan, build_plan, validate_plan
 from mlora.kernels.reference import lora_gather_bmm, lora_loop, lora_oracle_f64
+from mlora.kernels.triton_act import lora_silu_mul_triton
+from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
 __all__ = [
     "B_LAYOUTS", "LaunchPlan", "PlanError", "SegmentPlan", "add_lora", "add_lora_slices", "b_pitch", "build_plan",
     "check_bank", "pitched_span", "pitched_view", "to_rank_pitched",
     "choose_block_m", "empty_launch_plan", "lora_gather_bmm", "lora_loop", "lora_oracle_f64", "lora_silu_mul",
-    "make_launch_plan", "shrink_ahead", "silu_mul_ref", "tile_capacity", "validate_plan",
+    "make_launch_plan", "silu_mul_ref", "tile_capacity", "validate_plan",
 ]
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,9 +145,8 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
 
 
 def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None, ahead=None, b_layout="padded"):
+                    plan=None, check_values=True, out_offsets=None, b_layout="padded"):
     """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above).
-    ``ahead``: this call's shrink, already launched by :func:`shrink_ahead` (Triton only).
     ``b_layout``: ``"padded"`` or ``"rank-pitched"`` (``mlora.kernels.pitch``)."""
     widths = [int(w) for w in widths]
     _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
@@ -171,13 +167,11 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
                       b_view=view)
             off += w
         return y
-    from mlora.kernels.triton_sgmv import add_lora_slices_triton  # deferred: importing triton is slow
-
     plan = _launch_plan(plan, row_slots, x)
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                                  out_offsets=out_offsets, ahead=ahead, b_pitched=pitched)
+                                  out_offsets=out_offsets, b_pitched=pitched)
 
 
 def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -207,8 +201,6 @@ def lora_silu_mul(gate_up, x, lora_a, lora_b, row_slots, *, inter, ranks=None, s
         return silu_mul_ref(y, inter)
     _check_shapes(gate_up, x, lora_a, lora_b, row_slots, widths, ranks, scales)
     ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
-    from mlora.kernels.triton_act import lora_silu_mul_triton  # deferred: importing triton is slow
-
     return lora_silu_mul_triton(gate_up, x, lora_a, lora_b, _launch_plan(plan, row_slots, x), ranks.to(torch.int32),
                                 scales.to(torch.float32), inter, b_pitched=pitched)
 
@@ -243,24 +235,6 @@ def _launch_plan(plan, row_slots, x) -> LaunchPlan:
     if plan.device != x.device:
         raise PlanError("E_BANK_DEVICE", f"launch plan is on {plan.device}, tensors on {x.device}")
     return plan
-
-
-def shrink_ahead(x, lora_a, lora_b, plan: LaunchPlan, *, widths, ranks, scales, stream=None):
-    """Launch the shrink half of ``add_lora_slices(y, x, lora_a, lora_b, ..., plan=plan,
-    widths=widths, ranks=ranks, scales=scales, backend="triton")`` now, on ``stream`` (a CUDA
-    stream; None: in order on the current one), so that it runs beside whatever the caller
-    launches next on the current stream (the base GEMM of the same module); pass the result
-    to that call as ``ahead=``. The result is bit for bit the same as the call without it.
-    Returns None (nothing launched; call ``add_lora_slices`` as usual) for shapes that run as
-    one fused launch. Callers have checked shapes and values (the Triton backend's
-    preconditions of ``add_lora_slices``)."""
-    from mlora.kernels.triton_sgmv import shrink_ahead_triton  # deferred: importing triton is slow
-
-    if not isinstance(plan, LaunchPlan):
-        raise ValueError("shrink_ahead takes the LaunchPlan of the add_lora_slices call it precedes")
-    widths = [int(w) for w in widths]
-    return shrink_ahead_triton(x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                               stream)
 
 
 def _resolve(backend: str, x) -> str:

@@ -118,8 +118,7 @@ DECODE_BLOCK_M = 16  # row tile of decode batches (below 1024 rows choose_block_
 
 
 def choose_block_m(num_active: int, num_segments: int) -> int:
-    """Row tile for a batch, from the H200 sweep (scripts/kernel_sweep.py,
-    BENCHMARKS.md): 16, the smallest tensor-core tile, for decode-like and
+    """Row tile for a batch (figures in BENCHMARKS.md): 16, the smallest tensor-core tile, for decode-like and
     mid-size batches; 32 for large batches with long segments (>= 1024 rows,
     >= 32 rows per slot on average), where fewer, larger tiles cut the
     re-reads of B."""

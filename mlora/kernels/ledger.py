@@ -1,14 +1,14 @@
-"""Row bookkeeping of one mixed iteration: runs, row expansion, rank ledger (spec 0x03B-0x03C, 0x06B).
+"""Row bookkeeping of one mixed iteration: runs, row expansion, rank ledger.
 
 Owns the integer accounting that sits beside a SegmentPlan and never touches
 a tensor of activations or factors:
 
 * :func:`contiguous_runs` - maximal runs of one slot in scheduler order, the
-  sentinel-inclusive ``segment_adapter`` / ``segment_offsets`` of spec 0x03B;
+  sentinel-inclusive ``segment_adapter`` / ``segment_offsets``;
 * :func:`expand_request_rows` - request-level slots expanded to one slot per
-  token row (spec 0x03C: a prefill request contributes all its rows);
-* :func:`rank_ledger` - true-rank versus padded-rank work (spec 0x06B), in
-  plain ints and Fractions so the spec's numbers compare exactly;
+  token row (a prefill request contributes all its rows);
+* :func:`rank_ledger` - true-rank versus padded-rank work (docs/design.md, Logical
+  and physical rank), in plain ints and Fractions so the numbers compare exactly;
 * :func:`adapter_bytes` - true-rank factor bytes of the slots a batch uses.
 
 Imports nothing from mlora except ``.plan`` (for PlanError); no floats.
@@ -35,7 +35,7 @@ def contiguous_runs(row_slots) -> tuple[list[int], list[int]]:
 
     Returns ``(run_slots, run_offsets)`` with ``run_offsets[0] = 0`` and
     ``run_offsets[-1] = T``; run k covers rows ``[run_offsets[k], run_offsets[k+1])``.
-    A final offset other than T is the detectable failure of spec 0x03C.
+    A final offset other than T is the detectable failure of one row per prefill request.
     """
     slots = _ints(row_slots)
     run_slots: list[int] = []
@@ -69,7 +69,7 @@ def expand_request_rows(request_slots, request_rows) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RankLedger:
-    """Logical work of one LoRA branch at true rank and at physical rank R (spec 0x06B)."""
+    """Logical work of one LoRA branch at true rank and at physical rank R."""
 
     active_rows: int  # N_active
     true_rank_rows: int  # sum_i r_a(i)

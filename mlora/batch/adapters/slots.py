@@ -1,4 +1,4 @@
-"""The GPU slot bank of step 3: resident adapter factors and the per-invocation LoraContext.
+"""The GPU slot bank: resident adapter factors and the per-invocation LoraContext.
 
 Owns the device tensors the segmented kernels read (layout of
 ``mlora.kernels.add_lora_slices``), which pinned adapter sits in which slot,
@@ -31,7 +31,8 @@ k. Slice j adds into the projection's output at its own columns
 (``out_offsets[g][j]``: the k columns are not the bank's and stay untouched).
 
 Writing an adapter zeroes the whole slot first, so every tail (ranks past r, the
-padding of rank-pitched B blocks, untargeted slices) is exactly zero (spec 0x06A). Residency is keyed by
+padding of rank-pitched B blocks, untargeted slices) is exactly zero (docs/design.md, Logical and
+physical rank). Residency is keyed by
 ``semantic_sha256``, never by id or path: two catalog ids naming the same
 adapter share one slot.
 
@@ -42,19 +43,19 @@ after the ``ensure`` of the same invocation: a later ``ensure`` may evict.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
 
-from mlora.batch.errors import CodedError
-from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view,
-                           shrink_ahead)
-
 from mlora.batch.adapters.catalog import PinnedAdapter, load_factors
-from mlora.batch.envknobs import env_int
+from mlora.batch.errors import CodedError
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE
+from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view
+
+# Invocations of at least this many rows add the gate/up deltas inside the SiLU product
+# (BankContext.apply_silu_mul): it pays for prefill-sized batches, not for decode steps.
+FUSE_SILU_MIN_ROWS = 1024
 
 
 class BankError(CodedError, RuntimeError):
@@ -145,26 +146,8 @@ class SlotTensors:
         self.b_layout = "rank-pitched"
         self.ranks = {g: make((S, L, len(w)), torch.int32) for g, w in self.widths.items()}
         self.scales = {g: make((S, L, len(w)), torch.float32) for g, w in self.widths.items()}
-        # LoRA shrinks launched ahead on a side stream, beside the base GEMM of the same module
-        # (``BankContext.prepare``): opt-in (MLORA_LORA_OVERLAP=1); measured 0.3-0.4 ms slower per
-        # 256-row decode iteration on the H200 (fourteenth session), so off by default
-        self.overlap = backend == "triton" and os.environ.get("MLORA_LORA_OVERLAP") == "1"
-        # the gate/up expand fused into the SiLU product (BankContext.apply_silu_mul; off with
-        # MLORA_LORA_SILU_FUSED=0: the expand, then the SiLU kernel)
-        self.fuse_silu = backend == "triton" and os.environ.get("MLORA_LORA_SILU_FUSED", "1") != "0"
-        # smaller batches (decode steps) keep the two launches; MLORA_LORA_SILU_MIN_ROWS for A/B runs
-        self.fuse_silu_min_rows = env_int("MLORA_LORA_SILU_MIN_ROWS", 1024, unit="rows")
-        self._side_stream = None
-
-    def side_stream(self):
-        """The stream shrinks launched ahead run on: a high-priority CUDA stream of the bank's
-        device (its blocks are scheduled before the GEMM's waiting ones), None off CUDA (the
-        shrink then runs in order on the current stream: same results, no overlap)."""
-        if self.device.type != "cuda":
-            return None
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
-        return self._side_stream
+        # the fewest rows of an invocation whose gate/up deltas go inside the SiLU product
+        self.fuse_silu_min_rows = FUSE_SILU_MIN_ROWS
 
     def layer_tables(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' ``[n, S]`` ranks and scales of one (group, layer): views, no copy."""
@@ -329,20 +312,6 @@ class BankContext:
 
     def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
         self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
-        self._ahead: dict[tuple[int, str], object] = {}  # shrinks launched by prepare(), by module
-
-    def prepare(self, layer: int, group: str, x: torch.Tensor) -> None:
-        """With the bank's ``overlap`` on: launch this module's shrink now on the side stream, so
-        it runs beside the base GEMM the model launches next; ``apply`` for the same (layer,
-        group) then runs only the expand (the same output bits). Otherwise nothing."""
-        if not self.bank.overlap or (layer, group) not in self.targeted or not isinstance(self.plan, LaunchPlan):
-            return
-        bank = self.bank
-        ranks, scales = bank.layer_tables(group, layer)
-        ahead = shrink_ahead(x, bank.A[group][:, layer], bank.B[group][:, layer], self.plan,
-                             widths=bank.widths[group], ranks=ranks, scales=scales, stream=bank.side_stream())
-        if ahead is not None:
-            self._ahead[(layer, group)] = ahead
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
@@ -354,25 +323,21 @@ class BankContext:
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
-            out_offsets=bank.out_offsets[group], ahead=self._ahead.pop((layer, group), None), b_layout=bank.b_layout,
+            out_offsets=bank.out_offsets[group], b_layout=bank.b_layout,
         )
 
     def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
         """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
-        Triton kernels (the bank's ``fuse_silu``, an invocation of at least
-        ``fuse_silu_min_rows`` rows, the fused element-wise ops, both slices held side by side,
-        no shrink launched ahead) one launch after the shrink adds the deltas inside the SiLU
-        product (``mlora.kernels.lora_silu_mul``) and ``gate_up`` keeps the base values;
-        otherwise :meth:`apply`, then ``ops.silu_mul``. Large batches only (prefill chunks,
-        mixed iterations): on the H200 the fusion took 0.4 s off the prefill of `bench batch`
-        at 8 and 64 adapters, but made a 256-row decode iteration with 64 adapters 0.3 ms
-        slower even with column groups (0.15 ms faster at 8; BENCHMARKS.md, eighteenth and
-        nineteenth sessions)."""
+        Triton kernels (a Triton bank, an invocation of at least ``fuse_silu_min_rows`` rows,
+        the fused element-wise ops, both slices held side by side) one launch after the shrink
+        adds the deltas inside the SiLU product (``mlora.kernels.lora_silu_mul``) and
+        ``gate_up`` keeps the base values; otherwise :meth:`apply`, then ``ops.silu_mul``.
+        Large batches only (prefill chunks, mixed iterations): at decode sizes the two
+        launches are faster."""
         group = "gate_up"
         bank = self.bank
-        if ((layer, group) in self.targeted and bank.fuse_silu and getattr(ops, "fused", False)
+        if ((layer, group) in self.targeted and bank.backend == "triton" and getattr(ops, "fused", False)
                 and isinstance(self.plan, LaunchPlan) and self.row_slots.shape[0] >= bank.fuse_silu_min_rows
-                and (layer, group) not in self._ahead
                 and tuple(bank.widths.get(group, ())) == (inter, inter) and list(bank.out_offsets[group]) == [0, inter]):
             ranks, scales = bank.layer_tables(group, layer)
             return lora_silu_mul(gate_up, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots,

@@ -27,9 +27,6 @@ and Qwen3 q/k/v/o biases; Qwen2 always has q/k/v biases; Mistral has none.
 
 from __future__ import annotations
 
-from mlora.batch.errors import CodedError
-from mlora.batch.model.gemms import blas_library
-
 import json
 import math
 import os
@@ -40,10 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mlora.batch.errors import CodedError
 from mlora.batch.model.attention import AttentionMetadata, attention
+from mlora.batch.model.gemms import blas_library
 from mlora.batch.model.kvcache import KVCache
-from mlora.kernels.elementwise import ops_for, rms_norm_ref as rms_norm
 from mlora.batch.model.lora import LoraContext, apply_silu_mul, group_shapes
+from mlora.kernels.elementwise import ops_for
+from mlora.kernels.elementwise import rms_norm_ref as rms_norm
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -294,9 +294,6 @@ class DecoderLayer(torch.nn.Module):
             x = ops.rms_norm(h, self.input_norm_weight, c.rms_norm_eps)
         else:  # h + the previous layer's MLP output, then the norm
             h, x = ops.add_rms_norm(h, delta, self.input_norm_weight, c.rms_norm_eps)
-        prepare = getattr(lora, "prepare", None)  # LoRA shrinks ahead of the base GEMMs (opt-in)
-        if prepare is not None:
-            prepare(i, "qkv", x)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
@@ -311,21 +308,15 @@ class DecoderLayer(torch.nn.Module):
             ops.rope_qk_kv_(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim, kv, i, meta.slot_mapping)
             q = qkv[:, : c.q_out].reshape(rows, c.num_heads, c.head_dim)
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
-        if prepare is not None:
-            prepare(i, "o", a)
         o = F.linear(a, self.o_weight, self.o_bias)
         if lora is not None:
             lora.apply(i, "o", a, o)
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
-        if prepare is not None:
-            prepare(i, "gate_up", x)
         gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
             m = apply_silu_mul(lora, i, x, gate_up, c.intermediate_size, ops)
         else:
             m = ops.silu_mul(gate_up, c.intermediate_size)
-        if prepare is not None:
-            prepare(i, "down", m)
         down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)

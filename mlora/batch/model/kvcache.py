@@ -4,7 +4,7 @@ Owns the K/V tensors of every layer, cut into fixed-size blocks, and the free
 list of block ids. A block id names the same block in every layer, so one
 allocation holds ``block_size`` tokens of one sequence across the whole model.
 Must not know about sequences, adapters or scheduling: the scheduler owns the
-block tables and decides who gets blocks (spec 0x04-0x05, joint admission).
+block tables and decides who gets blocks (docs/design.md, KV block and Joint memory ledger).
 
 Addressing: token ``p`` of a sequence with block table ``bt`` lives at slot
 ``bt[p // block_size] * block_size + p % block_size``; ``slot_mapping`` is that
@@ -17,10 +17,9 @@ block_size, kv_heads, head_dim]) and the same addressing:
 * ``page-major``: one tensor ``[num_blocks, layers, 2, block_size, kv_heads,
   head_dim]``, so one block id's K and V of every layer are one contiguous page
   (``bytes_per_block``); the per-layer views are strided (block stride = a page).
-  The first step of the one-arena GPU ledger (docs/sizing.md): pages that KV
-  blocks and adapter slots could both be carved from. Selected with
-  ``layout=`` or ``MLORA_KV_LAYOUT=page-major``; the paged attention kernel reads
-  it through its strides.
+  The joint memory mode carves these pages from the one arena it shares with the
+  adapter slots (``pages=``; docs/sizing.md). Selected with ``layout="page-major"``
+  or by passing ``pages``; the paged attention kernel reads it through its strides.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-
-from mlora.batch.envknobs import env_choice
 
 LAYOUTS = ("layer-major", "page-major")
 
@@ -52,7 +49,8 @@ class KVCache:
                  pages: torch.Tensor | None = None):
         """``pages``: the page-major storage to use (``arena.PageArena.kv_pages``: the KV blocks
         share one arena with the adapter slots), ``[num_blocks, layers, 2, block_size, kv_heads,
-        head_dim]``; the layout is then page-major."""
+        head_dim]``; the layout is then page-major. ``layout``: ``"layer-major"`` (the default
+        without ``pages``) or ``"page-major"``."""
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("KVCache dimensions must be positive")
         if pages is not None:
@@ -60,7 +58,7 @@ class KVCache:
             if tuple(pages.shape) != want or pages.dtype != dtype:
                 raise ValueError(f"KV pages {tuple(pages.shape)} {pages.dtype}, expected {want} {dtype}")
             layout = "page-major"
-        layout = layout or env_choice("MLORA_KV_LAYOUT", LAYOUTS, "layer-major")
+        layout = layout or "layer-major"
         if layout not in LAYOUTS:
             raise ValueError(f"KV cache layout {layout!r}: expected one of {LAYOUTS}")
         self.layout = layout
@@ -98,8 +96,8 @@ class KVCache:
         """(block id, offset in the block) of every slot: :meth:`begin`'s split when it was made
         for this tensor and the tensor was not modified in place since (its version counter),
         else computed now. The engine's graph buffers are the same tensor objects on every call
-        with new contents copied in place: an identity-only cache (fifteenth session) made graph
-        replays write at the warm-up's slots."""
+        with new contents copied in place, so identity alone would let graph replays write at
+        the warm-up's slots."""
         if self._split is not None and self._split[0] is slot_mapping and self._split[1] == slot_mapping._version:
             return self._split[2], self._split[3]
         return slot_mapping // self.block_size, slot_mapping % self.block_size

@@ -2,8 +2,8 @@
 
 Owns the grouping of LoRA target modules into fused launches and the protocol
 the model calls at every target module. The model never knows where adapter
-factors live; the bank (``mlora.batch.adapters.slots``, later the residency engine of
-step 4) never knows the model's layer code.
+factors live; the banks (``mlora.batch.adapters.slots``, the residency engine's bank)
+never know the model's layer code.
 
 Groups (one fused shrink + expand launch each, ``add_lora_slices``)::
 
@@ -16,11 +16,6 @@ Groups (one fused shrink + expand launch each, ``add_lora_slices``)::
 every row of ``x`` (packed rows of this model invocation) to ``y``, the base
 output of the fused group (columns laid out slice after slice, as above).
 Rows whose adapter does not target a slice are left untouched there.
-
-A context may also have ``prepare(layer, group, x)``, which the model calls
-just before the group's base GEMM: it may launch work that needs only ``x``
-(the shrink, on a side stream, ``BankContext.prepare``) so that it runs beside
-the GEMM; the ``apply`` that follows must give the same result as without it.
 """
 
 from __future__ import annotations
