@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mlora.lora_tools.atomic import atomic_directory, check_new
+from mlora.lora_tools.canonical import sealed_digest, sha256_hex
 from mlora.lora_tools.safetensors_io import tensor_digest_prefix
 
 from mlora.compress.cluster import ClusterResult, auto_clusters, cluster
@@ -155,10 +156,6 @@ def _digest(t: torch.Tensor) -> str:
                           ).hexdigest()
 
 
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def _member_config(path: str) -> dict:
     try:
         with open(os.path.join(path, "adapter_config.json")) as f:
@@ -189,8 +186,8 @@ def bundle_manifest(c: Compressed, bases: dict, cores: dict) -> dict:
         modules[f.module] = {
             "d_in": f.d_in, "d_out": f.d_out, "clusters": r.K,
             "assignments": {f.members[i]: r.assignments[i] for i in range(len(f.members))},
-            "basis_sha256": [hashlib.sha256((digests[f"{f.module}/cluster{k}/U"] + digests[f"{f.module}/cluster{k}/V"])
-                                            .encode()).hexdigest() for k in range(r.K)],
+            "basis_sha256": [sha256_hex((digests[f"{f.module}/cluster{k}/U"] + digests[f"{f.module}/cluster{k}/V"]).encode())
+                             for k in range(r.K)],
             "errors": {m: _num(e) for m, e in f.error_of().items()},
             "rounds": r.rounds, "converged": r.converged,
             "iterations": [fit.iterations for fit in r.fits],
@@ -211,7 +208,7 @@ def bundle_manifest(c: Compressed, bases: dict, cores: dict) -> dict:
         "ledger": total,
         "tensors": digests,
     }
-    man["bundle_sha256"] = hashlib.sha256(_canonical(man)).hexdigest()
+    man["bundle_sha256"] = sealed_digest(man, "bundle_sha256")
     return man
 
 
@@ -312,9 +309,7 @@ def read_bundle(path: str) -> Bundle:
         raise CompressError("E_BUNDLE_TAMPERED", f"{path}/bundle.json cannot be read: {e}") from None
     if man.get("format") != FORMAT:
         raise CompressError("E_BUNDLE_FORMAT", f"{path}: format {man.get('format')!r}, this mlora reads {FORMAT!r}")
-    claimed = man.get("bundle_sha256")
-    body = {k: v for k, v in man.items() if k != "bundle_sha256"}
-    if hashlib.sha256(_canonical(body)).hexdigest() != claimed:
+    if sealed_digest(man, "bundle_sha256") != man.get("bundle_sha256"):
         raise CompressError("E_BUNDLE_TAMPERED", f"{path}/bundle.json does not hash to its bundle_sha256: edited")
     tensors = {}
     for file in ("bases.safetensors", "cores.safetensors"):

@@ -49,6 +49,7 @@ import torch
 
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
+from mlora.lora_tools.canonical import file_sha256, sealed_digest
 from mlora.lora_tools.safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
 
 RELEASE_FILE = "release.json"
@@ -86,11 +87,6 @@ def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tenso
                     raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
                 done += n
     return buf.view(ST[dtype]).reshape(tuple(shape))
-
-
-def _canonical(obj) -> bytes:
-    """The bytes release_sha256 hashes: sorted keys, no whitespace, ASCII (floats as Python's repr)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def tensor_sha256(dtype: str, shape, data) -> str:
@@ -289,11 +285,10 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         side = {}  # every file that is not a weight shard: hashed whole (tokenizer, configs, index)
         for f in sorted(os.listdir(tmp)):
             if f not in files:
-                with open(os.path.join(tmp, f), "rb") as fh:
-                    side[f] = hashlib.sha256(fh.read()).hexdigest()
+                side[f] = file_sha256(os.path.join(tmp, f))
         manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side,
                         files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
-        manifest["release_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        manifest["release_sha256"] = sealed_digest(manifest, "release_sha256")
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -387,8 +382,7 @@ def read_release(path: str) -> dict:
         raise ReleaseError("E_RELEASE_MISSING", f"{path} has no {RELEASE_FILE}: not an mlora release") from None
     except (OSError, ValueError) as exc:
         raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} cannot be read ({exc})") from None
-    body = {k: v for k, v in man.items() if k != "release_sha256"}
-    if not isinstance(man, dict) or hashlib.sha256(_canonical(body)).hexdigest() != man.get("release_sha256"):
+    if not isinstance(man, dict) or sealed_digest(man, "release_sha256") != man.get("release_sha256"):
         raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} does not hash to its release_sha256: edited")
     return man
 
@@ -407,9 +401,8 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
             code = "E_RELEASE_TRUNCATED" if os.path.getsize(full) < size else "E_RELEASE_TAMPERED"
             raise ReleaseError(code, f"{file} is {os.path.getsize(full)} bytes, release.json says {size}")
     for file, digest in man.get("file_sha256", {}).items():
-        with open(os.path.join(path, file), "rb") as fh:
-            if hashlib.sha256(fh.read()).hexdigest() != digest:
-                raise ReleaseError("E_RELEASE_TAMPERED", f"{file} does not match its digest in release.json")
+        if file_sha256(os.path.join(path, file)) != digest:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"{file} does not match its digest in release.json")
     headers = {}
     for name, rec in sorted(man["tensors"].items()):
         file = os.path.join(path, rec["file"])

@@ -27,7 +27,6 @@ identity), so two members, or one member over two bases, never share a slot.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -38,6 +37,7 @@ from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEn
 from mlora.batch.model.decoder import load_config
 from mlora.compress.bundle import read_bundle
 from mlora.compress.solvers import CompressError
+from mlora.lora_tools.canonical import spaced_digest
 from mlora.batch.model.lora import config_role_shapes, module_layer_role
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
@@ -121,9 +121,8 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
         if not modules:
             out[e.id] = bad("E_ADAPTER_INVALID", f"bundle member {e.id!r} adapts no module")
             continue
-        semantic = hashlib.sha256(json.dumps({"kind": "mlora-bundle-member", "bundle_sha256": man["bundle_sha256"],
-                                              "member": e.bundle_member, "base_sha256": base_identity.base_sha256},
-                                             sort_keys=True).encode()).hexdigest()
+        semantic = spaced_digest({"kind": "mlora-bundle-member", "bundle_sha256": man["bundle_sha256"],
+                                  "member": e.bundle_member, "base_sha256": base_identity.base_sha256})
         out[e.id] = PinnedAdapter(e.id, e.path, True, artifact_sha256=man["bundle_sha256"], semantic_sha256=semantic,
                                   max_rank=R, modules=tuple(modules), bundle=e.path, bundle_member=e.bundle_member)
     return out
