@@ -29,7 +29,6 @@ caught by :func:`read_bundle` (``E_BUNDLE_TAMPERED``, ``E_BUNDLE_MISSING``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -40,7 +39,7 @@ import torch
 
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.canonical import sealed_digest, sha256_hex
-from mlora.lora_tools.safetensors_io import tensor_digest_prefix
+from mlora.lora_tools.safetensors_io import tensor_sha256
 
 from mlora.compress.cluster import ClusterResult, auto_clusters, cluster
 from mlora.compress.collection import Collection
@@ -152,8 +151,7 @@ def _module_order(name: str):
 
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().to("cpu").contiguous()
-    return hashlib.sha256(tensor_digest_prefix(_ST_DTYPE[t.dtype], tuple(t.shape)) + t.view(torch.uint8).numpy().tobytes()
-                          ).hexdigest()
+    return tensor_sha256(_ST_DTYPE[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _member_config(path: str) -> dict:

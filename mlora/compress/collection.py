@@ -18,16 +18,14 @@ target a module is simply absent from that module's collection.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from mlora.lora_tools.adapter import MemTensor, check_against_base, discover_adapters, open_adapter, scan_adapters
+from mlora.lora_tools.adapter import check_against_base, discover_adapters, open_adapter, scan_adapters
 from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
-from mlora.lora_tools.safetensors_io import tensor_digest_prefix
+from mlora.lora_tools.safetensors_io import TensorChanged, read_verified
 
 from mlora.compress.solvers import CompressError, FactoredDelta
 
@@ -130,13 +128,9 @@ def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: tor
 
 def _read(t, digest: str | None, member: str, dtype: torch.dtype) -> torch.Tensor:
     """A factor's bytes, re-hashed against the scanned digest, as a ``dtype`` tensor."""
-    if isinstance(t, MemTensor):
-        data = t.data
-    else:
-        with open(t.path, "rb") as f:
-            data = os.pread(f.fileno(), t.nbytes, t.offset)
-    got = hashlib.sha256(tensor_digest_prefix(t.dtype, t.shape) + data).hexdigest()
-    if len(data) != t.nbytes or got != digest:
+    try:
+        data = read_verified(t, digest)
+    except TensorChanged:
         raise CompressError("E_COMPRESS_MEMBER_CHANGED", f"member {member!r}: {t.name} changed since it was "
-                            "validated; rerun the command on stable files")
-    return torch.frombuffer(bytearray(data), dtype=_DTYPES[t.dtype]).reshape(t.shape).to(dtype)
+                            "validated; rerun the command on stable files") from None
+    return torch.frombuffer(data, dtype=_DTYPES[t.dtype]).reshape(t.shape).to(dtype)

@@ -39,7 +39,6 @@ identity is checked (``E_RELEASE_PARENT``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -50,7 +49,8 @@ import torch
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
 from mlora.lora_tools.canonical import file_sha256, sealed_digest
-from mlora.lora_tools.safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
+from mlora.lora_tools.safetensors_io import (SafetensorsError, TensorChanged, TensorInfo, read_header, read_tensor_bytes,
+                                             read_verified, tensor_sha256)
 
 RELEASE_FILE = "release.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,24 +75,13 @@ class MergeAdapter:
 # ---------------------------------------------------------------- bytes and digests
 
 
-def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tensor:
+def _read(info: TensorInfo) -> torch.Tensor:
     """One tensor read straight into its own buffer (one copy from the page cache)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        view, done = memoryview(buf.numpy()), 0
-        with open(path, "rb") as f:
-            while done < nbytes:
-                n = os.preadv(f.fileno(), [view[done:]], offset + done)
-                if n <= 0:
-                    raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
-                done += n
-    return buf.view(ST[dtype]).reshape(tuple(shape))
-
-
-def tensor_sha256(dtype: str, shape, data) -> str:
-    h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
-    h.update(data)
-    return h.hexdigest()
+    data = read_tensor_bytes(info)
+    if len(data) != info.nbytes:
+        raise ReleaseError("E_RELEASE_TRUNCATED", f"{info.path}: tensor bytes end early")
+    buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return buf.view(ST[info.dtype]).reshape(tuple(info.shape))
 
 
 class StreamingSafetensors:
@@ -148,9 +137,7 @@ class StreamingSafetensors:
         self._settle()  # the previous tensor's digest; then this one's on the helper thread
 
         def digest(view=view, keep=t):
-            h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
-            h.update(view)
-            return h.hexdigest()
+            return tensor_sha256(dtype, shape, view)
 
         self._pending = (name, self._pool.submit(digest))
 
@@ -220,16 +207,12 @@ def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=N
 
 
 def _factor(t, digest: str | None, name: str) -> torch.Tensor:
-    from mlora.lora_tools.adapter import MemTensor
-
-    if isinstance(t, MemTensor):
-        data = t.data
-    else:
-        with open(t.path, "rb") as f:
-            data = os.pread(f.fileno(), t.nbytes, t.offset)
-    if tensor_sha256(t.dtype, t.shape, data) != digest:
-        raise ReleaseError("E_MERGE_ADAPTER_CHANGED", f"adapter {name!r}: {t.name} changed since it was validated")
-    return torch.frombuffer(bytearray(data), dtype=ST[t.dtype]).reshape(tuple(t.shape))
+    try:
+        data = read_verified(t, digest)
+    except TensorChanged:
+        raise ReleaseError("E_MERGE_ADAPTER_CHANGED", f"adapter {name!r}: {t.name} changed since it was validated"
+                           ) from None
+    return torch.frombuffer(data, dtype=ST[t.dtype]).reshape(tuple(t.shape))
 
 
 # ---------------------------------------------------------------- writing a release
@@ -352,7 +335,7 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
         target = ST[out_dtype_of(name)]
         if name not in deltas and ST[info.dtype] == target and name in known:
             return ("copy", info.path, info.offset, info.nbytes, known[name])  # unchanged: no decode, no re-hash
-        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        t = _read(info)
         if name not in deltas:
             return t.to(target)
         return _merged(t, deltas[name], cdt, target)
@@ -415,10 +398,11 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
         info = headers[file].tensors.get(name)
         if info is None:
             raise ReleaseError("E_RELEASE_TAMPERED", f"{rec['file']} lacks tensor {name!r}")
-        with open(file, "rb") as f:
-            data = os.pread(f.fileno(), info.nbytes, info.offset)
-        if tensor_sha256(info.dtype, info.shape, data) != rec["sha256"]:
-            raise ReleaseError("E_RELEASE_TAMPERED", f"tensor {name!r} in {rec['file']} does not match its digest")
+        try:
+            read_verified(info, rec["sha256"])
+        except TensorChanged:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"tensor {name!r} in {rec['file']} does not match its digest"
+                               ) from None
     extra = sorted(set(sum((list(h.tensors) for h in headers.values()), [])) - set(man["tensors"]))
     if extra:
         raise ReleaseError("E_RELEASE_TAMPERED", f"tensors not named by release.json: {extra[:5]}")
@@ -478,7 +462,7 @@ def unmerge(release_dir: str, out: str, adapter_ids: list[str] | None = None, ba
 
     def produce(name: str) -> torch.Tensor:
         info = source.tensors[name]
-        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        t = _read(info)
         if name not in deltas:
             return t
         return _merged(t, deltas[name], cdt, t.dtype, sign=-1.0)  # deltas are in reverse merge order
@@ -509,8 +493,8 @@ def drift_report(release_dir: str, base_dir: str) -> dict:
         other = rel.tensors.get(name)
         if other is None:
             raise ReleaseError("E_RELEASE_PARENT", f"{name} is in the base but not in {release_dir}")
-        a = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
-        b = _read(other.path, other.offset, other.nbytes, other.dtype, other.shape)
+        a = _read(info)
+        b = _read(other)
         if a.dtype != b.dtype or a.shape != b.shape:
             raise ReleaseError("E_RELEASE_PARENT", f"{name}: {a.dtype} {tuple(a.shape)} in the base, "
                                f"{b.dtype} {tuple(b.shape)} in the release")
