@@ -269,14 +269,14 @@ def test_pinning_every_member_reads_and_verifies_the_bundle_once(tmp_path, run_c
     hashed 1,024 times on the H200); a tampered bundle still fails every member."""
     from conftest import DEMO
 
-    import mlora.compress.bundle as cb
+    import mlora.batch.adapters.bundles as served
     from mlora.batch.adapters.catalog import load_catalog
 
     bundle = tmp_path / "bundle"
     assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     reads = []
-    real = cb.read_bundle
-    monkeypatch.setattr(cb, "read_bundle", lambda path: reads.append(path) or real(path))
+    real = served.read_bundle
+    monkeypatch.setattr(served, "read_bundle", lambda path: reads.append(path) or real(path))
     catalog = load_catalog(str(bundle), None)
     members = set(catalog.entries)
     assert len(members) >= 3
