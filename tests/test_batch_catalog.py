@@ -12,10 +12,19 @@ import struct
 
 import pytest
 import torch
-from factory import copy_adapter, load_tensors, make_adapter, read_config, save_base, save_tensors, tiny_model, write_config
+from factory import (
+    copy_adapter,
+    load_tensors,
+    make_adapter,
+    read_config,
+    save_base,
+    save_tensors,
+    tiny_model,
+    write_config,
+)
 
-from mlora.batch.adapters.slots import BankError, BankFull, SlotBank
 from mlora.batch.adapters.catalog import AdapterChanged, AdapterError, CatalogError, load_catalog, load_factors
+from mlora.batch.adapters.slots import BankError, BankFull, SlotBank
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE, group_shapes
 from mlora.lora_tools.manifest import inspect_paths
 

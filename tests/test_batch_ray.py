@@ -15,12 +15,13 @@ import sys
 
 import pyarrow as pa
 import pytest
-from conftest import DEMO, demo_job_options as _opts, shard_digests as _shards
+from conftest import DEMO
+from conftest import demo_job_options as _opts
+from conftest import shard_digests as _shards
 
 from mlora.batch.errors import JobError
-
-from mlora.batch.runner import run_job
 from mlora.batch.job.output import read_output
+from mlora.batch.runner import run_job
 
 try:
     import ray  # noqa: F401

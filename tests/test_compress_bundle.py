@@ -4,12 +4,12 @@ tamper detection, and export round trips through `mlora validate` and PEFT."""
 import json
 import os
 
+import factory
 import pytest
 import torch
+from conftest import DEMO
 from safetensors.torch import save_file
 
-import factory
-from conftest import DEMO
 from mlora.compress.bundle import read_bundle
 from mlora.compress.collection import load_collection
 from mlora.compress.solvers import CompressError
@@ -192,7 +192,6 @@ def test_export_is_a_peft_adapter_with_the_compressed_delta(tmp_path, base, run_
 
 def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_cli):
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
@@ -296,7 +295,6 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     auto serves the same mixed job with slots."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
@@ -329,7 +327,6 @@ def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run
     instead of falling back to the torch operator; a mixed job is refused as three-stage is."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"

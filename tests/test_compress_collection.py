@@ -5,9 +5,10 @@ module; bad members, duplicate ids, changed bytes and mixed bases fail closed
 with a named error.
 """
 
+import factory
 import pytest
 import torch
-import factory
+
 from mlora.compress import jd_full, relative_errors
 from mlora.compress.collection import load_collection
 from mlora.compress.solvers import CompressError

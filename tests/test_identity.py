@@ -14,7 +14,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from factory import load_tensors, raw_layout, read_config, save_base, save_tensors, tiny_model, write_config, write_raw_safetensors
+from factory import (
+    load_tensors,
+    raw_layout,
+    read_config,
+    save_base,
+    save_tensors,
+    tiny_model,
+    write_config,
+    write_raw_safetensors,
+)
 
 from mlora.lora_tools.base import BaseCheckpoint
 from mlora.lora_tools.canonical import CanonicalError, canonical_json, canonical_real, digest

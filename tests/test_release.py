@@ -3,14 +3,14 @@
 import json
 import os
 
+import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import DEMO
 from safetensors.torch import load_file, save_file
 
-import factory
-from conftest import DEMO
 from mlora.lora_tools import release as release_mod
 from mlora.lora_tools.release import ReleaseError, verify
 

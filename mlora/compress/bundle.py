@@ -37,14 +37,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mlora.lora_tools.atomic import atomic_directory, check_new
-from mlora.lora_tools.canonical import sealed_digest, sha256_hex
-from mlora.lora_tools.safetensors_io import tensor_sha256
-
 from mlora.compress.cluster import ClusterResult, auto_clusters, cluster
 from mlora.compress.collection import Collection
 from mlora.compress.ledger import module_ledger, total_ledger
 from mlora.compress.solvers import METHODS, CompressError, FactoredDelta
+from mlora.lora_tools.atomic import atomic_directory, check_new
+from mlora.lora_tools.canonical import sealed_digest, sha256_hex
+from mlora.lora_tools.safetensors_io import tensor_sha256
 
 FORMAT = "mlora-collection-bundle/1"
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

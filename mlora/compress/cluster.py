@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlora.compress.solvers import METHODS, CompressError, FactoredCollection, JDResult, check_factors, jd_diag, jd_full, relative_errors
+from mlora.compress.solvers import (
+    METHODS,
+    CompressError,
+    FactoredCollection,
+    JDResult,
+    check_factors,
+    jd_diag,
+    jd_full,
+    relative_errors,
+)
 
 # An adapter changes cluster only when that lowers its relative error by more
 # than this: ties at round-off must not make the alternation cycle.

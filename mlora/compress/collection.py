@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlora.compress.solvers import CompressError, FactoredDelta
 from mlora.lora_tools.adapter import check_against_base, discover_adapters, open_adapter, scan_adapters
 from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
 from mlora.lora_tools.safetensors_io import TensorChanged, read_verified
-
-from mlora.compress.solvers import CompressError, FactoredDelta
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -49,8 +49,15 @@ import torch
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
 from mlora.lora_tools.canonical import file_sha256, sealed_digest
-from mlora.lora_tools.safetensors_io import (SafetensorsError, TensorChanged, TensorInfo, read_header, read_tensor_bytes,
-                                             read_verified, tensor_sha256)
+from mlora.lora_tools.safetensors_io import (
+    SafetensorsError,
+    TensorChanged,
+    TensorInfo,
+    read_header,
+    read_tensor_bytes,
+    read_verified,
+    tensor_sha256,
+)
 
 RELEASE_FILE = "release.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -32,13 +32,21 @@ import os
 
 import torch
 
-from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
-                                         PinnedModule, TensorRef, unsupported_module)
+from mlora.batch.adapters.pinned import (
+    AdapterChanged,
+    AdapterError,
+    CatalogEntry,
+    CatalogError,
+    PinnedAdapter,
+    PinnedModule,
+    TensorRef,
+    unsupported_module,
+)
 from mlora.batch.model.decoder import load_config
+from mlora.batch.model.lora import config_role_shapes, module_layer_role
 from mlora.compress.bundle import read_bundle
 from mlora.compress.solvers import CompressError
 from mlora.lora_tools.canonical import spaced_digest
-from mlora.batch.model.lora import config_role_shapes, module_layer_role
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
 _BUNDLES: dict[tuple[str, str], object] = {}

@@ -31,16 +31,31 @@ import re
 
 import torch
 
-from mlora.lora_tools.adapter import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE, AdapterArtifact, open_adapter, scan_adapters
-from mlora.lora_tools.adapter import check_against_base
+from mlora.batch.adapters.bundles import bundle_entries, member_factors, pin_members
+from mlora.batch.adapters.pinned import (
+    AdapterChanged,
+    AdapterError,
+    CatalogEntry,
+    CatalogError,
+    PinnedAdapter,
+    PinnedModule,
+    TensorRef,
+    unsupported_module,
+)
+from mlora.lora_tools.adapter import (
+    CONFIG_FILE,
+    PICKLE_FILE,
+    SAFETENSORS_FILE,
+    AdapterArtifact,
+    check_against_base,
+    open_adapter,
+    scan_adapters,
+)
 from mlora.lora_tools.base import BaseIdentity
 from mlora.lora_tools.findings import ERROR, UNSERVABLE, Finding, finding
-from mlora.lora_tools.manifest import base_identity as measure_base, build_manifest, load_base
+from mlora.lora_tools.manifest import base_identity as measure_base
+from mlora.lora_tools.manifest import build_manifest, load_base
 from mlora.lora_tools.safetensors_io import TensorChanged, TensorInfo, read_verified
-
-from mlora.batch.adapters.bundles import bundle_entries, member_factors, pin_members
-from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
-                                         PinnedModule, TensorRef, unsupported_module)
 
 BASE_ID = "__base__"  # an adapter-column value that means "the base model on purpose"
 MAX_CATALOG_BYTES = 64 * 1024 * 1024

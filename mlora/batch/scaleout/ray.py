@@ -59,17 +59,14 @@ import pyarrow as pa
 import torch
 
 from mlora.batch.adapters.catalog import load_catalog
-from mlora.batch.config import resolve_device, resolve_dtype
+from mlora.batch.config import JobConfig, resolve_device, resolve_dtype
+from mlora.batch.errors import JobError
 from mlora.batch.job.input import InputBatch, InputSpec, JobInputError, open_input
 from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
+from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
-from mlora.batch.config import JobConfig
-
-from mlora.batch.errors import JobError
-
-from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
-from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
 try:  # the optional extra mlora[ray]: without it, a coded error that names the extra
