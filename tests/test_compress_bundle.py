@@ -264,8 +264,8 @@ def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
 
 
 def test_pinning_every_member_reads_and_verifies_the_bundle_once(tmp_path, run_cli, monkeypatch):
-    """One read of the bundle per pin, not one per member (a 1,024-member bundle of 1.3 GB was
-    hashed 1,024 times on the H200); a tampered bundle still fails every member."""
+    """One read of the bundle per pin, not one per member (a large bundle hashed once per member
+    would take members x bundle bytes to pin); a tampered bundle still fails every member."""
     from conftest import DEMO
 
     import mlora.batch.adapters.bundles as served

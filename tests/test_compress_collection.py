@@ -1,4 +1,4 @@
-"""Loading adapter directories as a compressible collection (step 5 input).
+"""Loading adapter directories as a compressible collection (the input of `mlora compress`).
 
 Each member's factored delta must equal PEFT's own delta weight for that
 module; bad members, duplicate ids, changed bytes and mixed bases fail closed

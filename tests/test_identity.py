@@ -1,4 +1,4 @@
-"""Identity stability and sensitivity (spec 0x01G), and the canonical form.
+"""Identity stability and sensitivity (docs/identity.md), and the canonical form.
 
 Stable: copying, renaming, aliasing, re-serialising or re-sharding keeps a
 digest. Sensitive: one factor byte, a rank, an alpha, a target, a dtype, the
@@ -277,7 +277,7 @@ def test_base_identity_sensitive_to_weights_and_config(tmp_path):
 
 
 def test_base_identity_formula(tmp_path):
-    """base_sha256 is the digest of the four component digests (spec 0x01G)."""
+    """base_sha256 is the digest of the four component digests (docs/identity.md, Base identity)."""
     d = save_base(tiny_model("llama"), str(tmp_path / "b"))
     i = BaseCheckpoint(d).identity()
     assert i.base_sha256 == digest(
@@ -290,7 +290,7 @@ def test_base_identity_formula(tmp_path):
     )
 
 
-# ---- the spec's worked rank-and-shard identity trace (0x01G) ---------------------------
+# ---- a worked rank-and-shard identity trace ---------------------------------------------
 
 
 def _spec_adapter(path, v_rank=4, v_target="v_proj", flip=False):

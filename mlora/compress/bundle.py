@@ -1,10 +1,11 @@
 """Collection bundles: fit a whole collection, write it immutably, read it back verified, export members.
 
-Owns the bundle format (spec 0x06G7: a core is meaningless without its
-collection identity) and the pipeline of ``mlora compress`` around the
-solvers: one fit per module (JD-Full or JD-Diag, optionally clustered), the
+Owns the bundle format (docs/compress.md, The bundle: a core is meaningless
+without its collection identity) and the pipeline of ``mlora compress`` around
+the solvers: one fit per module (JD-Full or JD-Diag, optionally clustered), the
 ``--max-error`` gate, the parameter ledger, and the export of one member as a
-standard PEFT adapter. Serving bundles in ``batch-run`` is not built yet.
+standard PEFT adapter. Serving a bundle in ``batch-run`` is
+``mlora.batch.adapters.bundles``' job.
 
 A bundle is a directory, written through ``mlora.lora_tools.atomic`` (a
 temporary sibling renamed into place; an existing path is never overwritten),
@@ -108,7 +109,7 @@ class Compressed:
 
 
 def compress(col: Collection, o: CompressOptions, progress=None) -> Compressed:
-    """Fit every module of ``col`` independently (spec 0x06G5). A module with fewer
+    """Fit every module of ``col`` independently (docs/compress.md, The command). A module with fewer
     members than ``--clusters`` gets one cluster per member."""
     o.check()
     if not col.modules:
@@ -210,7 +211,7 @@ def bundle_manifest(c: Compressed, bases: dict, cores: dict) -> dict:
 
 
 def _total(ledgers) -> dict:
-    """The whole-collection ledger (spec 0x06G3). Its break-even n needs every module to
+    """The whole-collection ledger (``mlora.compress.ledger``). Its break-even n needs every module to
     count the same members; when members adapt different module sets the counts are
     summed and ``break_even_n`` is None."""
     try:

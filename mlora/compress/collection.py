@@ -1,8 +1,8 @@
 """Load a collection of PEFT adapters as factored per-module updates (the solvers' input).
 
 Owns the step from adapter directories to ``{module: {member: FactoredDelta}}``
-for ``mlora compress`` (spec 0x06G5: conversion is offline and fails closed).
-Every member is validated with step 1's code (``mlora.lora_tools``), against
+for ``mlora compress`` (conversion is offline and fails closed).
+Every member is validated as ``mlora validate`` does (``mlora.lora_tools``), against
 the base when one is given; any member that is invalid or not servable, a
 duplicate member id, or members bound to different bases stop the load with a
 named error (no partial collection). Factors are read again when their
@@ -12,7 +12,7 @@ what was validated.
 
 ``Delta = scale * B @ A`` with PEFT's ``lora_A`` as A [r, d_in], ``lora_B`` as
 B [d_out, r] and the semantic scale of the member's config (alpha / r,
-rsLoRA, rank and alpha patterns resolved by step 1). A member that does not
+rsLoRA, rank and alpha patterns resolved by ``mlora.lora_tools``). A member that does not
 target a module is simply absent from that module's collection.
 """
 
@@ -44,7 +44,7 @@ class Collection:
     """Validated members and, per module, where each member's factors lie. Factors are
     read (and re-hashed) only when a module is asked for: ``modules[module]`` or
     :meth:`factors`, so a whole-collection fit holds one module's factors at a time
-    (memory O(n r d) per module, spec 0x06G5), not the collection's."""
+    (memory O(n r d) per module), not the collection's."""
 
     base_sha256: str
     members: list[Member]

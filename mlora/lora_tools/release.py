@@ -1,8 +1,9 @@
-"""Immutable merged releases: ``mlora merge``, ``mlora unmerge``, ``mlora release verify`` (spec 0x07A-0x07D).
+"""Immutable merged releases: ``mlora merge``, ``mlora unmerge``, ``mlora release verify``.
 
-Owns the release format and the three operations on it. Merging creates a
-new base revision; arithmetic unmerge is a convenience that never claims to
-be an exact rollback (the clean base is the rollback source, 0x07C).
+Owns the release format and the three operations on it (docs/design.md,
+Release). Merging creates a new base revision; arithmetic unmerge is a
+convenience that never claims to be an exact rollback (the clean base is the
+rollback source).
 
 **Merge.** ``W' = W + sum_k w_k * s_k * B_k A_k`` in the given adapter order,
 computed in ``compute_dtype`` (float32) from the base tensor, rounded once to
@@ -10,10 +11,10 @@ the output dtype (``auto``: the base tensor's own). Streaming: tensors are
 read one at a time from the base's safetensors files and written straight
 into the output files through a streaming safetensors writer, so peak memory
 is about the largest tensor plus the adapters' factors, never the model.
-Every adapter is validated with step 1's code against the base; refused with
+Every adapter is validated against the base as ``mlora validate`` does; refused with
 ``E_MERGE_UNSUPPORTED`` (naming the finding): invalid adapters, DoRA,
 lora_bias, trained biases, aLoRA (which cannot be merged: its activation
-depends on the request, spec 0x08G) and every other unservable variant;
+depends on the request: docs/identity.md, Activation policy) and every other unservable variant;
 LoRA on a tied ``lm_head`` (``E_MERGE_TIED``: merging would change the
 input embedding too). ``safe``: a non-finite merged value anywhere stops
 the merge and nothing is written (PEFT's ``safe_merge``, whole model).
@@ -28,7 +29,7 @@ files copied; ``config.json`` with the output dtype) plus ``release.json``::
     artifact/semantic digests), dtypes (compute, output), files {name: bytes},
     file_sha256 {name: sha256} (every file that is not a weight shard),
     tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
-    release_sha256 (sha256 of the canonical JSON of all the rest)
+    release_sha256 (sha256 of the document form of all the rest: mlora.lora_tools.canonical)
 
 Tensor digests are the same as adapters' (canonical dtype/shape prefix +
 bytes). ``verify`` re-hashes everything: a flipped byte, a truncated or
@@ -42,13 +43,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
 from mlora.lora_tools.canonical import file_sha256, sealed_digest
+from mlora.lora_tools.manifest import build_manifest
 from mlora.lora_tools.safetensors_io import (
     SafetensorsError,
     TensorChanged,
@@ -99,8 +103,6 @@ class StreamingSafetensors:
     kernel-side (``copy_file_range``) with its known digest. ``digests`` after close."""
 
     def __init__(self, path: str, specs: dict[str, tuple[str, tuple[int, ...]]]):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.path, self.order = path, sorted(specs)
         header, at = {}, 0
         for name in self.order:
@@ -184,9 +186,6 @@ class StreamingSafetensors:
 
 def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None):
     """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]."""
-    from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
-    from mlora.lora_tools.manifest import build_manifest
-
     arts = [open_adapter(a.path) for a in adapters]
     scan_adapters(arts, workers)
     for art in arts:

@@ -1,10 +1,11 @@
 """The adapter catalog of a batch job: ids -> adapter directories, pinned by digest.
 
 Owns ``--adapters DIR`` / ``--catalog FILE`` parsing, the pinning of every
-adapter a job references (validated once, at job start, with step 1's
-``mlora.lora_tools`` code: same findings, same identities) and the verified
-reading of a pinned adapter's factors. Must not know slots or the model: the
-slot bank (``bank.py``) places what :func:`load_factors` returns.
+adapter a job references (validated once, at job start, with the
+``mlora.lora_tools`` code behind ``mlora validate``: same findings, same
+identities) and the verified reading of a pinned adapter's factors
+(docs/design.md, Pinning). Must not know slots or the model: the slot bank
+(``mlora.batch.adapters.slots``) places what :func:`load_factors` returns.
 
 Pinning freezes an adapter's identity: ``artifact_sha256``, ``semantic_sha256``
 and, per module, where its A/B bytes lie and their tensor digests

@@ -6,7 +6,7 @@ interrupted job resumable without losing or duplicating a row. Must not know
 how rows are produced: the engine hands finished rows to a :class:`ResultSink`
 by input row position, in any order.
 
-Commit protocol (DESIGN.md "Nothing lost"):
+Commit protocol (docs/design.md, Shard and manifest):
 
 * Every file is written as ``.tmp.<name>.<random>`` in OUTPUT, flushed,
   fsynced, renamed over its final name with ``os.replace`` and the directory
