@@ -253,12 +253,16 @@ def test_bytes_changed_after_pinning(ws, tmp_path):
     with pytest.raises(AdapterChanged) as e:
         load_factors(p, torch.float32, "cpu")
     assert e.value.code == "E_ADAPTER_CHANGED" and "old identity is never served" in str(e.value)
+    assert "no longer hashes to its pinned digest" in str(e.value)
     bank = SlotBank(LAYERS, SHAPES, 2, 8, torch.float32, "cpu")
     with pytest.raises(AdapterChanged):
         bank.ensure(["qv"], {"qv": p})
     assert bank.resident == {} and bank.stats.loads == 0
-    os.truncate(info.path, info.offset)  # and a file that shrank
-    with pytest.raises(AdapterChanged):
+    os.truncate(info.path, info.offset + 2)  # and a file that shrank: it ends inside the factor
+    with pytest.raises(AdapterChanged, match="ends early in"):
+        load_factors(p, torch.float32, "cpu")
+    os.remove(info.path)
+    with pytest.raises(AdapterChanged, match="cannot be read"):
         load_factors(p, torch.float32, "cpu")
 
 

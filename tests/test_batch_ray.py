@@ -3,9 +3,10 @@
 With Ray installed (CI installs it: the test extra), a local Ray instance
 with 2 CPUs runs the demo job on 2 actors and must write exactly the
 single-process output; a Ray job interrupted after its first committed shard
-resumes to the same output. Without Ray those tests skip (the reason says
-so) and the rest still run: the predictor called directly (no Ray needed),
-the error mapping, and `--engine ray` without Ray exiting 1 with the install hint.
+resumes to the same output; the predictor called directly and the error mapping
+are checked too. `mlora.batch.scaleout.ray` imports Ray, so without Ray those
+tests skip (the reason says so) and `--engine ray` exiting 1 with the install
+hint still runs.
 """
 
 import json
@@ -14,12 +15,13 @@ import sys
 
 import pyarrow as pa
 import pytest
-from conftest import DEMO, demo_job_options as _opts, shard_digests as _shards
+from conftest import DEMO
+from conftest import demo_job_options as _opts
+from conftest import shard_digests as _shards
 
 from mlora.batch.errors import JobError
-
-from mlora.batch.runner import run_job
 from mlora.batch.job.output import read_output
+from mlora.batch.runner import run_job
 
 try:
     import ray  # noqa: F401
@@ -79,6 +81,7 @@ def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single_proc
 def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     monkeypatch.setitem(sys.modules, "ray.data", None)
+    monkeypatch.delitem(sys.modules, "mlora.batch.scaleout.ray", raising=False)  # imported again by the runner
     code, _, err = run_cli("batch-run", os.path.join(DEMO, "prompts.parquet"), tmp_path / "out", "--base", BASE,
                            "--adapters", ADAPTERS, "--engine", "ray", "--quiet")
     err = " ".join(err.split())  # the console wraps long lines
@@ -86,6 +89,7 @@ def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli,
     assert not (tmp_path / "out").exists()
 
 
+@needs_ray
 def test_predictor_called_directly_gives_the_demo_answers():
     """MloraPredictor is a plain class: Ray constructs it once per actor and calls it per batch."""
     from mlora.batch.scaleout.ray import MloraPredictor, pin_adapters
@@ -123,6 +127,7 @@ def test_predictor_takes_and_returns_pandas():
     assert isinstance(out, pd.DataFrame) and out["completion"].tolist() == ["ABC"]
 
 
+@needs_ray
 def test_failures_inside_ray_keep_their_codes():
     from mlora.batch.job.input import JobInputError
     from mlora.batch.scaleout.ray import _ray_failure

@@ -4,12 +4,12 @@ tamper detection, and export round trips through `mlora validate` and PEFT."""
 import json
 import os
 
+import factory
 import pytest
 import torch
+from conftest import DEMO
 from safetensors.torch import save_file
 
-import factory
-from conftest import DEMO
 from mlora.compress.bundle import read_bundle
 from mlora.compress.collection import load_collection
 from mlora.compress.solvers import CompressError
@@ -192,7 +192,6 @@ def test_export_is_a_peft_adapter_with_the_compressed_delta(tmp_path, base, run_
 
 def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_cli):
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
@@ -265,18 +264,18 @@ def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
 
 
 def test_pinning_every_member_reads_and_verifies_the_bundle_once(tmp_path, run_cli, monkeypatch):
-    """One read of the bundle per pin, not one per member (a 1,024-member bundle of 1.3 GB was
-    hashed 1,024 times on the H200); a tampered bundle still fails every member."""
+    """One read of the bundle per pin, not one per member (a large bundle hashed once per member
+    would take members x bundle bytes to pin); a tampered bundle still fails every member."""
     from conftest import DEMO
 
-    import mlora.compress.bundle as cb
+    import mlora.batch.adapters.bundles as served
     from mlora.batch.adapters.catalog import load_catalog
 
     bundle = tmp_path / "bundle"
     assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     reads = []
-    real = cb.read_bundle
-    monkeypatch.setattr(cb, "read_bundle", lambda path: reads.append(path) or real(path))
+    real = served.read_bundle
+    monkeypatch.setattr(served, "read_bundle", lambda path: reads.append(path) or real(path))
     catalog = load_catalog(str(bundle), None)
     members = set(catalog.entries)
     assert len(members) >= 3
@@ -296,7 +295,6 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     auto serves the same mixed job with slots."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
@@ -329,7 +327,6 @@ def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run
     instead of falling back to the torch operator; a mixed job is refused as three-stage is."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"

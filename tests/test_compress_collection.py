@@ -1,13 +1,14 @@
-"""Loading adapter directories as a compressible collection (step 5 input).
+"""Loading adapter directories as a compressible collection (the input of `mlora compress`).
 
 Each member's factored delta must equal PEFT's own delta weight for that
 module; bad members, duplicate ids, changed bytes and mixed bases fail closed
 with a named error.
 """
 
+import factory
 import pytest
 import torch
-import factory
+
 from mlora.compress import jd_full, relative_errors
 from mlora.compress.collection import load_collection
 from mlora.compress.solvers import CompressError

@@ -1,4 +1,4 @@
-"""Identity stability and sensitivity (docs/design.md, Artifact identity), and the canonical form.
+"""Identity stability and sensitivity (docs/identity.md), and the canonical form.
 
 Stable: copying, renaming, aliasing, re-serialising or re-sharding keeps a
 digest. Sensitive: one factor byte, a rank, an alpha, a target, a dtype, the
@@ -14,7 +14,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from factory import load_tensors, raw_layout, read_config, save_base, save_tensors, tiny_model, write_config, write_raw_safetensors
+from factory import (
+    load_tensors,
+    raw_layout,
+    read_config,
+    save_base,
+    save_tensors,
+    tiny_model,
+    write_config,
+    write_raw_safetensors,
+)
 
 from mlora.lora_tools.base import BaseCheckpoint
 from mlora.lora_tools.canonical import CanonicalError, canonical_json, canonical_real, digest
@@ -268,7 +277,7 @@ def test_base_identity_sensitive_to_weights_and_config(tmp_path):
 
 
 def test_base_identity_formula(tmp_path):
-    """base_sha256 is the digest of the four component digests (docs/design.md, Base identity)."""
+    """base_sha256 is the digest of the four component digests (docs/identity.md, Base identity)."""
     d = save_base(tiny_model("llama"), str(tmp_path / "b"))
     i = BaseCheckpoint(d).identity()
     assert i.base_sha256 == digest(
@@ -281,7 +290,7 @@ def test_base_identity_formula(tmp_path):
     )
 
 
-# ---- the specification's worked rank-and-shard identity trace --------------------------
+# ---- a worked rank-and-shard identity trace ---------------------------------------------
 
 
 def _spec_adapter(path, v_rank=4, v_target="v_proj", flip=False):

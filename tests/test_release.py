@@ -1,16 +1,16 @@
-"""`mlora merge`, `mlora unmerge`, `mlora release verify` (spec 0x07A-0x07D)."""
+"""`mlora merge`, `mlora unmerge`, `mlora release verify` (docs/release.md)."""
 
 import json
 import os
 
+import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import DEMO
 from safetensors.torch import load_file, save_file
 
-import factory
-from conftest import DEMO
 from mlora.lora_tools import release as release_mod
 from mlora.lora_tools.release import ReleaseError, verify
 
@@ -109,7 +109,8 @@ def test_merged_release_generates_the_live_adapters_tokens(tmp_path, run_cli):
 
 
 def _fp16_fixture(tmp_path):
-    """Spec 0x07C: a binary16 base weight 2048 and an adapter adding exactly 1 there."""
+    """A binary16 base weight 2048 and an adapter adding exactly 1 there (half an ULP at 2048:
+    the merge rounds it away, so arithmetic unmerge cannot restore the base)."""
     model = factory.tiny_model("llama", seed=0)
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight[0, 0] = 2048.0
@@ -234,9 +235,9 @@ def test_unmergeable_adapters_are_refused_by_name(workspace, tmp_path, run_cli):
     assert not (tmp_path / "rel").exists()
 
 
-def test_spec_0x07B1_live_and_merged_outputs_are_equal():
-    """The old rank-two adapter (s = 1/2) and the new logical-rank-one adapter in a physical
-    rank-two slot (s = 1/4, zero second row of A and column of B) over W of 0x07B1."""
+def test_live_and_merged_outputs_are_equal_for_a_rank_two_and_a_padded_rank_one_adapter():
+    """A rank-two adapter (s = 1/2) and a logical-rank-one adapter in a physical rank-two slot
+    (s = 1/4, zero second row of A and column of B) over one small W: live and merged agree."""
     W = torch.tensor([[2.0, -1.0, 0.0], [1.0, 3.0, -2.0]])
     old = (0.5, torch.tensor([[1.0, 4.0, 1.0], [-1.0, 2.0, 2.0]]), torch.eye(2))  # s B A = Delta_o
     new = (0.25, torch.tensor([[2.0, -1.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))

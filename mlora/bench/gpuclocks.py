@@ -1,16 +1,15 @@
-"""What the GPU's clocks and power did while a benchmark ran (issue step 7: timings name
-their machine). Owns the NVML reads behind ``mlora bench batch``'s machine record.
+"""What the GPU's clocks and power did while a benchmark ran. Owns the NVML reads behind
+``mlora bench batch``'s machine record.
 
-Why: the same code and job measured 12.36 and 13.2 ms per 256-row decode iteration on
-different H200s, and one H200 under that job drew 687 of its 700 W with the SM clock at
-1,890 of 1,980 MHz and NVML reporting the software power cap (twenty-eighth session,
-BENCHMARKS.md). A GPU at its power limit lowers its clocks, and how far depends on the chip,
-so a timing without the clocks behind it cannot say whether two machines or two versions of
-the code differ.
+Why: a GPU at its power limit lowers its clocks, by an amount that depends on the chip, so
+the same code and job run slower on one H200 than on another; a timing without the clocks
+behind it cannot say whether two machines or two versions of the code differ.
 
-Everything here is optional: without ``pynvml`` (the ``nvidia-ml-py`` package), off CUDA, or
-when NVML refuses a query (old driver, MIG slice), the functions return None and record no
-samples; a benchmark never depends on them.
+NVML's Python bindings (``pynvml``, from the ``nvidia-ml-py`` package) are the optional extra
+``mlora[gpu]``: read on CUDA devices only, where a missing extra is an ImportError naming it.
+Off CUDA the functions return None and record no samples; when NVML refuses a query (old
+driver, MIG slice) they return None or keep the samples read so far, so a benchmark never
+fails on the record of its clocks.
 """
 
 from __future__ import annotations
@@ -24,6 +23,17 @@ import torch
 
 #: NVML's clocks-event reason bits (``nvmlClocksEventReasons``) that mean a power limit.
 POWER_CAP_BITS = 0x4 | 0x80  # software power cap, hardware power brake
+INSTALL_HINT = "pip install 'mlora[gpu]'"
+
+
+def _nvml():
+    """The ``pynvml`` module, or ImportError naming the extra that provides it."""
+    try:
+        import pynvml  # the optional extra mlora[gpu]: only CUDA devices read it
+    except ImportError as exc:
+        raise ImportError(f"reading the GPU's clocks needs NVML's Python bindings (nvidia-ml-py): {INSTALL_HINT}"
+                          ) from exc
+    return pynvml
 
 
 def _handle(pynvml, dev: torch.device):
@@ -40,9 +50,8 @@ def gpu_clocks(dev: torch.device) -> dict | None:
     software / hardware thermal slowdown)."""
     if dev.type != "cuda":
         return None
+    pynvml = _nvml()
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         try:
             h = _handle(pynvml, dev)
@@ -56,7 +65,7 @@ def gpu_clocks(dev: torch.device) -> dict | None:
                     "clock_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))}
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 -- an optional record (module docstring)
+    except Exception:  # noqa: BLE001 -- NVML refused a query (module docstring)
         return None
 
 
@@ -64,7 +73,8 @@ class ClockSampler:
     """A thread that reads the SM clock, the power draw and the clock-reason mask every
     ``period_s`` seconds between :meth:`start` and :meth:`stop`, each sample stamped with
     ``time.perf_counter()`` so that :meth:`summary` can keep the samples inside chosen time
-    spans (e.g. a job's full-batch decode iterations). With NVML missing it records nothing.
+    spans (e.g. a job's full-batch decode iterations). Off CUDA, or with NVML refusing, it
+    records nothing; on CUDA without the ``mlora[gpu]`` extra :meth:`start` raises ImportError.
     Three NVML reads 20 times a second, on their own thread (ctypes releases the GIL during
     each), beside an engine whose chained decode graphs run ahead of the host."""
 
@@ -73,9 +83,11 @@ class ClockSampler:
         self.samples: list[tuple[float, int, float, int]] = []  # (t, sm_mhz, power_w, reasons)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pynvml = None
 
     def start(self) -> ClockSampler:
         if self.dev.type == "cuda":
+            self._pynvml = _nvml()
             self._thread = threading.Thread(target=self._run, name="mlora-clock-sampler", daemon=True)
             self._thread.start()
         return self
@@ -86,9 +98,8 @@ class ClockSampler:
             self._thread.join()
 
     def _run(self) -> None:
+        pynvml = self._pynvml
         try:
-            import pynvml
-
             pynvml.nvmlInit()
         except Exception:  # noqa: BLE001 -- no NVML: no samples
             return

@@ -1,4 +1,5 @@
-"""Compress-then-Serve: one adapter collection as shared bases plus small per-adapter cores (spec 0x06G).
+"""Compress-then-Serve: one adapter collection as shared bases plus small per-adapter cores
+(docs/design.md, Bundle and three-stage operator; docs/compress.md).
 
 Owns the offline approximation of a collection of LoRA updates
 ``Delta_i = s_i B_i A_i`` at one module by ``U Sigma_i V^T``:
@@ -9,16 +10,16 @@ Owns the offline approximation of a collection of LoRA updates
 * :mod:`.cluster` - k clusters with their own bases: k-means start, then
   alternating refits and lowest-error reassignment; the smallest K meeting
   an error bound;
-* :mod:`.ledger` - parameter counts and break-even collection size (0x06G3);
-* :mod:`.operator` - the reference three-stage runtime product (0x06G4);
+* :mod:`.ledger` - parameter counts and break-even collection size;
+* :mod:`.operator` - the reference three-stage runtime product;
 * :mod:`.collection` - adapter directories (validated with ``mlora.lora_tools``)
   as ``{module: {member: FactoredDelta}}``, failing closed on any bad member;
 * :mod:`.bundle` - the whole-collection pipeline behind ``mlora compress``
   (per-module fits, the ``--max-error`` gate, immutable bundles with
   collection identity, verified reading, export of a member as PEFT).
 
-Imports torch, ``mlora.lora_tools`` (collection loading, digests) and itself.
-Serving bundle members in ``batch-run`` is not built yet.
+Imports torch, ``mlora.lora_tools`` (collection loading, digests) and itself;
+``mlora.batch.adapters`` serves bundle members in ``batch-run``.
 """
 
 from mlora.compress.cluster import ClusterResult, auto_clusters, cluster, kmeans

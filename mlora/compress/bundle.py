@@ -1,10 +1,11 @@
 """Collection bundles: fit a whole collection, write it immutably, read it back verified, export members.
 
-Owns the bundle format (spec 0x06G7: a core is meaningless without its
-collection identity) and the pipeline of ``mlora compress`` around the
-solvers: one fit per module (JD-Full or JD-Diag, optionally clustered), the
+Owns the bundle format (docs/compress.md, The bundle: a core is meaningless
+without its collection identity) and the pipeline of ``mlora compress`` around
+the solvers: one fit per module (JD-Full or JD-Diag, optionally clustered), the
 ``--max-error`` gate, the parameter ledger, and the export of one member as a
-standard PEFT adapter. Serving bundles in ``batch-run`` is not built yet.
+standard PEFT adapter. Serving a bundle in ``batch-run`` is
+``mlora.batch.adapters.bundles``' job.
 
 A bundle is a directory, written through ``mlora.lora_tools.atomic`` (a
 temporary sibling renamed into place; an existing path is never overwritten),
@@ -29,7 +30,6 @@ caught by :func:`read_bundle` (``E_BUNDLE_TAMPERED``, ``E_BUNDLE_MISSING``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -38,13 +38,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mlora.lora_tools.atomic import atomic_directory, check_new
-from mlora.lora_tools.safetensors_io import tensor_digest_prefix
-
 from mlora.compress.cluster import ClusterResult, auto_clusters, cluster
 from mlora.compress.collection import Collection
 from mlora.compress.ledger import module_ledger, total_ledger
 from mlora.compress.solvers import METHODS, CompressError, FactoredDelta
+from mlora.lora_tools.atomic import atomic_directory, check_new
+from mlora.lora_tools.canonical import sealed_digest, sha256_hex
+from mlora.lora_tools.safetensors_io import tensor_sha256
 
 FORMAT = "mlora-collection-bundle/1"
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -109,7 +109,7 @@ class Compressed:
 
 
 def compress(col: Collection, o: CompressOptions, progress=None) -> Compressed:
-    """Fit every module of ``col`` independently (spec 0x06G5). A module with fewer
+    """Fit every module of ``col`` independently (docs/compress.md, The command). A module with fewer
     members than ``--clusters`` gets one cluster per member."""
     o.check()
     if not col.modules:
@@ -151,12 +151,7 @@ def _module_order(name: str):
 
 def _digest(t: torch.Tensor) -> str:
     t = t.detach().to("cpu").contiguous()
-    return hashlib.sha256(tensor_digest_prefix(_ST_DTYPE[t.dtype], tuple(t.shape)) + t.view(torch.uint8).numpy().tobytes()
-                          ).hexdigest()
-
-
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return tensor_sha256(_ST_DTYPE[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _member_config(path: str) -> dict:
@@ -189,8 +184,8 @@ def bundle_manifest(c: Compressed, bases: dict, cores: dict) -> dict:
         modules[f.module] = {
             "d_in": f.d_in, "d_out": f.d_out, "clusters": r.K,
             "assignments": {f.members[i]: r.assignments[i] for i in range(len(f.members))},
-            "basis_sha256": [hashlib.sha256((digests[f"{f.module}/cluster{k}/U"] + digests[f"{f.module}/cluster{k}/V"])
-                                            .encode()).hexdigest() for k in range(r.K)],
+            "basis_sha256": [sha256_hex((digests[f"{f.module}/cluster{k}/U"] + digests[f"{f.module}/cluster{k}/V"]).encode())
+                             for k in range(r.K)],
             "errors": {m: _num(e) for m, e in f.error_of().items()},
             "rounds": r.rounds, "converged": r.converged,
             "iterations": [fit.iterations for fit in r.fits],
@@ -211,12 +206,12 @@ def bundle_manifest(c: Compressed, bases: dict, cores: dict) -> dict:
         "ledger": total,
         "tensors": digests,
     }
-    man["bundle_sha256"] = hashlib.sha256(_canonical(man)).hexdigest()
+    man["bundle_sha256"] = sealed_digest(man, "bundle_sha256")
     return man
 
 
 def _total(ledgers) -> dict:
-    """The whole-collection ledger (spec 0x06G3). Its break-even n needs every module to
+    """The whole-collection ledger (``mlora.compress.ledger``). Its break-even n needs every module to
     count the same members; when members adapt different module sets the counts are
     summed and ``break_even_n`` is None."""
     try:
@@ -312,9 +307,7 @@ def read_bundle(path: str) -> Bundle:
         raise CompressError("E_BUNDLE_TAMPERED", f"{path}/bundle.json cannot be read: {e}") from None
     if man.get("format") != FORMAT:
         raise CompressError("E_BUNDLE_FORMAT", f"{path}: format {man.get('format')!r}, this mlora reads {FORMAT!r}")
-    claimed = man.get("bundle_sha256")
-    body = {k: v for k, v in man.items() if k != "bundle_sha256"}
-    if hashlib.sha256(_canonical(body)).hexdigest() != claimed:
+    if sealed_digest(man, "bundle_sha256") != man.get("bundle_sha256"):
         raise CompressError("E_BUNDLE_TAMPERED", f"{path}/bundle.json does not hash to its bundle_sha256: edited")
     tensors = {}
     for file in ("bases.safetensors", "cores.safetensors"):

@@ -1,4 +1,4 @@
-"""Clustered joint decomposition: k clusters, each with its own shared bases (spec 0x06G6).
+"""Clustered joint decomposition: k clusters, each with its own shared bases (docs/compress.md, The command).
 
 Owns the assignment of adapters to clusters at one module and the
 alternation that improves it; the per-cluster fits are :func:`jd_full` /
@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlora.compress.solvers import METHODS, CompressError, FactoredCollection, JDResult, check_factors, jd_diag, jd_full, relative_errors
+from mlora.compress.solvers import (
+    METHODS,
+    CompressError,
+    FactoredCollection,
+    JDResult,
+    check_factors,
+    jd_diag,
+    jd_full,
+    relative_errors,
+)
 
 # An adapter changes cluster only when that lowers its relative error by more
 # than this: ties at round-off must not make the alternation cycle.
@@ -162,7 +171,7 @@ def cluster(
     solver_options: dict | None = None,
     device="cpu",
 ) -> ClusterResult:
-    """Fit K clusters of shared rank R over one module's collection (spec 0x06G6).
+    """Fit K clusters of shared rank R over one module's collection (module docstring).
 
     The initial assignment is k-means on the cores of one joint fit of rank
     ``init_rank`` (for JD-Full at most ``min(d_in, d_out)``), the cores taken

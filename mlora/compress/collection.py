@@ -1,8 +1,8 @@
 """Load a collection of PEFT adapters as factored per-module updates (the solvers' input).
 
 Owns the step from adapter directories to ``{module: {member: FactoredDelta}}``
-for ``mlora compress`` (spec 0x06G5: conversion is offline and fails closed).
-Every member is validated with step 1's code (``mlora.lora_tools``), against
+for ``mlora compress`` (conversion is offline and fails closed).
+Every member is validated as ``mlora validate`` does (``mlora.lora_tools``), against
 the base when one is given; any member that is invalid or not servable, a
 duplicate member id, or members bound to different bases stop the load with a
 named error (no partial collection). Factors are read again when their
@@ -12,24 +12,21 @@ what was validated.
 
 ``Delta = scale * B @ A`` with PEFT's ``lora_A`` as A [r, d_in], ``lora_B`` as
 B [d_out, r] and the semantic scale of the member's config (alpha / r,
-rsLoRA, rank and alpha patterns resolved by step 1). A member that does not
+rsLoRA, rank and alpha patterns resolved by ``mlora.lora_tools``). A member that does not
 target a module is simply absent from that module's collection.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from mlora.lora_tools.adapter import MemTensor, check_against_base, discover_adapters, open_adapter, scan_adapters
-from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
-from mlora.lora_tools.safetensors_io import tensor_digest_prefix
-
 from mlora.compress.solvers import CompressError, FactoredDelta
+from mlora.lora_tools.adapter import check_against_base, discover_adapters, open_adapter, scan_adapters
+from mlora.lora_tools.manifest import base_identity, build_manifest, load_base
+from mlora.lora_tools.safetensors_io import TensorChanged, read_verified
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -47,7 +44,7 @@ class Collection:
     """Validated members and, per module, where each member's factors lie. Factors are
     read (and re-hashed) only when a module is asked for: ``modules[module]`` or
     :meth:`factors`, so a whole-collection fit holds one module's factors at a time
-    (memory O(n r d) per module, spec 0x06G5), not the collection's."""
+    (memory O(n r d) per module), not the collection's."""
 
     base_sha256: str
     members: list[Member]
@@ -130,13 +127,9 @@ def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: tor
 
 def _read(t, digest: str | None, member: str, dtype: torch.dtype) -> torch.Tensor:
     """A factor's bytes, re-hashed against the scanned digest, as a ``dtype`` tensor."""
-    if isinstance(t, MemTensor):
-        data = t.data
-    else:
-        with open(t.path, "rb") as f:
-            data = os.pread(f.fileno(), t.nbytes, t.offset)
-    got = hashlib.sha256(tensor_digest_prefix(t.dtype, t.shape) + data).hexdigest()
-    if len(data) != t.nbytes or got != digest:
+    try:
+        data = read_verified(t, digest)
+    except TensorChanged:
         raise CompressError("E_COMPRESS_MEMBER_CHANGED", f"member {member!r}: {t.name} changed since it was "
-                            "validated; rerun the command on stable files")
-    return torch.frombuffer(bytearray(data), dtype=_DTYPES[t.dtype]).reshape(t.shape).to(dtype)
+                            "validated; rerun the command on stable files") from None
+    return torch.frombuffer(data, dtype=_DTYPES[t.dtype]).reshape(t.shape).to(dtype)

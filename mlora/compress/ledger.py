@@ -1,9 +1,9 @@
-"""Parameter ledger and break-even collection size of a joint representation (spec 0x06G3).
+"""Parameter ledger and break-even collection size of a joint representation.
 
 Owns integer accounting only: how many parameters the shared bases and the
 per-adapter cores take against the uncompressed ``r_i (d_in + d_out)`` per
 adapter, and the smallest collection size at which a representation saves
-parameters. Plain ints and Fractions, so the spec's numbers compare exactly;
+parameters. Plain ints and Fractions, so the counts compare exactly;
 no tensors, no floats.
 
 Per module, with ``S = d_in + d_out``, k clusters of shared rank R and n adapters::
@@ -46,7 +46,7 @@ def break_even_n(shared_params: int, saving_per_adapter: Fraction | int) -> int 
 
 @dataclass(frozen=True)
 class ModuleLedger:
-    """One adapted matrix shape: the counts of spec 0x06G3 for one collection."""
+    """One adapted matrix shape: the counts of the module docstring for one collection."""
 
     method: str
     d_in: int
@@ -76,7 +76,7 @@ class ModuleLedger:
 
 
 def module_ledger(d_in: int, d_out: int, source_ranks, R: int, method: str, clusters: int = 1) -> ModuleLedger:
-    """The ledger of one module for n adapters of ``source_ranks`` (spec 0x06G3)."""
+    """The ledger of one module for n adapters of ``source_ranks`` (module docstring)."""
     ranks = [int(r) for r in source_ranks]
     if not ranks:
         raise CompressError("E_COMPRESS_EMPTY", "a ledger needs at least one adapter")
@@ -106,7 +106,7 @@ def module_ledger(d_in: int, d_out: int, source_ranks, R: int, method: str, clus
 
 @dataclass(frozen=True)
 class LedgerTotals:
-    """A full-model count: every module's bases and cores summed (spec 0x06G3, last paragraph)."""
+    """A full-model count: every module's bases and cores summed."""
 
     modules: int
     n: int

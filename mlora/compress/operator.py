@@ -1,4 +1,4 @@
-"""Reference runtime operator of a joint decomposition (spec 0x06G4).
+"""Reference runtime operator of a joint decomposition (docs/design.md, Bundle and three-stage operator).
 
 Owns the slow, obviously-correct three-stage product that every serving path
 of a compressed collection must equal; the segmented kernels and the engine

@@ -1,4 +1,4 @@
-"""JD-Full and JD-Diag joint decompositions of one adapter collection at one module (spec 0x06G1-0x06G2).
+"""JD-Full and JD-Diag joint decompositions of one adapter collection at one module (docs/compress.md).
 
 Owns the numerical core of ``mlora compress`` for one (layer, module): the
 fitted shared bases, the per-adapter cores and their exact reconstruction
@@ -50,7 +50,7 @@ class CompressError(ValueError):
 
 @dataclass(frozen=True)
 class FactoredDelta:
-    """One adapter's update at one module, ``Delta = scale * B @ A`` (spec 0x06G1).
+    """One adapter's update at one module, ``Delta = scale * B @ A``.
 
     ``A`` is PEFT's ``lora_A`` [r, d_in], ``B`` its ``lora_B`` [d_out, r] and
     ``scale`` the semantic scale (``lora_alpha / r``, or rsLoRA's rule).
@@ -445,7 +445,7 @@ def jd_full(
     eigensolver: str = "auto",
     device="cpu",
 ) -> JDResult:
-    """JD-Full: orthonormal shared bases and full R x R cores (spec 0x06G1).
+    """JD-Full: orthonormal shared bases and full R x R cores.
 
     Minimises ``sum_i w_i^-2 ||Delta_i - U Sigma_i V^T||_F^2`` over
     ``U^T U = V^T V = I_R`` (``w_i = ||Delta_i||_F`` when ``normalize``, else 1).
@@ -556,7 +556,7 @@ def jd_diag(
     restarts: int = 0,
     device="cpu",
 ) -> JDResult:
-    """JD-Diag: unconstrained shared bases and diagonal cores (spec 0x06G1).
+    """JD-Diag: unconstrained shared bases and diagonal cores.
 
     Minimises ``sum_i w_i^-2 ||Delta_i - U diag(d_i) V^T||_F^2``: a CP
     decomposition of rank R of the adapter-stacked tensor with factors U, V
@@ -666,7 +666,7 @@ def squared_errors(factors, result: JDResult, *, chunk: int = 64) -> list[float]
 
 
 def relative_errors(factors, result: JDResult) -> list[float]:
-    """Squared relative Frobenius error ``||Delta_i - U Sigma_i V^T||^2 / ||Delta_i||^2`` per adapter (spec 0x06G5).
+    """Squared relative Frobenius error ``||Delta_i - U Sigma_i V^T||^2 / ||Delta_i||^2`` per adapter.
 
     A zero update reconstructed exactly counts 0.0, reconstructed with anything
     else ``inf``.

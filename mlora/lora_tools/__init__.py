@@ -1,4 +1,5 @@
-"""Adapter artifacts, base checkpoints, identity and validation (spec 0x01F-0x01G).
+"""Adapter artifacts, base checkpoints, identity and validation (docs/design.md, Artifact identity;
+docs/identity.md).
 
 Public entry points:
 

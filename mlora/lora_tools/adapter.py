@@ -2,8 +2,8 @@
 
 Owns an adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
 or ``adapter_model.bin`` only with ``allow_pickle``): the mapping from stored
-tensor keys to canonical base-module names, the per-module record of spec
-0x01G (rank, alpha, scale, shapes, factor digests) and every finding that can
+tensor keys to canonical base-module names, the per-module record
+(docs/identity.md, Module record: rank, alpha, scale, shapes, factor digests) and every finding that can
 be made from the artifact alone or against a base. Tensor bytes are read only
 by :func:`scan_adapters`, which streams and hashes them on all cores.
 
@@ -74,7 +74,7 @@ Tensor = TensorInfo | MemTensor
 
 @dataclass
 class ModuleRecord:
-    """One adapted base module (spec 0x01G ``module_spec``)."""
+    """One adapted base module (its ``module_spec``: docs/identity.md, Module record)."""
 
     name: str
     kind: str  # "linear" or "embedding"

@@ -2,7 +2,7 @@
 
 Owns a base model directory (``config.json`` plus ``model.safetensors`` or a
 sharded ``model.safetensors.index.json``): its tensor table, its linear-module
-map, and ``base_sha256`` (spec 0x01G)::
+map, and ``base_sha256`` (docs/design.md, Base identity)::
 
     base_sha256 = SHA256(canonical({
         "model_weights_sha256":     SHA256(canonical({"tensors": [{name, dtype, shape, sha256}, ...]})),

@@ -1,4 +1,5 @@
-"""Adapter identities of spec 0x01G: artifact, activation policy, semantic.
+"""Adapter identities: artifact, activation policy, semantic (docs/design.md, Artifact identity,
+Semantic identity).
 
 Owns the three digest formulas below; every byte they cover is documented in
 docs/identity.md so another implementation can reproduce them::
@@ -11,12 +12,12 @@ docs/identity.md so another implementation can reproduce them::
     semantic_sha256 = SHA256(canonical({"base_sha256": H_base,
         "artifact_sha256": ..., "activation_policy_sha256": ...}))
 
-Deviation from the spec, on purpose: the spec puts H_base inside H_artifact.
-mlora keeps the artifact identity computable from the adapter alone (so
-``mlora hash`` needs no base) and binds the base one level up, in the semantic
-identity. H_base is the measured ``base_sha256`` when a base is given and
-otherwise the *declared* base digest below; manifests say which
-(``base.binding``: ``measured`` or ``declared``).
+The base is bound in the semantic identity, not in the artifact identity:
+the artifact identity stays computable from the adapter alone (so ``mlora
+hash`` needs no base), and one adapter has one artifact digest everywhere.
+H_base is the measured ``base_sha256`` when a base is given and otherwise the
+*declared* base digest below; manifests say which (``base.binding``:
+``measured`` or ``declared``).
 """
 
 from __future__ import annotations

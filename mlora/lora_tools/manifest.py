@@ -1,6 +1,6 @@
 """The adapter manifest (``mlora validate --json`` / ``mlora hash --json``).
 
-Owns the manifest's JSON shape (``schema_version`` 1, DESIGN.md "Adapter
+Owns the manifest's JSON shape (``schema_version`` 1, docs/identity.md, "The adapter
 manifest") and the one entry point that turns paths into manifests:
 :func:`inspect_paths`. The CLI only renders what this returns.
 """
@@ -28,7 +28,7 @@ SCHEMA_VERSION = 1
 
 
 def module_spec(rec: ModuleRecord) -> dict:
-    """The canonical ``module_spec`` of spec 0x01G (hashed into artifact_sha256)."""
+    """The canonical ``module_spec`` (docs/identity.md, Module record; hashed into artifact_sha256)."""
     return {
         "name": rec.name,
         "kind": rec.kind,

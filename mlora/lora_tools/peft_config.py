@@ -154,7 +154,7 @@ class LoraSpec:
         )
 
     def activation_policy(self) -> dict:
-        """Always-on LoRA, or aLoRA activated after its invocation tokens (spec 0x08G)."""
+        """Always-on LoRA, or aLoRA activated after its invocation tokens (docs/identity.md, Activation policy)."""
         if self.alora_invocation_tokens:
             return {"kind": "alora", "invocation_tokens": list(self.alora_invocation_tokens)}
         return {"kind": "always_on"}

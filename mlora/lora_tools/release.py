@@ -1,8 +1,9 @@
-"""Immutable merged releases: ``mlora merge``, ``mlora unmerge``, ``mlora release verify`` (spec 0x07A-0x07D).
+"""Immutable merged releases: ``mlora merge``, ``mlora unmerge``, ``mlora release verify``.
 
-Owns the release format and the three operations on it. Merging creates a
-new base revision; arithmetic unmerge is a convenience that never claims to
-be an exact rollback (the clean base is the rollback source, 0x07C).
+Owns the release format and the three operations on it (docs/design.md,
+Release). Merging creates a new base revision; arithmetic unmerge is a
+convenience that never claims to be an exact rollback (the clean base is the
+rollback source).
 
 **Merge.** ``W' = W + sum_k w_k * s_k * B_k A_k`` in the given adapter order,
 computed in ``compute_dtype`` (float32) from the base tensor, rounded once to
@@ -10,10 +11,10 @@ the output dtype (``auto``: the base tensor's own). Streaming: tensors are
 read one at a time from the base's safetensors files and written straight
 into the output files through a streaming safetensors writer, so peak memory
 is about the largest tensor plus the adapters' factors, never the model.
-Every adapter is validated with step 1's code against the base; refused with
+Every adapter is validated against the base as ``mlora validate`` does; refused with
 ``E_MERGE_UNSUPPORTED`` (naming the finding): invalid adapters, DoRA,
 lora_bias, trained biases, aLoRA (which cannot be merged: its activation
-depends on the request, spec 0x08G) and every other unservable variant;
+depends on the request: docs/identity.md, Activation policy) and every other unservable variant;
 LoRA on a tied ``lm_head`` (``E_MERGE_TIED``: merging would change the
 input embedding too). ``safe``: a non-finite merged value anywhere stops
 the merge and nothing is written (PEFT's ``safe_merge``, whole model).
@@ -28,7 +29,7 @@ files copied; ``config.json`` with the output dtype) plus ``release.json``::
     artifact/semantic digests), dtypes (compute, output), files {name: bytes},
     file_sha256 {name: sha256} (every file that is not a weight shard),
     tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
-    release_sha256 (sha256 of the canonical JSON of all the rest)
+    release_sha256 (sha256 of the document form of all the rest: mlora.lora_tools.canonical)
 
 Tensor digests are the same as adapters' (canonical dtype/shape prefix +
 bytes). ``verify`` re-hashes everything: a flipped byte, a truncated or
@@ -39,17 +40,28 @@ identity is checked (``E_RELEASE_PARENT``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
 from mlora.lora_tools.atomic import atomic_directory, check_new
 from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
-from mlora.lora_tools.safetensors_io import SafetensorsError, read_header, tensor_digest_prefix
+from mlora.lora_tools.canonical import file_sha256, sealed_digest
+from mlora.lora_tools.manifest import build_manifest
+from mlora.lora_tools.safetensors_io import (
+    SafetensorsError,
+    TensorChanged,
+    TensorInfo,
+    read_header,
+    read_tensor_bytes,
+    read_verified,
+    tensor_sha256,
+)
 
 RELEASE_FILE = "release.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,29 +86,13 @@ class MergeAdapter:
 # ---------------------------------------------------------------- bytes and digests
 
 
-def _read(path: str, offset: int, nbytes: int, dtype: str, shape) -> torch.Tensor:
+def _read(info: TensorInfo) -> torch.Tensor:
     """One tensor read straight into its own buffer (one copy from the page cache)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        view, done = memoryview(buf.numpy()), 0
-        with open(path, "rb") as f:
-            while done < nbytes:
-                n = os.preadv(f.fileno(), [view[done:]], offset + done)
-                if n <= 0:
-                    raise ReleaseError("E_RELEASE_TRUNCATED", f"{path}: tensor bytes end early")
-                done += n
-    return buf.view(ST[dtype]).reshape(tuple(shape))
-
-
-def _canonical(obj) -> bytes:
-    """The bytes release_sha256 hashes: sorted keys, no whitespace, ASCII (floats as Python's repr)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def tensor_sha256(dtype: str, shape, data) -> str:
-    h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
-    h.update(data)
-    return h.hexdigest()
+    data = read_tensor_bytes(info)
+    if len(data) != info.nbytes:
+        raise ReleaseError("E_RELEASE_TRUNCATED", f"{info.path}: tensor bytes end early")
+    buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return buf.view(ST[info.dtype]).reshape(tuple(info.shape))
 
 
 class StreamingSafetensors:
@@ -107,8 +103,6 @@ class StreamingSafetensors:
     kernel-side (``copy_file_range``) with its known digest. ``digests`` after close."""
 
     def __init__(self, path: str, specs: dict[str, tuple[str, tuple[int, ...]]]):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.path, self.order = path, sorted(specs)
         header, at = {}, 0
         for name in self.order:
@@ -152,9 +146,7 @@ class StreamingSafetensors:
         self._settle()  # the previous tensor's digest; then this one's on the helper thread
 
         def digest(view=view, keep=t):
-            h = hashlib.sha256(tensor_digest_prefix(dtype, list(shape)))
-            h.update(view)
-            return h.hexdigest()
+            return tensor_sha256(dtype, shape, view)
 
         self._pending = (name, self._pool.submit(digest))
 
@@ -194,9 +186,6 @@ class StreamingSafetensors:
 
 def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None):
     """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]."""
-    from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
-    from mlora.lora_tools.manifest import build_manifest
-
     arts = [open_adapter(a.path) for a in adapters]
     scan_adapters(arts, workers)
     for art in arts:
@@ -224,16 +213,12 @@ def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=N
 
 
 def _factor(t, digest: str | None, name: str) -> torch.Tensor:
-    from mlora.lora_tools.adapter import MemTensor
-
-    if isinstance(t, MemTensor):
-        data = t.data
-    else:
-        with open(t.path, "rb") as f:
-            data = os.pread(f.fileno(), t.nbytes, t.offset)
-    if tensor_sha256(t.dtype, t.shape, data) != digest:
-        raise ReleaseError("E_MERGE_ADAPTER_CHANGED", f"adapter {name!r}: {t.name} changed since it was validated")
-    return torch.frombuffer(bytearray(data), dtype=ST[t.dtype]).reshape(tuple(t.shape))
+    try:
+        data = read_verified(t, digest)
+    except TensorChanged:
+        raise ReleaseError("E_MERGE_ADAPTER_CHANGED", f"adapter {name!r}: {t.name} changed since it was validated"
+                           ) from None
+    return torch.frombuffer(data, dtype=ST[t.dtype]).reshape(tuple(t.shape))
 
 
 # ---------------------------------------------------------------- writing a release
@@ -289,11 +274,10 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         side = {}  # every file that is not a weight shard: hashed whole (tokenizer, configs, index)
         for f in sorted(os.listdir(tmp)):
             if f not in files:
-                with open(os.path.join(tmp, f), "rb") as fh:
-                    side[f] = hashlib.sha256(fh.read()).hexdigest()
+                side[f] = file_sha256(os.path.join(tmp, f))
         manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side,
                         files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
-        manifest["release_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        manifest["release_sha256"] = sealed_digest(manifest, "release_sha256")
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -357,7 +341,7 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
         target = ST[out_dtype_of(name)]
         if name not in deltas and ST[info.dtype] == target and name in known:
             return ("copy", info.path, info.offset, info.nbytes, known[name])  # unchanged: no decode, no re-hash
-        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        t = _read(info)
         if name not in deltas:
             return t.to(target)
         return _merged(t, deltas[name], cdt, target)
@@ -387,8 +371,7 @@ def read_release(path: str) -> dict:
         raise ReleaseError("E_RELEASE_MISSING", f"{path} has no {RELEASE_FILE}: not an mlora release") from None
     except (OSError, ValueError) as exc:
         raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} cannot be read ({exc})") from None
-    body = {k: v for k, v in man.items() if k != "release_sha256"}
-    if not isinstance(man, dict) or hashlib.sha256(_canonical(body)).hexdigest() != man.get("release_sha256"):
+    if not isinstance(man, dict) or sealed_digest(man, "release_sha256") != man.get("release_sha256"):
         raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} does not hash to its release_sha256: edited")
     return man
 
@@ -407,9 +390,8 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
             code = "E_RELEASE_TRUNCATED" if os.path.getsize(full) < size else "E_RELEASE_TAMPERED"
             raise ReleaseError(code, f"{file} is {os.path.getsize(full)} bytes, release.json says {size}")
     for file, digest in man.get("file_sha256", {}).items():
-        with open(os.path.join(path, file), "rb") as fh:
-            if hashlib.sha256(fh.read()).hexdigest() != digest:
-                raise ReleaseError("E_RELEASE_TAMPERED", f"{file} does not match its digest in release.json")
+        if file_sha256(os.path.join(path, file)) != digest:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"{file} does not match its digest in release.json")
     headers = {}
     for name, rec in sorted(man["tensors"].items()):
         file = os.path.join(path, rec["file"])
@@ -422,10 +404,11 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
         info = headers[file].tensors.get(name)
         if info is None:
             raise ReleaseError("E_RELEASE_TAMPERED", f"{rec['file']} lacks tensor {name!r}")
-        with open(file, "rb") as f:
-            data = os.pread(f.fileno(), info.nbytes, info.offset)
-        if tensor_sha256(info.dtype, info.shape, data) != rec["sha256"]:
-            raise ReleaseError("E_RELEASE_TAMPERED", f"tensor {name!r} in {rec['file']} does not match its digest")
+        try:
+            read_verified(info, rec["sha256"])
+        except TensorChanged:
+            raise ReleaseError("E_RELEASE_TAMPERED", f"tensor {name!r} in {rec['file']} does not match its digest"
+                               ) from None
     extra = sorted(set(sum((list(h.tensors) for h in headers.values()), [])) - set(man["tensors"]))
     if extra:
         raise ReleaseError("E_RELEASE_TAMPERED", f"tensors not named by release.json: {extra[:5]}")
@@ -485,7 +468,7 @@ def unmerge(release_dir: str, out: str, adapter_ids: list[str] | None = None, ba
 
     def produce(name: str) -> torch.Tensor:
         info = source.tensors[name]
-        t = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
+        t = _read(info)
         if name not in deltas:
             return t
         return _merged(t, deltas[name], cdt, t.dtype, sign=-1.0)  # deltas are in reverse merge order
@@ -516,8 +499,8 @@ def drift_report(release_dir: str, base_dir: str) -> dict:
         other = rel.tensors.get(name)
         if other is None:
             raise ReleaseError("E_RELEASE_PARENT", f"{name} is in the base but not in {release_dir}")
-        a = _read(info.path, info.offset, info.nbytes, info.dtype, info.shape)
-        b = _read(other.path, other.offset, other.nbytes, other.dtype, other.shape)
+        a = _read(info)
+        b = _read(other)
         if a.dtype != b.dtype or a.shape != b.shape:
             raise ReleaseError("E_RELEASE_PARENT", f"{name}: {a.dtype} {tuple(a.shape)} in the base, "
                                f"{b.dtype} {tuple(b.shape)} in the release")

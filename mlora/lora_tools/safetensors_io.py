@@ -1,10 +1,13 @@
-"""Bounded, lazy reading of safetensors files and parallel tensor hashing.
+"""Bounded, lazy reading of safetensors files, parallel tensor hashing, verified tensor reads.
 
 Owns the safetensors byte layout: the 8-byte little-endian header length, the
 JSON header, and tensor byte ranges. Reads only the header up front (bounded:
 an oversized or lying header never causes a large allocation) and streams
 tensor bytes in fixed-size chunks, so memory stays flat whatever the file size.
-Must not interpret tensor names: that is the adapter and base readers' job.
+Owns too the one reader that checks a tensor's bytes against a digest known
+beforehand (:func:`read_verified`: pinned batch adapters, compression members,
+merge factors, release verification). Must not interpret tensor names: that
+is the adapter and base readers' job.
 
 Tensor digest (docs/identity.md)::
 
@@ -170,6 +173,59 @@ def tensor_digest_prefix(dtype: str, shape: tuple[int, ...] | list[int]) -> byte
     return canonical_json({"dtype": dtype, "shape": list(shape)}) + b"\n"
 
 
+def tensor_sha256(dtype: str, shape: tuple[int, ...] | list[int], data) -> str:
+    """The tensor digest of ``data`` (any bytes-like object) stored as ``dtype`` and ``shape``."""
+    h = hashlib.sha256(tensor_digest_prefix(dtype, shape))
+    h.update(data)
+    return h.hexdigest()
+
+
+class TensorChanged(ValueError):
+    """A tensor's bytes no longer hash to the digest they were read with. ``short``: the
+    file now ends before the tensor does."""
+
+    def __init__(self, name: str, short: bool):
+        super().__init__(f"tensor {name!r} {'ends early' if short else 'does not match its digest'}")
+        self.name, self.short = name, short
+
+
+def read_tensor_bytes(t, fd: int | None = None) -> bytearray:
+    """The stored bytes of tensor ``t`` in a new writable buffer (``torch.frombuffer`` takes it
+    without a copy): ``t.data`` for a tensor already in memory, else ``t.nbytes`` bytes at byte
+    ``t.offset`` of ``t.path``, read through the open descriptor ``fd`` when one is given.
+    Shorter than ``t.nbytes`` when the file ends early; OSError propagates."""
+    data = getattr(t, "data", None)
+    if data is not None:
+        return bytearray(data)
+    buf = bytearray(t.nbytes)
+    view, done = memoryview(buf), 0
+    own = fd is None
+    if own:
+        fd = os.open(t.path, os.O_RDONLY)
+    try:
+        while done < t.nbytes:  # one read returns at most about 2 GiB on Linux
+            got = os.preadv(fd, [view[done:]], t.offset + done)
+            if got <= 0:
+                break
+            done += got
+    finally:
+        view.release()
+        if own:
+            os.close(fd)
+    return buf if done == t.nbytes else buf[:done]
+
+
+def read_verified(t, sha256: str | None, fd: int | None = None) -> bytearray:
+    """:func:`read_tensor_bytes`, checked: the bytes must be all there and hash to ``sha256``
+    (the tensor digest measured when ``t`` was validated or pinned), else TensorChanged."""
+    data = read_tensor_bytes(t, fd)
+    if len(data) != t.nbytes:
+        raise TensorChanged(t.name, short=True)
+    if tensor_sha256(t.dtype, t.shape, data) != sha256:
+        raise TensorChanged(t.name, short=False)
+    return data
+
+
 @dataclass(frozen=True)
 class TensorScan:
     """Result of streaming one tensor: its digest and, when asked, value facts."""
@@ -208,13 +264,12 @@ def scan_tensor(info: TensorInfo, check_values: bool = False) -> TensorScan:
 
 def scan_bytes(data: bytes, dtype: str, shape: tuple[int, ...], check_values: bool = False) -> TensorScan:
     """Same as :func:`scan_tensor` for bytes already in memory (pickle path)."""
-    h = hashlib.sha256(tensor_digest_prefix(dtype, shape))
-    h.update(data)
+    sha256 = tensor_sha256(dtype, shape, data)
     if not (check_values and dtype in _FLOAT_BITS):
-        return TensorScan(h.hexdigest())
+        return TensorScan(sha256)
     checker = _ValueCheck(dtype, len(data))
     checker.update(memoryview(data))
-    return TensorScan(h.hexdigest(), non_finite=checker.non_finite, all_zero=checker.all_zero)
+    return TensorScan(sha256, non_finite=checker.non_finite, all_zero=checker.all_zero)
 
 
 class _ValueCheck:

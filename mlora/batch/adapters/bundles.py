@@ -1,4 +1,4 @@
-"""Serving collection-bundle members in a batch job (issue step 5, first version).
+"""Serving collection-bundle members in a batch job (docs/design.md, Bundle and three-stage operator).
 
 Owns the catalog entries of a bundle passed as ``--adapters BUNDLE``, the
 pinning of its members, and the verified factors of a member. Must not know
@@ -16,29 +16,37 @@ its identity was pinned with even if the files change later.
 This module gives the materialised form (``member_factors``: each member's
 factors in an ordinary slot; correct, but no memory saved over the
 uncompressed adapters). A job whose adapters all come from one bundle is
-served with the three-stage operator of spec 0x06G4 instead
-(``mlora.batch.adapters.bundle_bank``, ``--bundle-operator``), from the same verified
-tensors (``pinned_bundle``).
+served with the three-stage operator instead (``mlora.batch.adapters.bundle_bank``,
+``--bundle-operator``), from the same verified tensors (``pinned_bundle``).
 
 Identity: ``artifact_sha256`` is the bundle's ``bundle_sha256``;
 ``semantic_sha256`` hashes (bundle_sha256, member id, the job's base
-identity), so two members, or one member over two bases, never share a slot.
+identity) in the spaced form of ``mlora.lora_tools.canonical``, so two
+members, or one member over two bases, never share a slot.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 import torch
 
-from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
-                                         PinnedModule, TensorRef, unsupported_module)
+from mlora.batch.adapters.pinned import (
+    AdapterChanged,
+    AdapterError,
+    CatalogEntry,
+    CatalogError,
+    PinnedAdapter,
+    PinnedModule,
+    TensorRef,
+    unsupported_module,
+)
 from mlora.batch.model.decoder import load_config
+from mlora.batch.model.lora import config_role_shapes, module_layer_role
 from mlora.compress.bundle import read_bundle
 from mlora.compress.solvers import CompressError
-from mlora.batch.model.lora import config_role_shapes, module_layer_role
+from mlora.lora_tools.canonical import spaced_digest
 
 # (bundle directory, bundle_sha256) -> the Bundle verified when a job pinned it
 _BUNDLES: dict[tuple[str, str], object] = {}
@@ -70,8 +78,7 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
     expected = config_role_shapes(config)
     out: dict[str, PinnedAdapter] = {}
     # each bundle is read and verified once per pin, however many of its members the job
-    # names (per member, a 1,024-member bundle of 1.3 GB was hashed 1,024 times: the
-    # thirteenth session's H200 run never got past pinning)
+    # names: once per member, pinning a large bundle would hash it members x bundle bytes
     verified: dict[str, tuple[object, set[str]] | CompressError] = {}
     for e in entries:
         def bad(code: str, message: str) -> PinnedAdapter:
@@ -121,9 +128,8 @@ def pin_members(entries: list[CatalogEntry], base_dir: str, base_identity) -> di
         if not modules:
             out[e.id] = bad("E_ADAPTER_INVALID", f"bundle member {e.id!r} adapts no module")
             continue
-        semantic = hashlib.sha256(json.dumps({"kind": "mlora-bundle-member", "bundle_sha256": man["bundle_sha256"],
-                                              "member": e.bundle_member, "base_sha256": base_identity.base_sha256},
-                                             sort_keys=True).encode()).hexdigest()
+        semantic = spaced_digest({"kind": "mlora-bundle-member", "bundle_sha256": man["bundle_sha256"],
+                                  "member": e.bundle_member, "base_sha256": base_identity.base_sha256})
         out[e.id] = PinnedAdapter(e.id, e.path, True, artifact_sha256=man["bundle_sha256"], semantic_sha256=semantic,
                                   max_rank=R, modules=tuple(modules), bundle=e.path, bundle_member=e.bundle_member)
     return out

@@ -1,10 +1,11 @@
 """The adapter catalog of a batch job: ids -> adapter directories, pinned by digest.
 
 Owns ``--adapters DIR`` / ``--catalog FILE`` parsing, the pinning of every
-adapter a job references (validated once, at job start, with step 1's
-``mlora.lora_tools`` code: same findings, same identities) and the verified
-reading of a pinned adapter's factors. Must not know slots or the model: the
-slot bank (``bank.py``) places what :func:`load_factors` returns.
+adapter a job references (validated once, at job start, with the
+``mlora.lora_tools`` code behind ``mlora validate``: same findings, same
+identities) and the verified reading of a pinned adapter's factors
+(docs/design.md, Pinning). Must not know slots or the model: the slot bank
+(``mlora.batch.adapters.slots``) places what :func:`load_factors` returns.
 
 Pinning freezes an adapter's identity: ``artifact_sha256``, ``semantic_sha256``
 and, per module, where its A/B bytes lie and their tensor digests
@@ -25,24 +26,37 @@ Error code of a bad adapter, first match wins::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 
-from mlora.lora_tools.adapter import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE, AdapterArtifact, open_adapter, scan_adapters
-from mlora.lora_tools.adapter import check_against_base
+from mlora.batch.adapters.bundles import bundle_entries, member_factors, pin_members
+from mlora.batch.adapters.pinned import (
+    AdapterChanged,
+    AdapterError,
+    CatalogEntry,
+    CatalogError,
+    PinnedAdapter,
+    PinnedModule,
+    TensorRef,
+    unsupported_module,
+)
+from mlora.lora_tools.adapter import (
+    CONFIG_FILE,
+    PICKLE_FILE,
+    SAFETENSORS_FILE,
+    AdapterArtifact,
+    check_against_base,
+    open_adapter,
+    scan_adapters,
+)
 from mlora.lora_tools.base import BaseIdentity
 from mlora.lora_tools.findings import ERROR, UNSERVABLE, Finding, finding
-from mlora.lora_tools.manifest import base_identity as measure_base, build_manifest, load_base
-from mlora.lora_tools.safetensors_io import TensorInfo, tensor_digest_prefix
-
-from mlora.batch.adapters.bundles import bundle_entries, member_factors, pin_members
-from mlora.batch.adapters.pinned import (AdapterChanged, AdapterError, CatalogEntry, CatalogError, PinnedAdapter,
-                                         PinnedModule, TensorRef, unsupported_module)
+from mlora.lora_tools.manifest import base_identity as measure_base
+from mlora.lora_tools.manifest import build_manifest, load_base
+from mlora.lora_tools.safetensors_io import TensorChanged, TensorInfo, read_verified
 
 BASE_ID = "__base__"  # an adapter-column value that means "the base model on purpose"
 MAX_CATALOG_BYTES = 64 * 1024 * 1024
@@ -292,15 +306,12 @@ def _read_verified(adapter_id: str, ref: TensorRef, files: dict[str, int]) -> to
     try:
         if ref.path not in files:
             files[ref.path] = os.open(ref.path, os.O_RDONLY)
-        data = os.pread(files[ref.path], ref.nbytes, ref.offset)
+        data = read_verified(ref, ref.sha256, files[ref.path])
     except OSError as exc:
         raise AdapterChanged(adapter_id, f"{ref.path} cannot be read ({exc})") from None
-    if len(data) != ref.nbytes:
-        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} ends early in {ref.path}")
-    h = hashlib.sha256(tensor_digest_prefix(ref.dtype, ref.shape))
-    h.update(data)
-    if h.hexdigest() != ref.sha256:
-        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} no longer hashes to its pinned digest")
+    except TensorChanged as exc:
+        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} ends early in {ref.path}" if exc.short
+                             else f"tensor {ref.name!r} no longer hashes to its pinned digest") from None
     if ref.dtype not in _TORCH_DTYPES:
         raise AdapterError("E_UNSUPPORTED_DTYPE", f"tensor {ref.name!r} is {ref.dtype}", adapter_id)
-    return torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPES[ref.dtype]).reshape(ref.shape)
+    return torch.frombuffer(data, dtype=_TORCH_DTYPES[ref.dtype]).reshape(ref.shape)

@@ -6,7 +6,7 @@ interrupted job resumable without losing or duplicating a row. Must not know
 how rows are produced: the engine hands finished rows to a :class:`ResultSink`
 by input row position, in any order.
 
-Commit protocol (DESIGN.md "Nothing lost"):
+Commit protocol (docs/design.md, Shard and manifest):
 
 * Every file is written as ``.tmp.<name>.<random>`` in OUTPUT, flushed,
   fsynced, renamed over its final name with ``os.replace`` and the directory
@@ -42,10 +42,7 @@ Decisions:
 
 from __future__ import annotations
 
-from mlora.batch.errors import CodedError
-
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -56,7 +53,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlora import __version__
-from mlora.lora_tools.canonical import canonical_json, canonicalize_floats, sha256_hex
+from mlora.batch.errors import CodedError
+from mlora.lora_tools.canonical import canonical_json, canonicalize_floats, file_sha256, sha256_hex
 
 try:  # POSIX only; elsewhere the job runs without the concurrent-writer guard
     import fcntl
@@ -149,14 +147,6 @@ def _now() -> str:
 def _short(value: Any, limit: int = 120) -> str:
     text = json.dumps(value, sort_keys=True, ensure_ascii=False)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- the output directory ----------------------------------------------------
@@ -265,7 +255,7 @@ class JobOutput:
             "last_row": first_row + table.num_rows,
             "rows": table.num_rows,
             "bytes": data.size,
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "sha256": sha256_hex(data),
         }
         self._manifest["shards"].append(entry)
         self._manifest["rows_committed"] = entry["last_row"]
@@ -392,7 +382,7 @@ def _check_shard_files(out_dir: str, manifest: dict) -> None:
         expected_first = shard["last_row"]
         if not os.path.isfile(path):
             raise JobOutputError("E_OUTPUT_CORRUPT", f"committed shard {path} is missing; start again in a new OUTPUT")
-        if _file_sha256(path) != shard["sha256"]:
+        if file_sha256(path) != shard["sha256"]:
             raise JobOutputError(
                 "E_OUTPUT_CORRUPT", f"committed shard {path} does not match its sha256 in {MANIFEST_NAME}; start again in a new OUTPUT"
             )

@@ -5,8 +5,9 @@ actor, usable in anyone's Ray Data pipeline), the read step (row ranges of
 the input with their positions, sorted by adapter), and the driver that runs
 the pipeline and writes mlora's output layout. Must not know how an engine
 runs a row (``session.py``) or how OUTPUT is committed (``job.RowWriter`` and
-``output.py``). Ray is optional (``pip install 'mlora[ray]'``); it is imported
-only here, only when used (``E_RAY_MISSING``, exit 1, without it).
+``output.py``). Ray Data is the optional extra ``mlora[ray]``: this module
+imports it, and is itself imported only for ``--engine ray``; without Ray,
+importing it raises ``E_RAY_MISSING`` (exit 1) naming the extra.
 
 The pipeline of ``run_ray_job``::
 
@@ -58,36 +59,29 @@ import pyarrow as pa
 import torch
 
 from mlora.batch.adapters.catalog import load_catalog
-from mlora.batch.config import resolve_device, resolve_dtype
+from mlora.batch.config import JobConfig, resolve_device, resolve_dtype
+from mlora.batch.errors import JobError
 from mlora.batch.job.input import InputBatch, InputSpec, JobInputError, open_input
 from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
+from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
-from mlora.batch.config import JobConfig
-
-from mlora.batch.errors import JobError
-
-from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
-from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
+try:  # the optional extra mlora[ray]: without it, a coded error that names the extra
+    import ray
+    import ray.data
+except ImportError as exc:
+    raise JobError("E_RAY_MISSING", f"--engine ray needs Ray Data, which is not installed ({exc}); "
+                   f"install it with: {INSTALL_HINT}") from None
+
 # the role columns of the table read_window yields (kept input columns keep their names)
 ROW, ID, PROMPT, PROMPT_IDS, ADAPTER, MAX_NEW = "_row", "_id", "_prompt", "_prompt_ids", "_adapter", "_max_new_tokens"
 # JobConfig fields a predictor takes as keyword options (the rest are about files and the job)
 PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
     "input", "output", "base", "adapters_dir", "catalog_file", "keep_columns", "strict", "resume", "shard_rows",
     "workers", "gpus", "num_workers", "engine", "ray_address"}
-
-
-def import_ray():
-    """``ray`` and ``ray.data``, or JobError E_RAY_MISSING (exit 1) with the install hint."""
-    try:
-        import ray
-        import ray.data  # noqa: F401
-    except ImportError as exc:
-        raise JobError("E_RAY_MISSING", f"--engine ray needs Ray Data, which is not installed ({exc}); "
-                       f"install it with: {INSTALL_HINT}") from None
-    return ray
 
 
 def pin_adapters(base: str, adapters: str | None = None, catalog: str | None = None,
@@ -266,7 +260,6 @@ def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
     """``batch-run --engine ray`` (module docstring)."""
     import torch
 
-    ray = import_ray()
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=opts.ray_address, include_dashboard=False, log_to_driver=False,
