@@ -212,8 +212,8 @@ def test_decode_dispatch_order_does_not_change_results(splits):
     out = torch.full_like(q, float("nan"))
     got = paged_attention(q, kv.k[0], kv.v[0], layout, q.shape[-1] ** -0.5, out=out, splits_override=splits)
     torch.testing.assert_close(got, reference(q, kv, meta), rtol=1e-4, atol=1e-4)
-    in_batch_order = dataclasses.replace(decode, tile_seq=torch.tensor([0, 1, 3, 4, 5], dtype=torch.int32),
-                                         heads_first=False)
+    batch_order = torch.tensor([0, 1, 3, 4, 5], dtype=torch.int32, device=q.device)
+    in_batch_order = dataclasses.replace(decode, tile_seq=batch_order, heads_first=False)
     plain = dataclasses.replace(layout, launches=[in_batch_order if t is decode else t for t in layout.launches])
     want = paged_attention(q, kv.k[0], kv.v[0], plain, q.shape[-1] ** -0.5, splits_override=splits)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
