@@ -86,7 +86,7 @@ def test_threads_taking_and_giving_never_share_a_block():
     import threading
 
     pool = PinnedPool(4096, 5, pin=False, fence=lambda: ManualEvent(polls=2))  # each fence completes at its 2nd poll
-    held, lock, errors, stop = set(), threading.Lock(), [], threading.Event()
+    held, lock, errors = set(), threading.Lock(), []
 
     def worker(seed):
         rng, got, deadline = random.Random(seed), 0, time.monotonic() + 30

@@ -56,7 +56,7 @@ def run_single(prep: PreparedJob, progress) -> JobSummary:
     queue_limit = max(8 * opts.max_num_seqs, opts.schedule_window)
 
     def emit(res: Result) -> None:
-        record = session.record(res)
+        record = session.record(res)  # noqa: F821 - the closure's cell, cleared by `del session` below
         record.update(kept.pop(res.row, {}))
         writer.add(res.row, record)
 
