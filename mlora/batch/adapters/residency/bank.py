@@ -41,7 +41,7 @@ import torch
 
 from mlora.kernels import pitched_span
 
-from mlora.batch.engine import arena as arena_mod
+from mlora.batch.model import arena as arena_mod
 from mlora.batch.adapters.slots import BankContext, SlotTensors
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter, load_factors
 from mlora.batch.model.lora import GROUPS
