@@ -37,12 +37,11 @@ import os
 
 import torch
 
-from mlora.kernels import empty_launch_plan, tile_capacity
-from mlora.kernels.launch import DECODE_BLOCK_M
-
-from mlora.batch.model.attention import AttentionMetadata
 from mlora.batch.adapters.slots import BankContext
+from mlora.batch.model.attention import AttentionMetadata
+from mlora.kernels import empty_launch_plan, tile_capacity
 from mlora.kernels.greedy import greedy_tokens
+from mlora.kernels.launch import DECODE_BLOCK_M
 from mlora.kernels.paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
 
 BLOCK_M = DECODE_BLOCK_M  # LoRA row tile of decode batches

@@ -15,6 +15,7 @@ adapters: a session serves exactly the identities the job pinned at start
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.residency import ResidencyBank
 from mlora.batch.adapters.residency.manager import PER_LOAD_STATS
 from mlora.batch.config import JobConfig
-from mlora.batch.engine.engine import Engine, Request, Result
+from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
 from mlora.batch.errors import JobError
 from mlora.batch.gcpauses import GcRegime
@@ -117,15 +118,11 @@ class EngineSession:
             self.bank.ensure(first, good)
         self.metrics = JobMetrics()
         self.engine = Engine(
-            model, self.bank, pinned, metrics=self.metrics,
+            model, self.bank, pinned, dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, device)),
             num_blocks=self.arena.num_pages if self.arena is not None else kv_blocks(opts, config, dtype, device),
-            block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
-            sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
-            stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
-            device=device, dtype=dtype, cuda_graphs=decode_graphs(opts, device),
-            prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
-            max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
-            lookahead=opts.lookahead, arena=self.arena,
+            decoding=Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
+                              self.tokenizer.decode if self.tokenizer else None),
+            metrics=self.metrics, arena=self.arena,
         )
         # the collector's pauses from here on (gcpauses.py); MLORA_GC's freeze / device-wait: what
         # is alive now (weights, slot bank, engine) is long-lived
