@@ -200,7 +200,7 @@ def test_graph_buffer_check_covers_the_lora_tile_list():
     eng, _, bank = _graphed_engine(17, num_blocks=16, max_num_seqs=8)
     g = eng.graphs
     g.context_lens[:3] = torch.tensor([5, 1, 8], dtype=torch.int32)
-    lp = g.launch[4]
+    lp = g.lora[4].static
     bank.context(torch.tensor([1, -1, 0, -1], dtype=torch.int32), static=lp)
     g.check_buffers(4, 3)
     live = int(lp.num_tiles)

@@ -68,16 +68,17 @@ class Engine:
         graphs = None
         if config.cuda_graphs:
             graphs = DecodeGraphs(model, self.kv, bank, config.max_num_seqs, scratch_slot=num_blocks * config.block_size)
-        self.num_slots = getattr(bank, "num_slots", 0) if bank is not None else 0
+        self.num_slots = bank.num_slots if bank is not None else 0
+        loads_ahead = bank is not None and bank.loads_ahead
         # cold adapters of the waiting rows whose host images are built ahead, in the background
-        self.prefetch_depth = config.prefetch_adapters if hasattr(bank, "prefetch") else 0
+        self.prefetch_depth = config.prefetch_adapters if loads_ahead else 0
         # ... and of those, how many may start loading into free or unneeded GPU slots per iteration
-        self.prefetch_gpu = config.prefetch_gpu_adapters if hasattr(bank, "prefetch_device") and self.prefetch_depth else 0
+        self.prefetch_gpu = config.prefetch_gpu_adapters if self.prefetch_depth else 0
         if async_loads is None:
             async_loads = model.device.type == "cuda"
         if self.joint:  # a load must hold its slot's pages from admission on (KV could take them)
             async_loads = True
-        self.async_loads = async_loads and bool(self.prefetch_gpu) and hasattr(bank, "start_load")
+        self.async_loads = async_loads and bool(self.prefetch_gpu)
         self.loads = AdapterLoads(bank, pinned, metrics)
         self.scheduler = Scheduler(config, self.allocator, bank, pinned, self.loads, num_slots=self.num_slots,
                                    joint=self.joint, async_loads=self.async_loads, metrics=metrics)
@@ -175,7 +176,7 @@ class Engine:
                 return self._fail_adapter(exc.adapter_id, exc.code, str(exc).split(": ", 1)[-1])
         # host work for later iterations, done while the device runs this one (the sampled
         # tokens are read in _advance): eviction ranking and prefetch of coming adapters
-        if hasattr(self.bank, "want"):  # eviction keeps adapters that waiting rows still need
+        if self.bank is not None:  # eviction keeps adapters that waiting rows still need
             self.bank.want(self.scheduler.waiting.adapters(), self.pinned)
         if self.prefetch_depth:
             self.loads.prefetch(*self.scheduler.prefetch_plan(self.prefetch_depth), self.prefetch_gpu)
@@ -242,7 +243,7 @@ class Engine:
                 continue
             distinct.add(a)
             true += n * self.pinned[a].max_rank
-            padded += n * getattr(self.bank, "max_rank", 0)
+            padded += n * self.bank.max_rank
         return plan.doff, plan.num_rows - plan.doff, len(distinct), true, padded
 
     def _fail_adapter(self, adapter_id: str | None, code: str, message: str) -> list[Result]:

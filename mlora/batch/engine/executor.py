@@ -135,11 +135,10 @@ class Executor:
         distinct = sorted({a for a in x.adapters if a is not None})
         if distinct:
             slot_of = self.loads.ensure(distinct)
-            if hasattr(self.bank, "acquire"):  # a running row's adapter stays resident between iterations
-                for seq in plan.seqs:
-                    if seq.req.adapter is not None and seq.lease is None:
-                        self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
-                        seq.lease = f"row{seq.req.row}"
+            for seq in plan.seqs:  # a running row's adapter stays resident between iterations
+                if seq.req.adapter is not None and seq.lease is None:
+                    self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
+                    seq.lease = f"row{seq.req.row}"
             slot_list = [slot_of[a] if a is not None else -1 for a in x.adapters]
         self.count(plan)
         # decode-only (one row per sequence, every row sampled): replay a captured graph

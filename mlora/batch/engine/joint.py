@@ -29,7 +29,7 @@ def kv_memory(model, bank, arena, num_blocks: int, block_size: int, scratch: boo
              model.dtype, model.device)
     if arena is None:
         return KVCache(*shape), BlockAllocator(num_blocks), num_blocks
-    if getattr(bank, "arena", None) is not arena or arena.num_pages != num_blocks or arena.spare_pages != int(scratch):
+    if bank is None or bank.arena is not arena or arena.num_pages != num_blocks or arena.spare_pages != int(scratch):
         raise ValueError("the joint memory mode needs a bank carved from this arena, num_blocks = its "
                          "ledger pages and one spare page with CUDA graphs")
     pages = arena.kv_pages(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)

@@ -27,8 +27,8 @@ class AdapterLoads:
     def __init__(self, bank, pinned: dict, metrics):
         self.bank, self.pinned, self.metrics = bank, pinned, metrics
         self.seen: set[str] = set()  # adapters some invocation ran with (counted while metrics are on)
-        pf = getattr(bank, "prefetcher", None)  # prefetches before this engine (e.g. a preload) are not its own
-        self._prefetch_seen = (pf.issued, pf.used) if pf is not None else (0, 0)
+        # prefetches before this engine (e.g. a preload's) are not its own
+        self._prefetch_seen = bank.prefetch_counts() if bank is not None else (0, 0)
 
     def ensure(self, adapters: list[str]) -> dict[str, int]:
         """``bank.ensure`` of one invocation, with load, cache and eviction metrics (loads
@@ -37,8 +37,7 @@ class AdapterLoads:
             return self.bank.ensure(adapters, self.pinned)
         before = dict(self.bank.resident)
         # where a load will copy from: the host cache (e.g. prefetched) or disk
-        tier_of = getattr(self.bank, "source_tier", lambda a, pinned: "disk")
-        tiers = {a: tier_of(a, self.pinned) for a in adapters if self.pinned[a].semantic_sha256 not in before}
+        tiers = {a: self.bank.source_tier(a, self.pinned) for a in adapters if self.pinned[a].semantic_sha256 not in before}
         evictions = self.bank.stats.evictions
         t0 = time.perf_counter()
         slot_of = self.bank.ensure(adapters, self.pinned)
@@ -95,11 +94,10 @@ class AdapterLoads:
                 # the adapters the next admission gives slots to (a prefetched adapter that waits
                 # longer would hold a slot the next admissions need, and be evicted unused)
                 self.bank.prefetch_device([a for a in cold if a in planned], self.pinned, gpu_limit)
-        pf = self.bank.prefetcher
-        if self.metrics and pf is not None:
-            issued, used = self._prefetch_seen
-            self.metrics.prefetch(pf.issued - issued, pf.used - used)
-            self._prefetch_seen = (pf.issued, pf.used)
+        if self.metrics:
+            (issued, used), (seen_issued, seen_used) = self.bank.prefetch_counts(), self._prefetch_seen
+            self.metrics.prefetch(issued - seen_issued, used - seen_used)
+            self._prefetch_seen = (issued, used)
 
     def _count_evictions(self, before: int) -> None:
         """Device evictions since the bank's eviction count was ``before``, into the metrics."""

@@ -322,7 +322,8 @@ class Scheduler:
         """Adapters that some waiting row names and whose generation is published in the
         bank (in time proportional to the distinct waiting adapters, not to the queue)."""
         resident = self.bank.resident
-        return {a for a in self.waiting.counts if getattr(self.pinned.get(a), "semantic_sha256", None) in resident}
+        pinned = self.pinned
+        return {a for a in self.waiting.counts if a in pinned and pinned[a].semantic_sha256 in resident}
 
     # ---- adapter slots ---------------------------------------------------------------
 
