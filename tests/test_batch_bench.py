@@ -424,14 +424,15 @@ def test_recording_engine_records_chained_iterations_too():
     """bench batch times every step against its plan's floor: a chained step (launched by the
     step before, MLORA_CHAIN_DECODE=1) has a plan recorded like any other, so an A/B of the
     knob compares all decode iterations (real decode graphs on a GPU, emulated on the CPU)."""
-    from mlora.bench.batch import _RecordingEngine, random_model
+    from mlora.batch.config import EngineConfig
     from mlora.batch.engine.engine import Request
+    from mlora.bench.batch import _RecordingEngine, random_model
 
     config = preset_config("tiny", "float32")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real graphs on a GPU
     model = random_model(config, device, torch.float32, seed=2)
-    eng = _RecordingEngine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64,
-                           device=device, dtype=model.dtype, cuda_graphs=True, lookahead=True, chain=True)
+    config = EngineConfig(block_size=4, max_num_seqs=4, max_batch_tokens=64, cuda_graphs=True, lookahead=True)
+    eng = _RecordingEngine(model, None, {}, config, num_blocks=64, chain=True)
     for i in range(3):
         eng.add(Request(row=i, id=str(i), prompt_ids=[3 + i, 4, 5], adapter=None, max_new_tokens=12))
     steps = recorded = 0
@@ -442,4 +443,4 @@ def test_recording_engine_records_chained_iterations_too():
         recorded += eng.last_plan is not None
     assert eng.chained > 0 and recorded == steps
     # the last chained launch ran rows that had all finished: counted, never stepped
-    assert eng._inflight is not None and eng.stats["iterations"] == steps + 1
+    assert eng.executor.inflight is not None and eng.stats["iterations"] == steps + 1

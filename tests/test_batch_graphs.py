@@ -12,9 +12,10 @@ import random
 import pytest
 import torch
 
-from mlora.bench.batch import preset_config, random_bank, random_model
+from mlora.batch.config import EngineConfig
 from mlora.batch.engine.engine import Engine, Request
 from mlora.batch.engine.graphs import GraphBufferError, buckets_for
+from mlora.bench.batch import preset_config, random_bank, random_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,9 +35,14 @@ def _requests(n, adapters, vocab, seed):
                     adapter=rng.choice(adapters), max_new_tokens=rng.randint(4, 12)) for i in range(n)]
 
 
+def _config(max_num_seqs, graphs, lookahead=False):
+    """The engine choices these tests use: 4-token blocks, 64-token iterations."""
+    return EngineConfig(block_size=4, max_num_seqs=max_num_seqs, max_batch_tokens=64, cuda_graphs=graphs,
+                        lookahead=lookahead)
+
+
 def _run(model, bank, pinned, reqs, graphs, max_num_seqs, lookahead=False):
-    eng = Engine(model, bank, pinned, num_blocks=256, block_size=4, max_num_seqs=max_num_seqs, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=graphs, lookahead=lookahead)
+    eng = Engine(model, bank, pinned, _config(max_num_seqs, graphs, lookahead), num_blocks=256)
     for r in reqs:
         assert eng.add(r) is None
     out = {r.row: r.token_ids for r in eng.drain()}
@@ -48,8 +54,7 @@ def _graphed_engine(seed, num_blocks, max_num_seqs, adapters=2):
     for 0) and an engine with decode graphs (emulated on the CPU): (engine, model, bank)."""
     model = random_model(preset_config("tiny", "float32"), DEVICE, torch.float32, seed=seed)
     bank, pinned = random_bank(model, adapters, 4, seed=seed, backend="triton") if adapters else (None, {})
-    eng = Engine(model, bank, pinned, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                 max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng = Engine(model, bank, pinned, _config(max_num_seqs, True), num_blocks=num_blocks)
     return eng, model, bank
 
 
@@ -75,8 +80,7 @@ def test_graphs_captured_up_front_give_the_eager_tokens():
     bank, pinned = random_bank(model, 3, 4, seed=7)
     reqs = _requests(19, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=8)
     eager, _ = _run(model, bank, pinned, reqs, False, 16)
-    eng = Engine(model, bank, pinned, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng = Engine(model, bank, pinned, _config(16, True), num_blocks=256)
     eng.graphs.capture_all()
     captured = dict(eng.graphs.graphs)
     assert sorted(captured) == eng.graphs.buckets
@@ -92,19 +96,18 @@ def test_graph_logits_equal_eager_logits_with_padding():
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cuda"), torch.float32, seed=5)
     bank, pinned = random_bank(model, 2, 4, seed=5)
-    eng = Engine(model, bank, pinned, num_blocks=64, block_size=4, max_num_seqs=8, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True)
+    eng = Engine(model, bank, pinned, _config(8, True), num_blocks=64)
     for r in _requests(5, [None, "bench-0", "bench-1"], config.vocab_size, seed=6):
         eng.add(r)
     while eng.waiting or any(s.pending != 1 for s in eng.running):
         eng.step()
     plan = eng.schedule()
     assert plan.doff == 0 and len(plan.seqs) == 5  # decode-only: the graph path, bucket 8 (3 padded rows)
-    graphs, eng.graphs = eng.graphs, None
-    eager = eng._forward(plan).clone()
+    graphs, eng.executor.graphs = eng.graphs, None
+    eager = eng.executor.forward(plan).clone()
     kv_after_eager = [k.clone() for k in eng.kv.k]
-    eng.graphs = graphs
-    got = eng._forward(plan)
+    eng.executor.graphs = graphs
+    got = eng.executor.forward(plan)
     assert graphs.replays == 1
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(kv_after_eager, eng.kv.k):  # same K/V rewritten; padding went to the scratch block only
@@ -197,7 +200,7 @@ def test_graph_buffer_check_covers_the_lora_tile_list():
     eng, _, bank = _graphed_engine(17, num_blocks=16, max_num_seqs=8)
     g = eng.graphs
     g.context_lens[:3] = torch.tensor([5, 1, 8], dtype=torch.int32)
-    lp = g.launch[4]
+    lp = g.lora[4].static
     bank.context(torch.tensor([1, -1, 0, -1], dtype=torch.int32), static=lp)
     g.check_buffers(4, 3)
     live = int(lp.num_tiles)

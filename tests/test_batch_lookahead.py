@@ -12,8 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
+from mlora.batch.config import EngineConfig
+from mlora.batch.engine.engine import Decoding, Engine, Request
 from mlora.bench.batch import preset_config, random_bank, random_model
-from mlora.batch.engine.engine import Engine, Request
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 # the chained-decode tests run on real CUDA graphs where there is a GPU, emulated ones on the CPU
@@ -27,17 +28,29 @@ class CheckedEngine(Engine):
 
     checked = 0
 
-    def _take(self, ahead):
-        plan = super()._take(ahead)
-        if plan is not None:
-            blocks = self.allocator.num_free
-            want = self.schedule()
-            assert self.allocator.num_free == blocks  # the lookahead already gave out the blocks
-            assert [id(s) for s in want.seqs] == [id(s) for s in plan.seqs]
-            assert (want.new_tokens, want.sample, want.prefill_indptr, want.doff) == \
-                (plan.new_tokens, plan.sample, plan.prefill_indptr, plan.doff)
-            CheckedEngine.checked += 1
-        return plan
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        take = self.scheduler.take
+
+        def checked_take(seqs, p0):
+            plan = take(seqs, p0)
+            if plan is not None:
+                blocks = self.allocator.num_free
+                want = self.schedule()
+                assert self.allocator.num_free == blocks  # the lookahead already gave out the blocks
+                assert [id(s) for s in want.seqs] == [id(s) for s in plan.seqs]
+                assert (want.new_tokens, want.sample, want.prefill_indptr, want.doff) == \
+                    (plan.new_tokens, plan.sample, plan.prefill_indptr, plan.doff)
+                CheckedEngine.checked += 1
+            return plan
+
+        self.scheduler.take = checked_take
+
+
+def _config(max_num_seqs, *, graphs=False, lookahead=False):
+    """The engine choices these tests use: 4-token blocks, 64-token iterations."""
+    return EngineConfig(block_size=4, max_num_seqs=max_num_seqs, max_batch_tokens=64, cuda_graphs=graphs,
+                        lookahead=lookahead)
 
 
 def _requests(n, adapters, vocab, seed, eos_every=0):
@@ -48,8 +61,7 @@ def _requests(n, adapters, vocab, seed, eos_every=0):
 
 def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine,
          chain=False):
-    eng = cls(model, bank, pinned, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-              max_batch_tokens=64, device=model.device, dtype=model.dtype, cuda_graphs=graphs, lookahead=lookahead,
+    eng = cls(model, bank, pinned, _config(max_num_seqs, graphs=graphs, lookahead=lookahead), num_blocks=num_blocks,
               chain=chain)
     for r in reqs:
         assert eng.add(r) is None
@@ -84,12 +96,12 @@ def test_a_row_that_finishes_frees_its_looked_ahead_block():
     finishes (max_new_tokens) and its blocks, that one included, go back."""
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
-    eng = Engine(model, None, {}, num_blocks=8, block_size=4, max_num_seqs=2, max_batch_tokens=64, lookahead=True)
+    eng = Engine(model, None, {}, _config(2, lookahead=True), num_blocks=8)
     eng.add(Request(row=0, id="0", prompt_ids=[5, 6, 7], adapter=None, max_new_tokens=2))
     eng.step()  # prefill: 3 rows, token 1 sampled (4 tokens: one full block)
-    assert eng._next is None  # not a decode-only iteration
+    assert eng.executor.ahead is None  # not a decode-only iteration
     eng.step()  # decode position 3: looks ahead to position 4 (a new block), then the row finishes
-    ahead = eng._next
+    ahead = eng.executor.ahead
     assert ahead.positions == [4] and len(ahead.tables[0]) == 2  # it did take a second block
     assert not eng.running and not ahead.seqs[0].is_running and eng.allocator.num_free == 8
     assert eng.step() == [] and eng.lookahead_used == 0  # nothing left: the stale lookahead is dropped
@@ -113,10 +125,10 @@ def test_a_row_that_arrives_with_a_free_seat_is_admitted_instead_of_the_lookahea
     decode-only iteration is dropped."""
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=2)
-    eng = Engine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64, lookahead=True)
+    eng = Engine(model, None, {}, _config(4, lookahead=True), num_blocks=64)
     for i in range(2):
         eng.add(Request(row=i, id=str(i), prompt_ids=[3 + i, 4, 5], adapter=None, max_new_tokens=20))
-    while any(s.pending != 1 for s in eng.running) or eng._next is None:
+    while any(s.pending != 1 for s in eng.running) or eng.executor.ahead is None:
         eng.step()
     used = eng.lookahead_used
     eng.add(Request(row=9, id="9", prompt_ids=[7, 8, 9], adapter=None, max_new_tokens=5))
@@ -167,8 +179,7 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
     reqs = [Request(row=0, id="0", prompt_ids=[3, 4, 5], adapter=None, max_new_tokens=4),
             Request(row=1, id="1", prompt_ids=[6, 7], adapter=None, max_new_tokens=9)]
     plain, _ = _run(model, None, {}, reqs, lookahead=False, max_num_seqs=2)
-    eng = Engine(model, None, {}, num_blocks=64, block_size=4, max_num_seqs=2, max_batch_tokens=64,
-                 device=model.device, dtype=model.dtype, cuda_graphs=True, lookahead=True, chain=True)
+    eng = Engine(model, None, {}, _config(2, graphs=True, lookahead=True), num_blocks=64, chain=True)
     for r in reqs:
         eng.add(r)
     done = {}
@@ -176,7 +187,7 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
         for r in eng.step():
             done[r.row] = (r.token_ids, r.finish_reason)
             if r.row == 0:
-                assert eng._inflight is not None  # launched before row 0's last token was read
+                assert eng.executor.inflight is not None  # launched before row 0's last token was read
     assert done == plain and len(done[0][0]) == 4 and eng.chained > 0
 
 
@@ -190,15 +201,15 @@ def test_chained_decode_with_stop_strings_gives_the_same_rows():
     def detok(ids):
         return "".join(chr(97 + t % 3) for t in ids)  # a three-letter alphabet: stop strings are met early
 
-    def run(**kw):
-        eng = Engine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=16, max_batch_tokens=64,
-                     device=model.device, dtype=model.dtype, stop_strings=("ab", "ca"), detokenize=detok, **kw)
+    def run(graphs=False, lookahead=False, **kw):
+        eng = Engine(model, None, {}, _config(16, graphs=graphs, lookahead=lookahead), num_blocks=256,
+                     decoding=Decoding(stop_strings=("ab", "ca"), detokenize=detok), **kw)
         for r in reqs:
             eng.add(r)
         return {r.row: (r.token_ids, r.text, r.finish_reason) for r in eng.drain()}, eng
 
     plain, _ = run(lookahead=False)
-    chained, eng = run(lookahead=True, cuda_graphs=True, chain=True)
+    chained, eng = run(lookahead=True, graphs=True, chain=True)
     assert chained == plain and len(plain) == len(reqs)
     assert sum(reason == "stop" for _, _, reason in plain.values()) > 3 and eng.chained > 0
 
@@ -214,9 +225,8 @@ def test_sampled_decode_is_never_chained():
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     out = []
     for chain in (False, True):
-        eng = Engine(model, None, {}, num_blocks=256, block_size=4, max_num_seqs=8, max_batch_tokens=64,
-                     device=model.device, dtype=model.dtype, sampling=sampling, cuda_graphs=True, lookahead=True,
-                     chain=chain)
+        eng = Engine(model, None, {}, _config(8, graphs=True, lookahead=True), num_blocks=256,
+                     decoding=Decoding(sampling), chain=chain)
         for r in reqs:
             eng.add(r)
         out.append({r.row: r.token_ids for r in eng.drain()})
@@ -248,15 +258,18 @@ def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):
 def test_chain_is_on_by_default_and_needs_graphs_and_lookahead(monkeypatch):
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
-    kw = dict(num_blocks=8, block_size=4, max_num_seqs=2, max_batch_tokens=64)
+
+    def engine(graphs=True, lookahead=True):
+        return Engine(model, None, {}, _config(2, graphs=graphs, lookahead=lookahead), num_blocks=8)
+
     monkeypatch.delenv("MLORA_CHAIN_DECODE", raising=False)
-    assert Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
+    assert engine().chain
     monkeypatch.setenv("MLORA_CHAIN_DECODE", "0")
-    assert not Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
+    assert not engine().chain
     monkeypatch.setenv("MLORA_CHAIN_DECODE", "1")
-    assert Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw).chain
-    assert not Engine(model, None, {}, cuda_graphs=False, lookahead=True, **kw).chain
-    assert not Engine(model, None, {}, cuda_graphs=True, lookahead=False, **kw).chain
+    assert engine().chain
+    assert not engine(graphs=False).chain
+    assert not engine(lookahead=False).chain
     monkeypatch.setenv("MLORA_CHAIN_DECODE", "yes")
     with pytest.raises(ValueError, match="MLORA_CHAIN_DECODE='yes'"):
-        Engine(model, None, {}, cuda_graphs=True, lookahead=True, **kw)
+        engine()

@@ -144,7 +144,7 @@ def test_a_job_without_k_adapters_holds_no_k_slots_and_equals_peft(env, tmp_path
             super().__init__(*a, **kw)
             banks.append(self)
 
-    monkeypatch.setattr(residency_pkg, "ResidencyBank", Spy)  # the session imports it from the package
+    monkeypatch.setattr("mlora.batch.job.session.ResidencyBank", Spy)
     _run(env, tmp_path / "out", input=inp)
     [bank] = banks
     assert bank.groups == ("qkv", "o", "down") and bank.slice_index["qkv"] == {0: 0, 2: 1}
@@ -569,15 +569,17 @@ def test_a_cold_adapter_is_not_starved_by_hot_work(env):
     """The starvation bound (docs/design.md, Schedule window): one slot; a cold-adapter row arrives first, then a stream of rows of the
     resident adapter. Hot rows may overtake it only until max_wait of them were
     admitted after it arrived; then it runs."""
-    from mlora.batch.adapters.slots import SlotBank
     from mlora.batch.adapters.catalog import load_catalog
+    from mlora.batch.adapters.slots import SlotBank
+    from mlora.batch.config import EngineConfig
     from mlora.batch.engine.engine import Engine, Request
     from mlora.batch.model.decoder import DecoderModel
 
     model = DecoderModel.from_pretrained(env["base"], dtype=torch.float32)
     pinned = load_catalog(env["adapters"], None).pin({"a1", "a2"}, env["base"])
     bank = SlotBank(model.config.num_layers, model.group_shapes(), 1, 8, torch.float32, "cpu")
-    engine = Engine(model, bank, pinned, num_blocks=64, max_num_seqs=2, max_wait=3)
+    engine = Engine(model, bank, pinned, EngineConfig(max_num_seqs=2, schedule_window=3, cuda_graphs=False,
+                                                      lookahead=False), num_blocks=64)
     engine.add(Request(0, "hot-0", [5, 6], "a1", 2))
     assert engine.step() == [] and bank.resident  # a1 is now resident and running
     engine.add(Request(1, "cold", [5, 6], "a2", 2))

@@ -327,6 +327,7 @@ def test_emulated_decode_graphs_over_a_bundle_give_the_eager_tokens(served, oper
     (``mlora.batch.engine.graphs``), so the static-buffer protocol of the bundle path runs in CI."""
     import random
 
+    from mlora.batch.config import EngineConfig
     from mlora.batch.engine.engine import Engine, Request
     from mlora.batch.model.decoder import DecoderModel
 
@@ -343,8 +344,8 @@ def test_emulated_decode_graphs_over_a_bundle_give_the_eager_tokens(served, oper
     outs = {}
     for graphs in (False, True):
         bank = BundleBank(bundle, layers, shapes, torch.float32, device, operator=operator)
-        eng = Engine(model, bank, pinned, num_blocks=128, block_size=4, max_num_seqs=5, max_batch_tokens=64,
-                     device=device, dtype=torch.float32, cuda_graphs=graphs)
+        config = EngineConfig(block_size=4, max_num_seqs=5, max_batch_tokens=64, cuda_graphs=graphs, lookahead=False)
+        eng = Engine(model, bank, pinned, config, num_blocks=128)
         for r in reqs:
             assert eng.add(r) is None
         outs[graphs] = {r.row: r.token_ids for r in eng.drain()}

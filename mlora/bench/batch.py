@@ -57,14 +57,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.adapters.catalog import PinnedAdapter
+from mlora.batch.adapters.slots import SlotBank
+from mlora.batch.config import EngineConfig
 from mlora.batch.engine.engine import Engine, Request
 from mlora.batch.gcpauses import GcRegime
-from mlora.bench.gpuclocks import ClockSampler, gpu_clocks
+from mlora.batch.model.decoder import DecoderLayer, DecoderModel, ModelConfig
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.lora import config_role_shapes
-from mlora.batch.model.decoder import DecoderLayer, DecoderModel, ModelConfig
+from mlora.bench.gpuclocks import ClockSampler, gpu_clocks
 
 PRESETS: dict[str, dict] = {
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -299,10 +300,12 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     bank, pinned = random_bank(model, n_adapters, o.rank, o.seed) if n_adapters else (None, {})
     regime = GcRegime()  # read now: a malformed MLORA_GC is refused before any work
 
+    # a scheduling window of 256 rows: the setting of the figures BENCHMARKS.md records
+    config = EngineConfig(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens,
+                          schedule_window=256, cuda_graphs=o.cuda_graphs and dev.type == "cuda", lookahead=o.lookahead)
+
     def engine():
-        return _RecordingEngine(model, bank, pinned, num_blocks=_num_blocks(o), block_size=o.block_size,
-                                max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens, device=dev,
-                                dtype=dtype, cuda_graphs=o.cuda_graphs and dev.type == "cuda", lookahead=o.lookahead)
+        return _RecordingEngine(model, bank, pinned, config, num_blocks=_num_blocks(o))
 
     # compile the kernels outside the timed job: enough rows for full prefill chunks and
     # most of the integer specialisations Triton compiles lazily (the first scenario of

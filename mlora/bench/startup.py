@@ -62,6 +62,7 @@ def read_bandwidth(files: list[str]) -> tuple[int, float]:
 
 
 def run_startup_bench(base: str, device: str = "cuda", dtype: str = "bfloat16") -> dict:
+    from mlora.batch.config import EngineConfig
     from mlora.batch.engine.engine import Engine, Request
     from mlora.batch.model.decoder import DTYPES, DecoderModel
 
@@ -75,8 +76,7 @@ def run_startup_bench(base: str, device: str = "cuda", dtype: str = "bfloat16") 
     model = DecoderModel.from_pretrained(base, device=dev, dtype=dt)
     sync()
     load_s = time.perf_counter() - t0
-    eng = Engine(model, None, {}, num_blocks=4, block_size=16, max_num_seqs=1, max_batch_tokens=64, device=dev,
-                 dtype=dt, cuda_graphs=False)
+    eng = Engine(model, None, {}, EngineConfig(max_num_seqs=1, max_batch_tokens=64, cuda_graphs=False, lookahead=False), num_blocks=4)
     eng.add(Request(0, "0", list(range(1, 17)), None, 1))
     out = eng.drain()
     sync()

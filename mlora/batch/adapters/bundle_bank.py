@@ -78,8 +78,9 @@ from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch
 from mlora.kernels.launch import DECODE_BLOCK_M
 from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
 
-from mlora.batch.adapters.slots import BankError, BankStats, lru_slot
 from mlora.batch.adapters.catalog import PinnedAdapter
+from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
+from mlora.batch.adapters.slots import BankError, BankStats, lru_slot
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE, module_layer_role
 
 # "torch": grouped dense GEMMs over all clusters (BundleContext), the default until the H200
@@ -149,11 +150,10 @@ def _columns(indices: list[int]) -> tuple[int, int]:
     return indices[0], indices[-1] + 1
 
 
-class BundleBank:
+class BundleBank(BlockingLoads):
     """One bundle's shared bases resident and its members' cores in ``num_slots`` slots
     (``core_slots``; default one per member, loaded at start, slot = member index).
-    Implements the bank protocol the engine uses: ``ensure``, ``context``, ``resident``,
-    ``stats``, ``num_slots``, ``max_rank``."""
+    An ``AdapterBank`` (``mlora.batch.adapters.protocol``) whose loads happen inside ``ensure``."""
 
     error = BankError
 
@@ -417,6 +417,13 @@ class BundleBank:
         if self.operator == "triton":
             return BundleTritonContext(self, self._static_plan(row_members, row_members.numel()))
         return BundleContext(self, row_members)
+
+    def graph_lora(self, rows: int) -> GraphLora:
+        """The LoRA context a decode graph of ``rows`` rows is captured with: a
+        :meth:`graph_context` over a static row buffer of its own, which ``context(row_slots,
+        static=buffer)`` refills before each replay."""
+        members = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        return GraphLora(self.graph_context(members), members)
 
     def _launch_plan(self, host: torch.Tensor, static) -> LaunchPlan | None:
         """The Triton operator's tile list of one invocation from the host row slots (-1:

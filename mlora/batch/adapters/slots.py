@@ -49,9 +49,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.batch.adapters.catalog import PinnedAdapter, load_factors
+from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
 from mlora.batch.errors import CodedError
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE
-from mlora.kernels import LaunchPlan, add_lora_slices, build_plan, lora_silu_mul, make_launch_plan, pitched_view
+from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, empty_launch_plan, lora_silu_mul, make_launch_plan,
+                           pitched_view, tile_capacity)
+from mlora.kernels.launch import DECODE_BLOCK_M
 
 # Invocations of at least this many rows add the gate/up deltas inside the SiLU product
 # (BankContext.apply_silu_mul): it pays for prefill-sized batches, not for decode steps.
@@ -186,6 +189,15 @@ class SlotTensors:
         kernel = make_launch_plan(plan).to(self.device) if plan.num_segments else plan.to(self.device)
         return host.to(self.device), plan, kernel
 
+    def graph_lora(self, rows: int) -> GraphLora:
+        """The LoRA context a decode graph of ``rows`` rows is captured with: every group the
+        bank holds slots for (rank-0 slices leave their columns untouched), over a static
+        launch plan that ``context(row_slots, static=plan)`` refills before each replay."""
+        everything = frozenset((layer, g) for layer in range(self.num_layers) for g in self.groups)
+        plan = empty_launch_plan(rows, tile_capacity(rows, self.num_slots, DECODE_BLOCK_M), DECODE_BLOCK_M, self.device)
+        row_slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+        return GraphLora(BankContext(self, row_slots, plan, everything), plan)
+
     def _check(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter:
         """The pinned record of a servable adapter whose rank fits the slots."""
         p = pinned.get(adapter_id)
@@ -232,8 +244,8 @@ def _held(shapes: dict, groups, slices: dict[str, tuple[int, ...]] | None) -> di
     return held
 
 
-class SlotBank(SlotTensors):
-    """``num_slots`` adapter slots for every (layer, group) of a decoder."""
+class SlotBank(SlotTensors, BlockingLoads):
+    """``num_slots`` adapter slots for every (layer, group) of a decoder, loaded inside ``ensure``."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (spec 0x03 iteration state, issue step 7).
+"""CUDA graphs of the decode step (docs/design.md, Decode graphs).
 
 Owns the static device buffers a captured decode step reads, one CUDA graph
 per batch-size bucket, and the per-iteration refill of those buffers. Must not
@@ -12,11 +12,11 @@ length 0 (the attention kernel reads no keys for them), their K/V written to
 a scratch block no sequence owns, slot -1 for LoRA; their logits are dropped.
 Every replay first copies the iteration's inputs into the static buffers
 (token ids, positions, cache slots, block tables, context lengths, LoRA row
-slots and tile list), all stream-ordered, no host sync. The LoRA tile list is
-built on the host by the bank (``context(row_slots, static=...)``), which also
-does its residency bookkeeping exactly as for an eager invocation. A bank with
-a ``graph_context`` (the bundle bank, ``mlora.batch.adapters.bundle_bank``) instead
-captures a context over a static [B] row buffer that ``context`` refills.
+slots and tile list), all stream-ordered, no host sync. Each bucket's LoRA
+context and static buffers come from the bank (``graph_lora``: a static launch
+plan for slot banks, a static row buffer for the bundle bank); before each
+replay the bank refills them from the host (``context(row_slots, static=...)``),
+doing its residency bookkeeping exactly as for an eager invocation.
 
 Semantics are those of the eager forward; the numbers can differ in the last
 bits because padded batch sizes may pick different GEMM kernels.
@@ -25,10 +25,8 @@ On a device without CUDA graphs (the CPU: tests in CI) capture and replay are
 emulated: the same static buffers, buckets, padding, staging and tile lists,
 with the captured forward re-run eagerly at each replay into the bucket's
 static logits (the Triton kernels interpreted), and every warm-up and replay
-first checks the buffers' invariants (:meth:`DecodeGraphs.check_buffers`).
-So the buffer protocol, which only a GPU exercised before (a stale tile order
-wrote outside a bucket's tensors on the H200, twenty-third session), is tested
-on the CPU.
+first checks the buffers' invariants (:meth:`DecodeGraphs.check_buffers`), so
+the buffer protocol is tested on the CPU too.
 """
 
 from __future__ import annotations
@@ -37,15 +35,13 @@ import os
 
 import torch
 
-from mlora.kernels import empty_launch_plan, tile_capacity
-from mlora.kernels.launch import DECODE_BLOCK_M
-
 from mlora.batch.model.attention import AttentionMetadata
-from mlora.batch.adapters.slots import BankContext
+from mlora.kernels import LaunchPlan
 from mlora.kernels.greedy import greedy_tokens
+from mlora.kernels.launch import DECODE_BLOCK_M
 from mlora.kernels.paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
 
-BLOCK_M = DECODE_BLOCK_M  # LoRA row tile of decode batches
+BLOCK_M = DECODE_BLOCK_M  # LoRA row tile of decode batches (the slot banks' graph launch plans)
 
 
 class GraphBufferError(AssertionError):
@@ -96,17 +92,12 @@ class DecodeGraphs:
         self.tile_seq = torch.arange(B, **i32)  # a permutation of the bucket's rows (decode_order)
         self.longest_first, self.heads_first = decode_order()
         self.tile_q0 = torch.zeros(B, **i32)
-        self.row_slots = torch.full((B,), -1, **i32)
         group = model.config.num_heads // model.config.num_kv_heads
         self.group = group
         self.block_q = decode_block_q(group)
-        self.launch = {}
-        # a bank with its own graph context (the bundle bank) reads a static row buffer;
-        # slot banks read a static LaunchPlan per bucket
-        self.members = torch.zeros(B, **i64) if hasattr(bank, "graph_context") else None
-        if bank is not None and self.members is None:
-            for b in self.buckets:
-                self.launch[b] = empty_launch_plan(b, tile_capacity(b, bank.num_slots, BLOCK_M), BLOCK_M, dev)
+        # per bucket: the LoRA context its graph is captured with and the static buffers the
+        # bank's context refills before each replay (a launch plan, or a row buffer)
+        self.lora = {b: bank.graph_lora(b) for b in self.buckets} if bank is not None else {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
@@ -143,17 +134,11 @@ class DecodeGraphs:
         """Capture bucket ``b`` while its buffers hold padding (the warm-up run writes only the scratch slot).
         The decode tiles are reset to the bucket's own rows first: a larger bucket's order left in
         ``tile_seq`` names rows past ``b``, and the eager warm-up run would read and write query
-        and output rows outside this bucket's tensors (an illegal memory access on the H200,
-        twenty-third session; the run after the capture writes the batch's own order)."""
+        and output rows outside this bucket's tensors (an illegal memory access on a GPU; the
+        run after the capture writes the batch's own order)."""
         self.tile_seq[:b].copy_(torch.arange(b, dtype=torch.int32), non_blocking=True)
         meta = self._meta(b)
-        lora = None
-        if self.members is not None:
-            lora = self.bank.graph_context(self.members[:b])
-        elif self.bank is not None:
-            # every group the bank holds slots for (rank-0 slices leave their columns untouched)
-            everything = frozenset((layer, g) for layer in range(self.model.config.num_layers) for g in self.bank.groups)
-            lora = BankContext(self.bank, self.row_slots[:b], self.launch[b], everything)
+        lora = self.lora[b].context if b in self.lora else None
         args = (self.ids[:b], self.positions[:b], meta, self.kv, lora, self.sample_rows[:b])
         if self.checked:
             self.check_buffers(b, 0)
@@ -234,8 +219,7 @@ class DecodeGraphs:
                 self.tile_seq[:b].copy_(self._tile_order(context_lens, b), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
-            static = self.members if self.members is not None else self.launch[b]
-            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=static)
+            self.bank.context(torch.tensor(padded, dtype=torch.int32), static=self.lora[b].static)
         return self._replay(b, n)
 
     def _replay(self, b: int, n: int) -> torch.Tensor:
@@ -312,8 +296,8 @@ class DecodeGraphs:
         tables = self.block_tables[:n]
         if bool(((tables < 0) | (tables >= self.kv.num_blocks))[used].any()):
             raise GraphBufferError(f"bucket {b}: a block table names a block outside the cache's {self.kv.num_blocks}")
-        if self.bank is not None and self.members is None and b in self.launch:  # the LoRA tile list
-            lp = self.launch[b]
+        lp = self.lora[b].static if b in self.lora else None
+        if isinstance(lp, LaunchPlan):  # the LoRA tile list
             k = int(lp.num_tiles)
             if k > lp.tile_capacity:
                 raise GraphBufferError(f"bucket {b}: {k} LoRA tiles in a list of {lp.tile_capacity}")

@@ -1,18 +1,41 @@
-"""KV blocks drawn from the residency engine's ledger: the joint (one arena) memory mode.
+"""The KV cache's memory: blocks of its own, or pages of the residency engine's ledger.
 
-With ``--memory-ledger joint`` the KV cache and the adapter slots are carved from one
-``arena.PageArena`` and the residency engine's ``PagePool`` owns every page
-(docs/sizing.md): :class:`LedgerBlocks` gives the engine the interface of
-``kvcache.BlockAllocator`` over that pool, so a sequence's blocks are KV pages of the
-ledger (owner ``kv <request id>``), taken lowest page first, and growing them may evict
-idle adapters (the residency engine's eligibility and ranking, spec 0x05C-0x05D) rather
-than preempt rows. Must not know scheduling: the engine decides who gets blocks.
+Split (the default): the KV cache owns ``num_blocks`` blocks and a
+``kvcache.BlockAllocator`` gives them out. Joint (``--memory-ledger joint``;
+docs/design.md, Joint memory ledger): the KV cache and the adapter slots are
+carved from one ``arena.PageArena`` and the residency engine's ``PagePool``
+owns every page; :class:`LedgerBlocks` gives the engine the allocator's
+interface over that pool, so a sequence's blocks are KV pages of the ledger
+(owner ``kv <request id>``), taken lowest page first, and growing them may
+evict idle adapters (docs/design.md, Eviction eligibility) rather than preempt
+rows. Must not know scheduling: the scheduler decides who gets blocks.
 """
 
 from __future__ import annotations
 
-from mlora.batch.model.kvcache import KVCacheFull
 from mlora.batch.adapters.residency.errors import AdmissionError, KVCapacity
+from mlora.batch.model.kvcache import BlockAllocator, KVCache, KVCacheFull
+
+
+def kv_memory(model, bank, arena, num_blocks: int, block_size: int, scratch: bool):
+    """(KV cache, block allocator, most blocks one row may hold) of ``num_blocks`` blocks of
+    ``block_size`` tokens for ``model``, with one more block that no sequence owns when
+    ``scratch`` (the decode graphs' padded rows write there). With ``arena`` the blocks are
+    its ledger pages: ``bank`` (a ResidencyBank) must be carved from it, ``num_blocks`` be
+    its pages and its one spare page the scratch block; a row then holds its KV beside at
+    least one adapter slot."""
+    cfg = model.config
+    shape = (cfg.num_layers, num_blocks + int(scratch), block_size, cfg.num_kv_heads, cfg.head_dim,
+             model.dtype, model.device)
+    if arena is None:
+        return KVCache(*shape), BlockAllocator(num_blocks), num_blocks
+    if bank is None or bank.arena is not arena or arena.num_pages != num_blocks or arena.spare_pages != int(scratch):
+        raise ValueError("the joint memory mode needs a bank carved from this arena, num_blocks = its "
+                         "ledger pages and one spare page with CUDA graphs")
+    pages = arena.kv_pages(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    residency = bank.residency
+    return (KVCache(*shape, pages=pages), LedgerBlocks(residency),
+            num_blocks - residency.storage.pages_per_slot)
 
 
 class LedgerBlocks:

@@ -15,6 +15,7 @@ adapters: a session serves exactly the identities the job pinned at start
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -25,9 +26,8 @@ from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.residency import ResidencyBank
-from mlora.batch.adapters.residency.manager import PER_LOAD_STATS
 from mlora.batch.config import JobConfig
-from mlora.batch.engine.engine import Engine, Request, Result
+from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
 from mlora.batch.errors import JobError
 from mlora.batch.gcpauses import GcRegime
@@ -102,7 +102,7 @@ class EngineSession:
                                       arena=self.arena)
         self._switch = None
         switch = SWITCH_INTERVAL_S
-        if getattr(self.bank, "prefetcher", None) is not None and sys.getswitchinterval() > switch:
+        if isinstance(self.bank, ResidencyBank) and workers and sys.getswitchinterval() > switch:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
             # must win it back quickly: at Python's default 5 ms interval each re-acquisition
             # behind a busy builder could cost 5 ms (restored by close())
@@ -112,20 +112,15 @@ class EngineSession:
             # load the first num_slots adapters before the first row (and before the metrics clock);
             # their host images are built on the prefetch threads meanwhile (ensure waits for each)
             first = sorted(good)[:self.bank.num_slots]
-            if hasattr(self.bank, "prefetch"):
-                self.bank.prefetch(first, good)
+            self.bank.prefetch(first, good)
             self.bank.ensure(first, good)
         self.metrics = JobMetrics()
         self.engine = Engine(
-            model, self.bank, pinned, metrics=self.metrics,
+            model, self.bank, pinned, dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, device)),
             num_blocks=self.arena.num_pages if self.arena is not None else kv_blocks(opts, config, dtype, device),
-            block_size=opts.block_size, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens,
-            sampling=SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed),
-            stop_strings=tuple(opts.stop), detokenize=self.tokenizer.decode if self.tokenizer else None,
-            device=device, dtype=dtype, cuda_graphs=decode_graphs(opts, device),
-            prefetch_depth=opts.prefetch_adapters, prefetch_gpu=opts.prefetch_gpu_adapters,
-            max_wait=opts.schedule_window,  # a row is overtaken by at most one scheduling window of rows
-            lookahead=opts.lookahead, arena=self.arena,
+            decoding=Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
+                              self.tokenizer.decode if self.tokenizer else None),
+            metrics=self.metrics, arena=self.arena,
         )
         # the collector's pauses from here on (gcpauses.py); MLORA_GC's freeze / device-wait: what
         # is alive now (weights, slot bank, engine) is long-lived
@@ -159,35 +154,11 @@ class EngineSession:
         if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
             engine["graph_replays"] = self.engine.graphs.replays
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
-        bank = {k: v for k, v in self.bank.stats.as_dict().items() if k not in PER_LOAD_STATS} if self.bank else {}
-        # the copy stream's time per load (copies + validation reads; and the copies alone), not the engine's
-        # wait; and the host's time to issue a load (the copy stream cannot finish before it)
-        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
-                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds"),
-                            ("load_issue_gc", "load_issue_gc_seconds")):
-            times = sorted(getattr(self.bank.stats, field, ()) if self.bank else ())
-            if times:
-                bank.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
-                             f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
-                             f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
-        gc_in_issue = getattr(self.bank.stats, "load_issue_gc_seconds", ()) if self.bank else ()
-        if gc_in_issue:  # loads whose host issue contained a collection (in this thread or another)
-            bank["load_issues_with_gc"] = sum(1 for t in gc_in_issue if t > 0)
+        bank = self.bank.report() if self.bank is not None else {}
         if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
             bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,
                         pages_per_slot=self.bank.residency.storage.pages_per_slot,
                         kv_pages_peak=self.engine.allocator.peak)
-        if hasattr(self.bank, "loads_started_ahead"):  # asynchronous loads and GPU-tier prefetches
-            bank["loads_started_ahead"] = self.bank.loads_started_ahead
-        pool = getattr(self.bank, "pinned_pool", None)
-        if pool is not None:  # the pinned blocks of host images (pinned.py)
-            bank.update(pool.stats())
-        builder = getattr(self.bank, "builder", None)
-        if builder is not None:  # host images built in worker processes, and builds they handed back
-            bank.update(images_built_in_workers=builder.built, image_worker_failures=builder.failed,
-                        image_worker_seconds=round(builder.worker_s, 3),
-                        image_round_trip_seconds=round(builder.round_trip_s, 3),
-                        image_receive_seconds=round(builder.receive_s, 3))
         return engine, bank
 
     def close(self) -> None:

@@ -50,7 +50,7 @@ from mlora.batch.adapters.residency.errors import AdapterLoadError, AdmissionErr
 from mlora.batch.adapters.residency.events import Copier, copier_for
 from mlora.batch.adapters.residency.faults import FaultInjector
 from mlora.batch.adapters.residency.host import HostArtifact, HostCache, Piece
-from mlora.batch.adapters.residency.manager import Handle, Launch, Residency
+from mlora.batch.adapters.residency.manager import PER_LOAD_STATS, Handle, Launch, Residency
 from mlora.batch.adapters.residency.pinned import PinnedPool
 from mlora.batch.adapters.residency.pool import PagePool
 from mlora.batch.adapters.residency.prefetch import HostPrefetcher
@@ -73,6 +73,7 @@ class ResidencyBank(SlotTensors):
     """``num_slots`` adapter slots for every (layer, group) in ``shapes``, managed by a :class:`Residency`."""
 
     error = BankError
+    loads_ahead = True  # an AdapterBank (mlora.batch.adapters.protocol) that loads and builds ahead
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", *,
@@ -367,6 +368,39 @@ class ResidencyBank(SlotTensors):
         if self.prefetcher is not None:
             self.prefetcher.collect()
         return "host" if self.residency.host.cached(p.semantic_sha256) else "disk"
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        """(host images built ahead, of those used by a load) over the bank's life."""
+        pf = self.prefetcher
+        return (pf.issued, pf.used) if pf is not None else (0, 0)
+
+    def report(self) -> dict:
+        """The counters (without per-load timings); per load, the mean, median and 90th
+        percentile in ms of the copy stream's time (copies and validation reads; the copies
+        alone) and of the host's time to issue it (wall, CPU, collector pauses inside it);
+        the loads whose issue contained a collection (in any thread); loads started ahead;
+        the pinned pool's and the image build processes' figures."""
+        stats = self.stats
+        out = {k: v for k, v in stats.as_dict().items() if k not in PER_LOAD_STATS}
+        for name, field in (("load_device", "load_device_seconds"), ("load_copy", "load_copy_seconds"),
+                            ("load_issue", "load_issue_seconds"), ("load_issue_cpu", "load_issue_cpu_seconds"),
+                            ("load_issue_gc", "load_issue_gc_seconds")):
+            times = sorted(getattr(stats, field))
+            if times:
+                out.update({f"{name}_ms_mean": round(1e3 * sum(times) / len(times), 4),
+                            f"{name}_ms_p50": round(1e3 * times[(len(times) - 1) // 2], 4),
+                            f"{name}_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 4)})
+        if stats.load_issue_gc_seconds:
+            out["load_issues_with_gc"] = sum(1 for t in stats.load_issue_gc_seconds if t > 0)
+        out["loads_started_ahead"] = self.loads_started_ahead
+        if self.pinned_pool is not None:
+            out.update(self.pinned_pool.stats())
+        if self.builder is not None:
+            b = self.builder
+            out.update(images_built_in_workers=b.built, image_worker_failures=b.failed,
+                       image_worker_seconds=round(b.worker_s, 3), image_round_trip_seconds=round(b.round_trip_s, 3),
+                       image_receive_seconds=round(b.receive_s, 3))
+        return out
 
     def close(self) -> None:
         """Stop the prefetch threads (builds in flight are finished or cancelled)."""
