@@ -12,9 +12,12 @@ import random
 import pytest
 import torch
 
+from mlora.batch.adapters.residency import ResidencyBank
 from mlora.batch.config import EngineConfig
 from mlora.batch.engine.engine import Engine, Request
 from mlora.batch.engine.graphs import GraphBufferError, buckets_for
+from mlora.batch.model.arena import PageArena
+from mlora.batch.model.kvcache import KVCache
 from mlora.bench.batch import preset_config, random_bank, random_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -117,9 +120,9 @@ def test_graph_logits_equal_eager_logits_with_padding():
 def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     """Decode tiles longest context first: after a 9-row iteration (bucket 16, tiles in that
     batch's order) a first 3-row iteration captures bucket 4; its eager warm-up run must see a
-    permutation of rows 0-3, not the 16-row order's first four entries (rows 8, 7, 6, 5: an
-    illegal memory access on the H200 when the larger bucket's order named rows past the
-    smaller bucket's tensors). Emulated on the CPU (every forward, replays too, seen)."""
+    permutation of rows 0-3, not the 16-row order's first four entries (rows 8, 7, 6, 5: on a
+    GPU an illegal memory access, the larger bucket's order naming rows past the smaller
+    bucket's tensors). Emulated on the CPU (every forward, replays too, seen)."""
     monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
     eng, model, _ = _graphed_engine(11, num_blocks=64, max_num_seqs=16)
     graphs = eng.graphs
@@ -146,27 +149,56 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     assert logits.shape[0] == 3 and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("kv_layout, lookahead", [("layer-major", False), ("page-major", False), ("layer-major", True)])
-def test_emulated_graphs_give_the_eager_tokens(kv_layout, lookahead, monkeypatch):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_emulated_graphs_give_the_eager_tokens(lookahead, monkeypatch):
     """The engine with decode graphs (emulated on the CPU: static buffers, buckets, padding,
     staged inputs, the decode tiles longest first, the LoRA tile lists refilled in place) gives
-    the eager engine's tokens, over batch sizes that grow and shrink across buckets, in both
-    KV layouts (page-major once wrote K/V at stale slots under graphs: sixteenth session) and
-    with lookahead (the next iteration's inputs staged into the buffers ahead of its replay)."""
+    the eager engine's tokens, over batch sizes that grow and shrink across buckets, and with
+    lookahead (the next iteration's inputs staged into the buffers ahead of its replay, the
+    iteration after launched from the device's argmax)."""
     monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
-    monkeypatch.setenv("MLORA_KV_LAYOUT", kv_layout)
     config = preset_config("tiny", "float32")
     model = random_model(config, DEVICE, torch.float32, seed=13)
     bank, pinned = random_bank(model, 2, 4, seed=13, backend="triton")
-    rng = random.Random(14)
-    reqs = [Request(row=i, id=str(i), prompt_ids=[rng.randrange(config.vocab_size) for _ in range(rng.randint(3, 12))],
-                    adapter=rng.choice([None, "bench-0", "bench-1"]), max_new_tokens=rng.randint(2, 7))
-            for i in range(9)]
+    reqs = _mixed_requests(config, [None, "bench-0", "bench-1"], seed=14)
     eager, _ = _run(model, bank, pinned, reqs, False, 6)
     graphed, eng = _run(model, bank, pinned, reqs, True, 6, lookahead=lookahead)
     assert eng.graphs.replays > 0 and len(eng.graphs.graphs) > 1
     assert (eng.lookahead_used > 0) == lookahead  # staged iterations replayed
     assert graphed == eager
+
+
+def test_emulated_graphs_over_the_joint_ledgers_page_major_kv_give_the_eager_tokens():
+    """The joint memory ledger's KV cache is page-major (one arena page is one block of every
+    layer), its scratch block the arena's spare page: under the decode graphs (emulated on the
+    CPU) the rows write their K/V at the staged slots of that layout and give the tokens of the
+    eager engine over its own layer-major cache."""
+    config = preset_config("tiny", "float32")
+    model = random_model(config, DEVICE, torch.float32, seed=13)
+    c = model.config
+    page = KVCache.block_bytes(c.num_layers, 4, c.num_kv_heads, c.head_dim, torch.float32)
+    arena = PageArena(128, page, DEVICE, spare_pages=1)
+    bank = ResidencyBank(c.num_layers, model.group_shapes(), 1, 4, torch.float32, DEVICE, backend="triton",
+                         prefetch_workers=0, expected_adapters=0, arena=arena)
+    try:
+        reqs = _mixed_requests(config, [None], seed=14)
+        eager, plain = _run(model, None, {}, reqs, False, 6)
+        eng = Engine(model, bank, {}, _config(6, True), num_blocks=arena.num_pages, arena=arena)
+        for r in reqs:
+            assert eng.add(r) is None
+        graphed = {r.row: r.token_ids for r in eng.drain()}
+    finally:
+        bank.close()
+    assert eng.kv.layout == "page-major" and plain.kv.layout == "layer-major"
+    assert eng.graphs.replays > 0 and len(eng.graphs.graphs) > 1
+    assert graphed == eager
+
+
+def _mixed_requests(config, adapters, seed):
+    """Nine rows of 3-12 prompt tokens and 2-7 new ones: batch sizes grow and shrink across buckets."""
+    rng = random.Random(seed)
+    return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(config.vocab_size) for _ in range(rng.randint(3, 12))],
+                    adapter=rng.choice(adapters), max_new_tokens=rng.randint(2, 7)) for i in range(9)]
 
 
 def test_graph_buffer_check_names_the_broken_invariant():

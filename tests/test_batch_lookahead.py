@@ -59,10 +59,8 @@ def _requests(n, adapters, vocab, seed, eos_every=0):
                     adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, 14)) for i in range(n)]
 
 
-def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine,
-         chain=False):
-    eng = cls(model, bank, pinned, _config(max_num_seqs, graphs=graphs, lookahead=lookahead), num_blocks=num_blocks,
-              chain=chain)
+def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine):
+    eng = cls(model, bank, pinned, _config(max_num_seqs, graphs=graphs, lookahead=lookahead), num_blocks=num_blocks)
     for r in reqs:
         assert eng.add(r) is None
     out = {r.row: (r.token_ids, r.finish_reason) for r in eng.drain()}
@@ -115,7 +113,7 @@ def test_lookahead_with_decode_graphs_gives_the_eager_tokens():
     reqs = _requests(23, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
     eager, _ = _run(model, bank, pinned, reqs, lookahead=False, max_num_seqs=16)
     graphed, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
-    assert eng.graphs.replays > 0 and eng.lookahead_used > 0
+    assert eng.graphs.replays > 0 and eng.lookahead_used > 0 and eng.chained > 0
     assert graphed == eager
 
 
@@ -141,7 +139,7 @@ def test_a_row_that_arrives_with_a_free_seat_is_admitted_instead_of_the_lookahea
 @pytest.mark.parametrize("max_num_seqs,num_blocks,eos,adapters", [(6, 256, False, True), (16, 256, True, False),
                                                                    (8, 14, False, False)])
 def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, adapters):
-    """Engine(chain=True) on the (emulated) decode graphs launches the looked-ahead iteration
+    """Chained decode on the (emulated) decode graphs launches the looked-ahead iteration
     from the device's argmax before reading the tokens: rows that finish (length; with ``eos``
     also end-of-sequence tokens) while the chained iteration runs have their extra row dropped,
     waiting rows are admitted one iteration later, a small cache (14 blocks) preempts and the
@@ -159,7 +157,7 @@ def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, ada
         model.config = dataclasses.replace(model.config, eos_token_ids=tuple(t for t, _ in common))
     plain, ref = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
     chained, eng = _run(model, bank, pinned, reqs, lookahead=True, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                        graphs=True, chain=True)
+                        graphs=True)
     assert chained == plain and len(plain) == len(reqs)
     assert eng.chained > 0 and eng.graphs.replays > 0
     assert eng.stats["generated_tokens"] == ref.stats["generated_tokens"]
@@ -179,7 +177,7 @@ def test_chained_decode_drops_the_token_of_a_row_that_finished():
     reqs = [Request(row=0, id="0", prompt_ids=[3, 4, 5], adapter=None, max_new_tokens=4),
             Request(row=1, id="1", prompt_ids=[6, 7], adapter=None, max_new_tokens=9)]
     plain, _ = _run(model, None, {}, reqs, lookahead=False, max_num_seqs=2)
-    eng = Engine(model, None, {}, _config(2, graphs=True, lookahead=True), num_blocks=64, chain=True)
+    eng = Engine(model, None, {}, _config(2, graphs=True, lookahead=True), num_blocks=64)
     for r in reqs:
         eng.add(r)
     done = {}
@@ -201,22 +199,23 @@ def test_chained_decode_with_stop_strings_gives_the_same_rows():
     def detok(ids):
         return "".join(chr(97 + t % 3) for t in ids)  # a three-letter alphabet: stop strings are met early
 
-    def run(graphs=False, lookahead=False, **kw):
+    def run(graphs=False, lookahead=False):
         eng = Engine(model, None, {}, _config(16, graphs=graphs, lookahead=lookahead), num_blocks=256,
-                     decoding=Decoding(stop_strings=("ab", "ca"), detokenize=detok), **kw)
+                     decoding=Decoding(stop_strings=("ab", "ca"), detokenize=detok))
         for r in reqs:
             eng.add(r)
         return {r.row: (r.token_ids, r.text, r.finish_reason) for r in eng.drain()}, eng
 
     plain, _ = run(lookahead=False)
-    chained, eng = run(lookahead=True, graphs=True, chain=True)
+    chained, eng = run(lookahead=True, graphs=True)
     assert chained == plain and len(plain) == len(reqs)
     assert sum(reason == "stop" for _, _, reason in plain.values()) > 3 and eng.chained > 0
 
 
 def test_sampled_decode_is_never_chained():
     """With temperature sampling the device's argmax is not the token: the chain declines every
-    iteration (none chained) and the rows equal the same engine's without it (same seeds)."""
+    iteration (none chained, the lookahead still used) and the rows equal those of the same
+    graphs without lookahead (same seeds)."""
     from mlora.batch.engine.sampling import SamplingParams
 
     config = preset_config("tiny", "float32")
@@ -224,13 +223,13 @@ def test_sampled_decode_is_never_chained():
     reqs = _requests(12, [None], config.vocab_size, seed=9)
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     out = []
-    for chain in (False, True):
-        eng = Engine(model, None, {}, _config(8, graphs=True, lookahead=True), num_blocks=256,
-                     decoding=Decoding(sampling), chain=chain)
+    for lookahead in (False, True):
+        eng = Engine(model, None, {}, _config(8, graphs=True, lookahead=lookahead), num_blocks=256,
+                     decoding=Decoding(sampling))
         for r in reqs:
             eng.add(r)
         out.append({r.row: r.token_ids for r in eng.drain()})
-        assert eng.chained == 0 and eng.lookahead_used > 0
+        assert eng.chain == lookahead and eng.chained == 0 and (eng.lookahead_used > 0) == lookahead
     assert out[0] == out[1]
 
 
@@ -239,15 +238,15 @@ def test_sampled_decode_is_never_chained():
 def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):
     """On a GPU: the chained launch (argmax, its copies to the host and into the token-id
     buffer, then the replay, all queued on the stream while the last iteration may still run)
-    gives the tokens of the same engine without chaining (the same graphs: equal in bfloat16
-    too), and in float32 the eager engine's; a Triton slot bank, rows finishing at different
-    iterations."""
+    gives the tokens of the same graphs without lookahead, so without chaining (equal in
+    bfloat16 too), and in float32 the eager engine's; a Triton slot bank, rows finishing at
+    different iterations."""
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cuda"), dtype, seed=3)
     bank, pinned = random_bank(model, 3, 4, seed=3, backend="triton")
     reqs = _requests(23, [None, "bench-0", "bench-1", "bench-2"], config.vocab_size, seed=4)
-    graphed, _ = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
-    chained, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True, chain=True)
+    graphed, _ = _run(model, bank, pinned, reqs, lookahead=False, max_num_seqs=16, graphs=True)
+    chained, eng = _run(model, bank, pinned, reqs, lookahead=True, max_num_seqs=16, graphs=True)
     assert eng.chained > 0 and eng.graphs.replays > 0
     assert chained == graphed
     if dtype == torch.float32:
@@ -255,21 +254,13 @@ def test_chained_decode_with_cuda_graphs_gives_the_eager_tokens(dtype):
         assert chained == eager
 
 
-def test_chain_is_on_by_default_and_needs_graphs_and_lookahead(monkeypatch):
+def test_chain_needs_graphs_and_lookahead():
     config = preset_config("tiny", "float32")
     model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
 
     def engine(graphs=True, lookahead=True):
         return Engine(model, None, {}, _config(2, graphs=graphs, lookahead=lookahead), num_blocks=8)
 
-    monkeypatch.delenv("MLORA_CHAIN_DECODE", raising=False)
-    assert engine().chain
-    monkeypatch.setenv("MLORA_CHAIN_DECODE", "0")
-    assert not engine().chain
-    monkeypatch.setenv("MLORA_CHAIN_DECODE", "1")
     assert engine().chain
     assert not engine(graphs=False).chain
     assert not engine(lookahead=False).chain
-    monkeypatch.setenv("MLORA_CHAIN_DECODE", "yes")
-    with pytest.raises(ValueError, match="MLORA_CHAIN_DECODE='yes'"):
-        engine()

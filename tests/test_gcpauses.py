@@ -1,11 +1,9 @@
-"""gcpauses: the collector's pauses counted by generation while installed (GcPauses), MLORA_GC, and the
-device-wait collector."""
+"""gcpauses: the collector's pauses counted by generation while installed (GcPauses), and over one
+run (RunPauses)."""
 
 import gc
 
-import pytest
-
-from mlora.batch.gcpauses import GcPauses, gc_mode
+from mlora.batch.gcpauses import PAUSES, GcPauses, RunPauses
 
 
 def test_collections_are_counted_by_generation_while_installed():
@@ -33,41 +31,24 @@ def test_collections_are_counted_by_generation_while_installed():
     p.uninstall()  # more uninstalls than installs: harmless
 
 
-def test_gc_mode_knob(monkeypatch):
-    monkeypatch.delenv("MLORA_GC", raising=False)
-    assert gc_mode() == "default"
-    monkeypatch.setenv("MLORA_GC", "freeze")
-    assert gc_mode() == "freeze"
-    monkeypatch.setenv("MLORA_GC", "off")
-    with pytest.raises(ValueError, match="MLORA_GC='off'"):
-        gc_mode()
-
-
-def test_device_wait_collector_runs_what_python_would_at_its_calls():
-    """DeviceWaitCollector: automatic collection off; each call runs generation 0 once the
-    allocation count reached threshold0, every threshold1-th of those generation 1, every
-    threshold2-th of those generation 2; nothing below the threshold; close re-enables."""
-    from mlora.batch.gcpauses import DeviceWaitCollector
-
-    saved = gc.get_threshold()
-    was = gc.isenabled()
-    gc.enable()
-    gc.set_threshold(50, 3, 2)
+def test_run_pauses_count_from_start_and_are_fixed_by_close():
+    """RunPauses: nothing before ``start``; collections by generation and the longest pause
+    from then on; after ``close`` the figures stay as they were and the callback is gone
+    (unless another holder keeps it)."""
+    p = RunPauses()
+    assert p.stats() == {}
+    gc.collect()
+    p.start()
     try:
-        c = DeviceWaitCollector()
-        assert not gc.isenabled()
-        gc.collect()
-        c()  # count below threshold0: nothing
-        assert c.ran == [0, 0, 0]
-        keep = []
-        for _ in range(6):
-            keep.append([[] for _ in range(80)])  # 80 live containers: past threshold0
-            assert gc.get_count()[0] >= 50
-            c()
-            assert gc.get_count()[0] < 50  # collected
-        assert c.ran == [4, 1, 1], c.ran  # calls 3 and 6 were generation 1; the second of those generation 2
-        c.close()
-        assert gc.isenabled()
+        gc.collect(1)
+        live = p.stats()
+        assert set(live) == {"gc_collections", "gc_pause_seconds", "gc_pause_max_ms"}
+        assert live["gc_collections"]["1"] >= 1 and live["gc_pause_max_ms"] > 0
     finally:
-        gc.set_threshold(*saved)
-        (gc.enable if was else gc.disable)()
+        p.close()
+    closed = p.stats()
+    assert closed["gc_collections"]["1"] >= 1
+    gc.collect(1)
+    assert p.stats() == closed
+    assert PAUSES._callback not in gc.callbacks
+    p.close()  # idempotent

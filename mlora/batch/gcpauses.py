@@ -1,39 +1,20 @@
-"""The cyclic garbage collector's pauses while a job runs, and the opt-in regimes of MLORA_GC.
+"""The cyclic garbage collector's pauses while a job runs.
 
 CPython's collector stops whichever thread triggered it (it holds the interpreter
-lock: every other Python thread waits too). In the engine's process on this
-project's CPU (twenty-second session, a tiny residency job) a generation-0
-collection took ~0.04 ms, a generation-1 one 0.2-4 ms (one in ten) and a full one
-130 ms with torch and Triton loaded: the generation-1 ones are the size of the
-H200 job's unexplained p90 in a cold load's host issue (~1 ms more CPU time than
-the median). :data:`PAUSES` counts every collection by generation and sums
-its wall time, so a timed span can say how much of it was collection
-(``PAUSES.total()`` before and after: the residency engine's load issue does).
-
-``MLORA_GC`` (A/B runs): ``freeze``: once a session is built (weights, slot bank,
-engine), ``gc.freeze()`` moves every object alive into the permanent generation,
-so full collections no longer walk them; ``close`` unfreezes them, so a finished
-session's reference cycles are collected again (``job.release_device_memory``).
-``device-wait``: the same freeze, and automatic collection off while the session
-runs: the :class:`DeviceWaitCollector` runs the collections Python would have run
-(the same thresholds) at one point of each engine iteration, after its host work
-and right before sampling waits for the device, where the device's own work hides
-them; a cold load's issue (admission) then never contains one.
+lock: every other Python thread waits too). With torch and Triton loaded a
+generation-0 collection takes tens of microseconds, a generation-1 one up to
+milliseconds and a full one over a hundred, so a pause can stand out in a timed
+span such as a cold load's host issue. :data:`PAUSES` counts every collection by
+generation and sums its wall time, so a timed span can say how much of it was
+collection (``PAUSES.total()`` before and after: the residency engine's load
+issue does), and :class:`RunPauses` reports them over one engine's run. The
+collector runs as Python configures it; nothing here changes when it runs.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-
-from mlora.batch.envknobs import env_choice
-
-GC_MODES = ("default", "freeze", "device-wait")
-
-
-def gc_mode() -> str:
-    """``MLORA_GC``: ``default`` (the collector as Python sets it), ``freeze`` or ``device-wait``."""
-    return env_choice("MLORA_GC", GC_MODES, "default")
 
 
 class GcPauses:
@@ -98,89 +79,30 @@ class GcPauses:
 PAUSES = GcPauses()
 
 
-class DeviceWaitCollector:
-    """Automatic collection off (``gc.disable``) until :meth:`close`; calling the collector
-    runs the collection the interpreter would have run by now, if any: generation 0 once
-    ``threshold0`` more containers were allocated than freed, every ``threshold1``-th of
-    those generation 1, every ``threshold2``-th of those generation 2 (``gc.get_threshold``).
-    Every thread's allocations count (prefetch threads' too); a process whose engine stops
-    calling it collects nothing until :meth:`close` re-enables collection. ``ran``: the
-    collections it ran, by generation."""
+class RunPauses:
+    """The collector's pauses over one engine's run: :meth:`start` once the engine is built,
+    :meth:`stats` any time after (live until :meth:`close`, fixed by it), :meth:`close` stops
+    counting (idempotent)."""
 
     def __init__(self):
-        self.thresholds = gc.get_threshold()
-        self.ran = [0, 0, 0]
-        self._young = self._middle = 0  # generation-0 runs since the last 1; generation-1 since the last 2
-        self._was_enabled = gc.isenabled()
-        gc.disable()
-
-    def __call__(self) -> None:
-        t0, t1, t2 = self.thresholds
-        if t0 <= 0 or gc.get_count()[0] < t0:
-            return
-        generation = 0
-        self._young += 1
-        if self._young >= t1:
-            self._young, generation = 0, 1
-            self._middle += 1
-            if self._middle >= t2:
-                self._middle, generation = 0, 2
-        gc.collect(generation)
-        self.ran[generation] += 1
-
-    def close(self) -> None:
-        if self._was_enabled:
-            gc.enable()
-            self._was_enabled = False
-
-
-class GcRegime:
-    """``MLORA_GC``'s mode for one engine's run, and the collector's pauses during it.
-
-    Made before the engine (``mode`` read then: a malformed value is refused before any
-    weights load); :meth:`start` once the engine is built (the pause count starts, the
-    freeze and the device-wait collector apply); :meth:`stats` any time after (live until
-    :meth:`close`, fixed by it); :meth:`close` unfreezes, re-enables automatic collection
-    and stops counting (idempotent)."""
-
-    def __init__(self, mode: str | None = None):
-        self.mode = mode or gc_mode()
         self._since = None
         self._final: dict | None = None
-        self._frozen = False
-        self.collector: DeviceWaitCollector | None = None
 
-    def start(self, engine) -> None:
-        # device-wait: automatic collection off before the counting starts, so that every
-        # collection counted is the collector's
-        self.collector = DeviceWaitCollector() if self.mode == "device-wait" else None
+    def start(self) -> None:
         PAUSES.install()
         self._since = PAUSES.snapshot()
         PAUSES.reset_max()
-        if self.mode in ("freeze", "device-wait"):  # what is alive now is long-lived
-            gc.freeze()
-            self._frozen = True
-        engine.device_wait_hook = self.collector
 
     def stats(self) -> dict:
-        """``gc_mode``, ``gc_collections`` / ``gc_pause_seconds`` by generation,
-        ``gc_pause_max_ms`` since :meth:`start`, and ``gc_at_device_wait`` (by generation)
-        in the device-wait mode. Empty before :meth:`start`."""
+        """``gc_collections`` / ``gc_pause_seconds`` by generation and ``gc_pause_max_ms``
+        since :meth:`start`; empty before it."""
         if self._final is not None:
             return self._final
         if self._since is None:
             return {}
-        out = dict(PAUSES.since(self._since), gc_mode=self.mode)
-        if self.collector is not None:
-            out["gc_at_device_wait"] = {str(g): n for g, n in enumerate(self.collector.ran)}
-        return out
+        return PAUSES.since(self._since)
 
     def close(self) -> None:
         if self._since is not None and self._final is None:
             self._final = self.stats()
             PAUSES.uninstall()
-        if self.collector is not None:
-            self.collector.close()
-        if self._frozen:  # the run's objects collectable again (a finished job's cycles)
-            gc.unfreeze()
-            self._frozen = False

@@ -48,7 +48,6 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import statistics
@@ -61,7 +60,7 @@ from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.config import EngineConfig
 from mlora.batch.engine.engine import Engine, Request
-from mlora.batch.gcpauses import GcRegime
+from mlora.batch.gcpauses import RunPauses
 from mlora.batch.model.decoder import DecoderLayer, DecoderModel, ModelConfig
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.lora import config_role_shapes
@@ -96,11 +95,6 @@ class BatchBenchOptions:
     # with base first among several scenarios: run it again last, ratios against the faster run
     repeat_base: bool = True
     lookahead: bool = True  # batch-run's --lookahead (the next decode iteration's inputs built during this one)
-    # an A/B of an engine setting read from the environment when a scenario builds its engine and bank
-    # (an MLORA_* variable): (name, values); every adapter count runs once per value, values adjacent in
-    # time, the whole sequence ``ab_repeats`` times (small effects need repeats: one run's spread is ~2%)
-    ab: tuple[str, tuple[str, ...]] | None = None
-    ab_repeats: int = 1
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:
@@ -298,7 +292,6 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     dtype = model.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     bank, pinned = random_bank(model, n_adapters, o.rank, o.seed) if n_adapters else (None, {})
-    regime = GcRegime()  # read now: a malformed MLORA_GC is refused before any work
 
     # a scheduling window of 256 rows: the setting of the figures BENCHMARKS.md records
     config = EngineConfig(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_batch_tokens=o.max_batch_tokens,
@@ -338,7 +331,8 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         eng.graphs.capture_all()
     _sync(dev)
     capture_s = time.perf_counter() - t_capture
-    regime.start(eng)  # MLORA_GC (A/B with --ab): the collector's pauses over the timed job
+    pauses = RunPauses()  # the collector's pauses over the timed job
+    pauses.start()
     clocks = ClockSampler(dev).start()  # the SM clock and power over the timed job (mlora.bench.gpuclocks)
     try:
         t_start = time.perf_counter()
@@ -365,7 +359,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         wall = time.perf_counter() - t_start
     finally:
         clocks.stop()
-        regime.close()
+        pauses.close()
     generated = eng.stats["generated_tokens"]
     full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
 
@@ -388,7 +382,7 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                                floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
                                ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
                   adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
-                  gc=regime.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
+                  gc=pauses.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
                   # the GPU's SM clock and power during the full-batch decode iterations (None without NVML)
                   clocks_full_batch=clocks.summary([(d["t0"], d["t0"] + d["seconds"]) for d in full]))
     # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
@@ -417,11 +411,8 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     model = random_model(config, dev, DTYPES[o.dtype], o.seed)
     _sync(dev)
     build_s = time.perf_counter() - t0
-    if o.ab is not None:
-        scenarios = _run_ab(model, o, ceil, progress)
-    else:
-        scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
-    if o.ab is None and o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
+    scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
+    if o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
         # the first scenario of a run can pay lazy compiles and cold caches inside its timed
         # part (eleventh session: base prefill 1.9x its floor first, 1.36x in another run),
         # which flatters every ratio to it: run the base again last and take the faster
@@ -441,8 +432,6 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
                       sustained_matmul_flops_per_s=ceil.sustained_matmul_flops_per_s),
         model_build_s=build_s, scenarios=scenarios,
     )
-    if o.ab is not None:
-        out["ab"] = ab_summary(scenarios)
     return out
 
 
@@ -457,48 +446,4 @@ def machine_of(dev: torch.device) -> dict:
         out["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
         out["sm_count"] = props.multi_processor_count
         out["cuda_runtime"] = torch.version.cuda
-    return out
-
-
-def _run_ab(model: DecoderModel, o: BatchBenchOptions, ceil: Ceilings, progress=None) -> list[dict]:
-    """The scenarios of ``o.ab`` (BatchBenchOptions), each tagged ``ab = {var, value, repeat}``;
-    the variable is restored afterwards."""
-    var, values = o.ab
-    if not var.startswith("MLORA_") or len(values) < 2 or o.ab_repeats < 1:
-        raise ValueError(f"--ab takes an MLORA_* variable and at least two values (got {var!r}: {list(values)}), "
-                         f"--ab-repeats at least 1")
-    saved = os.environ.get(var)
-    scenarios = []
-    try:
-        for repeat in range(o.ab_repeats):
-            for n in o.adapters:
-                for value in values:
-                    os.environ[var] = value
-                    s = run_scenario(model, o, n, ceil, None)
-                    s["ab"] = dict(var=var, value=value, repeat=repeat)
-                    scenarios.append(s)
-                    if progress is not None:
-                        progress(s)
-    finally:
-        if saved is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = saved
-    return scenarios
-
-
-def ab_summary(scenarios: list[dict]) -> list[dict]:
-    """Per (adapter count, value) of an A/B run: medians over its repeats of tokens/s, prefill
-    seconds and the decode iterations' median time, with each one's smallest and largest."""
-    groups: dict[tuple[int, str], list[dict]] = {}
-    for s in scenarios:
-        groups.setdefault((s["adapters"], s["ab"]["value"]), []).append(s)
-    out = []
-    for (n, value), runs in groups.items():
-        row = dict(adapters=n, var=runs[0]["ab"]["var"], value=value, runs=len(runs))
-        for key, get in (("tokens_per_s", lambda s: s["tokens_per_s"]), ("prefill_s", lambda s: s["prefill"]["seconds"]),
-                         ("decode_median_s", lambda s: (s["decode"] or {}).get("median_s"))):
-            vals = [v for v in map(get, runs) if v is not None]
-            row[key] = dict(median=statistics.median(vals), min=min(vals), max=max(vals)) if vals else None
-        out.append(row)
     return out

@@ -307,8 +307,8 @@ def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> d
                          load_issue_gc_ms_mean=summary.bank.get("load_issue_gc_ms_mean"),
                          load_issue_gc_ms_p90=summary.bank.get("load_issue_gc_ms_p90"),
                          load_issues_with_gc=summary.bank.get("load_issues_with_gc"),
-                         gc={k: summary.engine[k] for k in ("gc_mode", "gc_collections", "gc_pause_seconds",
-                                                            "gc_pause_max_ms") if k in summary.engine},
+                         gc={k: summary.engine[k] for k in ("gc_collections", "gc_pause_seconds", "gc_pause_max_ms")
+                             if k in summary.engine},
                          # what a load really copied (the whole-view image: slot views incl. their zeros), against
                          # the adapter's bytes that the amplification metric counts
                          copied_bytes_per_load=(summary.bank["h2d_bytes"] / summary.bank["load_attempts"]

@@ -148,10 +148,6 @@ def bench_batch(
     repeat_base: bool = typer.Option(True, "--repeat-base/--no-repeat-base",
                                      help="With base (0) first among several counts: run it again last; ratios "
                                           "use the faster base run (a first run may pay lazy compiles)."),
-    ab: Optional[str] = typer.Option(None, "--ab", help="A/B an engine setting read from the environment, as "
-                                     "MLORA_VAR=value1,value2: every adapter count runs once per value, adjacent in "
-                                     "time; medians per value at the end (no base repeat)."),
-    ab_repeats: int = typer.Option(1, "--ab-repeats", min=1, help="With --ab: run the whole sequence this many times."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
@@ -163,24 +159,16 @@ def bench_batch(
         counts = tuple(int(a) for a in adapters.split(","))
     except ValueError:
         raise typer.BadParameter("--adapters takes comma-separated integers, e.g. 0,1,8,64")
-    ab_spec = None
-    if ab is not None:
-        var, eq, values = ab.partition("=")
-        if not eq or not var.startswith("MLORA_") or len(values.split(",")) < 2:
-            raise typer.BadParameter("--ab takes MLORA_VAR=value1,value2[,...], e.g. MLORA_LORA_SILU_FUSED=0,1")
-        ab_spec = (var, tuple(values.split(",")))
     _require_cuda(err, device)
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
-                             cuda_graphs=cuda_graphs, lookahead=lookahead, repeat_base=repeat_base, ab=ab_spec,
-                             ab_repeats=ab_repeats)
+                             cuda_graphs=cuda_graphs, lookahead=lookahead, repeat_base=repeat_base)
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]
         dd = s["decode"]
-        tag = f" {s['ab']['var']}={s['ab']['value']}" if s.get("ab") else ""
-        err.print(f"[dim]{s['adapters']:>4} adapters{' (again)' if s.get('repeat') else ''}{tag}: {s['tokens_per_s']:9.1f} tok/s"
+        err.print(f"[dim]{s['adapters']:>4} adapters{' (again)' if s.get('repeat') else ''}: {s['tokens_per_s']:9.1f} tok/s"
                   + (f", decode {d['median_s'] * 1e3:.2f} ms vs floor {d['median_floor_s'] * 1e3:.2f} ms (staged "
                      f"{d['median_staged_floor_s'] * 1e3:.2f})" if d else "")
                   + f"; wall {s['wall_s']:.1f} s = prefill {s['prefill']['seconds']:.1f} + decode "
@@ -201,23 +189,6 @@ def bench_batch(
         raise typer.Exit(1)
     if not _save(results, out, json_out):
         _print_batch_table(results)
-        if results.get("ab"):
-            _print_ab_table(results["ab"])
-
-
-def _print_ab_table(rows: list[dict]) -> None:
-    table = Table(title="A/B: medians over the repeats (min - max)", title_justify="left")
-    for col in ("adapters", "setting", "runs", "tok/s", "prefill s", "decode ms"):
-        table.add_column(col, justify="right")
-
-    def cell(d, scale=1.0, fmt="{:.2f}"):
-        return "-" if d is None else f"{fmt.format(d['median'] * scale)} ({fmt.format(d['min'] * scale)} - " \
-                                     f"{fmt.format(d['max'] * scale)})"
-
-    for r in rows:
-        table.add_row(str(r["adapters"]), f"{r['var']}={r['value']}", str(r["runs"]), cell(r["tokens_per_s"], fmt="{:.0f}"),
-                      cell(r["prefill_s"]), cell(r["decode_median_s"], 1e3))
-    Console().print(table)
 
 
 def _print_batch_table(r: dict) -> None:

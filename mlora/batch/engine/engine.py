@@ -26,16 +26,8 @@ from mlora.batch.engine.loads import AdapterLoads, stored_adapter_bytes
 from mlora.batch.engine.sampling import row_key
 from mlora.batch.engine.scheduler import IterationPlan, Scheduler
 from mlora.batch.engine.sequence import Decoding, Request, Result, Sequence, error_result, refusal
-from mlora.batch.envknobs import env_choice
 
 __all__ = ["Decoding", "Engine", "IterationPlan", "Request", "Result", "Sequence", "stored_adapter_bytes"]
-
-CHAIN_ENV = "MLORA_CHAIN_DECODE"
-
-
-def chain_from_env() -> bool:
-    """``MLORA_CHAIN_DECODE`` (``1``, the default, or ``0``; anything else refused, named)."""
-    return env_choice(CHAIN_ENV, ("0", "1"), "1") == "1"
 
 
 class Engine:
@@ -51,12 +43,11 @@ class Engine:
     admitted). ``async_loads`` (None: on a GPU): admission starts a cold adapter's load and
     runs its rows once it is published, so the copy overlaps the iteration in flight
     (docs/design.md, Prefetch); on the CPU copies are synchronous and deferring rows gains
-    nothing. ``chain`` (None: ``MLORA_CHAIN_DECODE``, default on): chained decode where it
-    applies (lookahead, decode graphs, not the joint ledger)."""
+    nothing. Decode is chained (docs/design.md, Chained decode) wherever it applies: with
+    lookahead and decode graphs, not with the joint ledger."""
 
     def __init__(self, model, bank, pinned: dict, config: EngineConfig, *, num_blocks: int,
-                 decoding: Decoding = Decoding(), metrics=None, arena=None, async_loads: bool | None = None,
-                 chain: bool | None = None):
+                 decoding: Decoding = Decoding(), metrics=None, arena=None, async_loads: bool | None = None):
         self.model, self.bank, self.pinned, self.metrics, self.decoding = model, bank, pinned, metrics, decoding
         self.eos = set(model.config.eos_token_ids)
         self.max_context = model.config.max_position_embeddings
@@ -83,16 +74,11 @@ class Engine:
         self.scheduler = Scheduler(config, self.allocator, bank, pinned, self.loads, num_slots=self.num_slots,
                                    joint=self.joint, async_loads=self.async_loads, metrics=metrics)
         self.lookahead = config.lookahead
-        if chain is None:
-            chain = chain_from_env()
-        # not in the joint memory mode: a row that finishes while the chained iteration runs
+        # not with the joint memory ledger: a row that finishes while the chained iteration runs
         # frees KV pages the ledger may hand to an adapter load on another stream at once
-        self.chain = bool(chain) and self.lookahead and graphs is not None and not self.joint
+        self.chain = self.lookahead and graphs is not None and not self.joint
         self.executor = Executor(model, self.kv, graphs, bank, pinned, self.loads, sampling=decoding.sampling,
                                  chain=self.chain)
-        # called once per iteration after its host work, right before sampling waits for the
-        # device (the session's MLORA_GC=device-wait collector: host time the device hides)
-        self.device_wait_hook = None
         self.generated_tokens = 0
 
     # ---- requests ------------------------------------------------------------------
@@ -212,8 +198,6 @@ class Engine:
             else:
                 self.executor.build_ahead(plan, p0)
         sampled = [s for s, flag in zip(plan.seqs, plan.sample) if flag]
-        if self.device_wait_hook is not None:
-            self.device_wait_hook()
         toks = self.executor.tokens(sampled, logits)
         # a chained iteration's rows that finished while it ran (at the iteration before) are
         # not running: their rows were computed, their tokens are dropped
@@ -247,8 +231,8 @@ class Engine:
         return plan.doff, plan.num_rows - plan.doff, len(distinct), true, padded
 
     def _fail_adapter(self, adapter_id: str | None, code: str, message: str) -> list[Result]:
-        """Retire an adapter that can no longer be served: every queued row that
-        names it becomes an error row; the other rows continue."""
+        """Retire an adapter that cannot be served (e.g. its bytes changed since the job
+        started): every queued row that names it becomes an error row; the other rows continue."""
         if adapter_id is None:
             raise RuntimeError(f"{code}: {message}")
         p = self.pinned.get(adapter_id)

@@ -1,10 +1,11 @@
 """A row inside the engine: the request that enters, the sequence it becomes, the result that leaves.
 
-Owns request state (docs/design.md, Iteration plan: the four lifetimes): a
-sequence's tokens, how many of them have K/V computed, its KV blocks and its
-adapter lease, and the rules that refuse a request at the door or finish a
-row (end-of-sequence token, stop string, ``max_new_tokens``, the model's
-context). Must not schedule or touch devices.
+Owns request state, which lives as long as a row's attempt (docs/design.md,
+The data path of one ``mlora batch-run`` job): a sequence's tokens, how many of
+them have K/V computed, its KV blocks and its adapter lease, and the rules that
+refuse a request at the door or finish a row (end-of-sequence token, stop
+string, ``max_new_tokens``, the model's context). Must not schedule or touch
+devices.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine's queue of waiting rows, indexed by adapter.
 
 Admission and prefetch ask, every iteration, how many waiting rows name each
-adapter (``Engine._slot_plan``), which adapters the queue still needs
+adapter (``Scheduler.slot_plan``), which adapters the queue still needs
 (eviction's hint), the oldest arrival (the starvation guard), and the first
 rows of the adapters a pass may admit. Answering from the rows each time costs
 time in proportion to the queue (an 8,192-row scheduling window: several ms
@@ -13,9 +13,9 @@ Layout: every stint of a row in the queue has a position (arrivals at the back
 count up, rows put back at the front count down), so queue order is position
 order. One deque per adapter (``None``: base rows) and one global deque hold
 (position, row) entries in position order; a heap holds (arrival, position,
-row). Removing a row forgets its position: entries whose position is no longer
-their row's are dead and are skipped and dropped lazily (the deques are
-rebuilt once dead entries outnumber live ones).
+row). Removing a row forgets its position: an entry whose position is not its
+row's current one is dead, skipped and dropped lazily (the deques are rebuilt
+once dead entries outnumber live ones).
 """
 
 import heapq

@@ -1,12 +1,12 @@
 """One engine on one device: the unit every way of running a job repeats.
 
-Owns building the model, the adapter slot bank and the engine from a job's
+Owns building the model, the adapter bank and the engine from a job's
 options and the adapters it pinned (:class:`EngineSession`), turning input
 rows into engine requests (:func:`requests_of`) and finished rows into output
-records (:func:`result_record`). The single-process job (``job.py``), each
-worker process of ``--gpus`` / ``--num-workers`` (``worker.py``) and each Ray
-actor (``ray.py``) build one session each and call the same functions, so a
-row's output does not depend on which of them ran it.
+records (:func:`result_record`). The single-process job (``runner.py``), each
+worker process of ``--gpus`` / ``--num-workers`` (``scaleout/worker.py``) and
+each Ray actor (``scaleout/ray.py``) build one session each and call the same
+functions, so a row's output does not depend on which of them ran it.
 
 Must not know where rows come from or where records go, and never pins
 adapters: a session serves exactly the identities the job pinned at start
@@ -30,7 +30,7 @@ from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
 from mlora.batch.errors import JobError
-from mlora.batch.gcpauses import GcRegime
+from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import BASE_IDS, Tokenizer
 from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots
@@ -43,88 +43,114 @@ class EngineSession:
 
     ``pinned`` maps every adapter id the session may see to its
     :class:`PinnedAdapter` (bad ones included: their rows become error rows).
-    ``metrics`` (a :class:`~mlora.batch.job.metrics.JobMetrics`) is created after the
-    model and the preloaded adapters are in place, so its clock measures
-    generation only, as the single-process job always did."""
+    The bank serves the members of one bundle with the three-stage operator
+    (:func:`served_bundle`), or every servable adapter through residency slots,
+    or nothing when no adapter is servable. ``metrics`` (a
+    :class:`~mlora.batch.job.metrics.JobMetrics`) is created after the model and
+    the preloaded adapters are in place, so its clock measures generation only."""
 
     def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
-        self.gc = GcRegime()  # MLORA_GC (a malformed value refused before the weights load)
         self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
-        self.model = model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
-        config = model.config
+        self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
+        self.arena = None  # the joint memory ledger's page arena
+        self._switch = None  # the GIL switch interval to restore at close
         good = {a: p for a, p in pinned.items() if p.ok}
-        max_rank = max((p.max_rank for p in good.values()), default=0)
-        self.bank = self.arena = None
         bundle = served_bundle(opts, good)
-        if bundle is not None and opts.memory_ledger == "joint":
+        if bundle is not None:
+            self.bank = self._bundle_bank(bundle, good)
+        elif good:
+            self.bank = self._residency_bank(good)
+            if opts.preload_adapters:
+                self._preload(good)
+        else:
+            self.bank = None
+        self.metrics = JobMetrics()
+        self.engine = self._engine()
+        self.pauses = RunPauses()  # the collector's pauses from here on
+        self.pauses.start()
+
+    def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter]) -> BundleBank:
+        """The bundle's shared bases resident and as many core slots as the adapters' share
+        of GPU memory holds beside them (one per member at most, ``--max-gpu-adapters``)."""
+        opts, device, dtype = self.opts, self.device, self.dtype
+        if opts.memory_ledger == "joint":
             raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint carves adapter slots and KV blocks from one "
                            "arena, but this job's adapters are the members of one bundle, served by its three-stage "
                            "operator with resident shared bases; use --memory-ledger split, or --bundle-operator "
                            "materialized to serve the members through slots", 2)
-        if bundle is not None:
-            operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
-            if operator == "triton" and device.type != "cuda":
-                raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
-                               "CUDA device; use three-stage (or auto) here", 2)
-            members = len(bundle.member_ids())
-            core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
-            if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
-                share = adapter_share_bytes(opts, device)
-                bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
-                fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
-                if fit < 1:
-                    raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
-                                   f"{(bases + 2 * per_slot) / 2**30:.2f} GiB "
-                                   "resident, more than the adapters' share of GPU memory; serve its members through "
-                                   "slots with --bundle-operator materialized, raise --gpu-memory-utilization, or "
-                                   "give the KV cache less with --kv-cache-gb")
-                core_slots = min(core_slots, fit)
-            self.bank = BundleBank(bundle, config.num_layers, model.group_shapes(), dtype, device, pinned=good,
-                                   core_slots=core_slots, operator=operator)
-        elif good:
-            host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
-            # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
-            # slots and no k slice: a load then copies no zeros for k)
-            slices = held_slices({m.role for p in good.values() for m in p.modules})
-            shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
-            slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
-            slot_bytes = ResidencyBank.bytes_per_slot(config.num_layers, shapes, max(max_rank, 1), dtype, slices)
-            if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
-                self.arena, slots = joint_arena(opts, config, dtype, device, len(good), slot_bytes, len(shapes))
-            else:
-                slots = num_slots(opts, len(good), slot_bytes, device)
-            workers = prefetch_workers() if opts.prefetch_adapters else 0
-            self.bank = ResidencyBank(config.num_layers, shapes, max(slots, 1), max(max_rank, 1), dtype, device,
-                                      backend="triton" if decode_graphs(opts, device) else "auto",
-                                      host_cache_bytes=host_bytes, prefetch_workers=workers, expected_adapters=len(good),
-                                      build_processes=opts.image_build_processes if workers else 0, slices=slices,
-                                      arena=self.arena)
-        self._switch = None
-        switch = SWITCH_INTERVAL_S
-        if isinstance(self.bank, ResidencyBank) and workers and sys.getswitchinterval() > switch:
+        operator = "triton" if opts.bundle_operator == "three-stage-triton" else "torch"
+        if operator == "triton" and device.type != "cuda":
+            raise JobError("E_BUNDLE_OPERATOR", "--bundle-operator three-stage-triton runs Triton kernels on a "
+                           "CUDA device; use three-stage (or auto) here", 2)
+        members = len(bundle.member_ids())
+        core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
+        if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
+            share = adapter_share_bytes(opts, device)
+            bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
+            fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
+            if fit < 1:
+                raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
+                               f"{(bases + 2 * per_slot) / 2**30:.2f} GiB "
+                               "resident, more than the adapters' share of GPU memory; serve its members through "
+                               "slots with --bundle-operator materialized, raise --gpu-memory-utilization, or "
+                               "give the KV cache less with --kv-cache-gb")
+            core_slots = min(core_slots, fit)
+        return BundleBank(bundle, self.model.config.num_layers, self.model.group_shapes(), dtype, device, pinned=good,
+                          core_slots=core_slots, operator=operator)
+
+    def _residency_bank(self, good: dict[str, PinnedAdapter]) -> ResidencyBank:
+        """Slots for the modules the job's adapters target, at their largest rank, as many as
+        the sizing gives (with ``--memory-ledger joint`` carved from one arena beside the KV
+        cache, ``self.arena``), with host-image prefetch threads."""
+        opts, device, dtype, model = self.opts, self.device, self.dtype, self.model
+        layers = model.config.num_layers
+        max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
+        host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
+        # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
+        # slots and no k slice: a load then copies no zeros for k)
+        slices = held_slices({m.role for p in good.values() for m in p.modules})
+        shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
+        slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
+        slot_bytes = ResidencyBank.bytes_per_slot(layers, shapes, max_rank, dtype, slices)
+        if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
+            self.arena, slots = joint_arena(opts, model.config, dtype, device, len(good), slot_bytes, len(shapes))
+        else:
+            slots = num_slots(opts, len(good), slot_bytes, device)
+        workers = prefetch_workers() if opts.prefetch_adapters else 0
+        bank = ResidencyBank(layers, shapes, max(slots, 1), max_rank, dtype, device,
+                             backend="triton" if decode_graphs(opts, device) else "auto", host_cache_bytes=host_bytes,
+                             prefetch_workers=workers, expected_adapters=len(good),
+                             build_processes=opts.image_build_processes if workers else 0, slices=slices,
+                             arena=self.arena)
+        if workers and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
             # must win it back quickly: at Python's default 5 ms interval each re-acquisition
             # behind a busy builder could cost 5 ms (restored by close())
             self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(switch)
-        if opts.preload_adapters and self.bank is not None and bundle is None:
-            # load the first num_slots adapters before the first row (and before the metrics clock);
-            # their host images are built on the prefetch threads meanwhile (ensure waits for each)
-            first = sorted(good)[:self.bank.num_slots]
-            self.bank.prefetch(first, good)
-            self.bank.ensure(first, good)
-        self.metrics = JobMetrics()
-        self.engine = Engine(
-            model, self.bank, pinned, dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, device)),
-            num_blocks=self.arena.num_pages if self.arena is not None else kv_blocks(opts, config, dtype, device),
-            decoding=Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
-                              self.tokenizer.decode if self.tokenizer else None),
-            metrics=self.metrics, arena=self.arena,
-        )
-        # the collector's pauses from here on (gcpauses.py); MLORA_GC's freeze / device-wait: what
-        # is alive now (weights, slot bank, engine) is long-lived
-        self.gc.start(self.engine)
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+        return bank
+
+    def _preload(self, good: dict[str, PinnedAdapter]) -> None:
+        """Load the first ``num_slots`` adapters before the first row (and before the metrics
+        clock); their host images are built on the prefetch threads meanwhile (``ensure``
+        waits for each)."""
+        first = sorted(good)[:self.bank.num_slots]
+        self.bank.prefetch(first, good)
+        self.bank.ensure(first, good)
+
+    def _engine(self) -> Engine:
+        """The engine over the model and bank: the job's choices with decode graphs as this
+        device runs them, KV blocks from the sizing (or the arena's pages), the job's sampling
+        and stop strings."""
+        opts, config = self.opts, self.model.config
+        num_blocks = (self.arena.num_pages if self.arena is not None
+                      else kv_blocks(opts, config, self.dtype, self.device))
+        decoding = Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
+                            self.tokenizer.decode if self.tokenizer else None)
+        return Engine(self.model, self.bank, self.pinned,
+                      dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, self.device)), num_blocks=num_blocks,
+                      decoding=decoding, metrics=self.metrics, arena=self.arena)
 
     @property
     def vocab_size(self) -> int:
@@ -145,8 +171,7 @@ class EngineSession:
 
     def stats(self) -> tuple[dict, dict]:
         """(engine stats with ``kv_blocks``, bank stats without per-load timings)."""
-        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks,
-                      **self.gc.stats())
+        engine = dict(self.engine.stats, kv_blocks=self.engine.num_blocks, **self.pauses.stats())
         if self.engine.lookahead:  # iterations that ran on inputs built during the one before
             engine["lookahead_iterations"] = self.engine.lookahead_used
         if self.engine.chain:  # of those, launched before the iteration ahead of them was sampled
@@ -164,14 +189,14 @@ class EngineSession:
     def close(self) -> None:
         if self.bank is not None:
             self.bank.close()  # prefetch threads
-        self.gc.close()  # (stats() after close keep the pauses while the session ran)
+        self.pauses.close()  # (stats() after close keep the pauses while the session ran)
         if self._switch is not None:
             sys.setswitchinterval(self._switch)
             self._switch = None
 
 
 # the GIL switch interval while prefetch threads run: the engine thread must win the lock back
-# quickly at every device sync (50 us measured slower than this in the residency benchmark)
+# quickly at every device sync (in the residency benchmark 50 us is slower than this)
 SWITCH_INTERVAL_S = 500e-6
 
 
