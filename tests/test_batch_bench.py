@@ -6,11 +6,18 @@ import json
 import socket
 
 import pytest
-
 import torch
 
-from mlora.bench.batch import BatchBenchOptions, Ceilings, adapter_bytes, decode_floor, preset_config, random_bank, \
-    random_model, run_batch_bench
+from mlora.bench.batch import (
+    BatchBenchOptions,
+    Ceilings,
+    adapter_bytes,
+    decode_floor,
+    preset_config,
+    random_bank,
+    random_model,
+    run_batch_bench,
+)
 
 OPTS = dict(preset="tiny", rows=10, adapters=(0, 3), rank=4, prompt_min=3, prompt_max=17, max_new_tokens=6,
             max_num_seqs=4, max_batch_tokens=32, device="cpu", dtype="float32")

@@ -9,10 +9,9 @@ import os
 import subprocess
 import sys
 
+import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-import factory
 from conftest import REPO
 
 JOB = """

@@ -14,13 +14,15 @@ import random
 
 import pytest
 import torch
-from conftest import DEMO, DEMO_MAX_NEW_TOKENS, demo_job_options as _opts, shard_digests as _shards
+from conftest import DEMO, DEMO_MAX_NEW_TOKENS
+from conftest import demo_job_options as _opts
+from conftest import shard_digests as _shards
 
-from mlora.batch.scaleout.assign import Dispatcher
 from mlora.batch.config import JobConfig
 from mlora.batch.errors import JobError
-from mlora.batch.runner import run_job
 from mlora.batch.job.output import read_output
+from mlora.batch.runner import run_job
+from mlora.batch.scaleout.assign import Dispatcher
 from mlora.batch.scaleout.placement import gpu_places, plan_workers
 
 # -- assignment (pure) ---------------------------------------------------------

@@ -14,12 +14,11 @@ import subprocess
 import sys
 import time
 
+import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-import factory
 from conftest import DEMO, REPO
 
 MAX_NEW = 6
@@ -388,10 +387,8 @@ def test_stop_strings_and_per_row_max_new_tokens(tmp_path):
 def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from mlora.batch.job import session as session_mod
-
     from mlora.batch.config import JobConfig
-
+    from mlora.batch.job import session as session_mod
     from mlora.batch.runner import run_job
 
     base = str(tmp_path / "base")
@@ -514,8 +511,8 @@ def test_forty_adapters_through_three_slots_equal_forty_slots(tmp_path, monkeypa
 
 def test_preemption_by_recompute_keeps_outputs_exact(env, tmp_path):
     # a KV cache of 5 blocks (16 tokens each) for up to 8 running rows: decode growth must preempt
-    from mlora.batch.model.kvcache import KVCache
     from mlora.batch.model.decoder import load_config
+    from mlora.batch.model.kvcache import KVCache
 
     cfg = load_config(env["base"])
     block_bytes = KVCache.block_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)

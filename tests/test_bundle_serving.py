@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
-
 from conftest import DEMO
-from mlora.batch.adapters.slots import BankError, SlotBank
+
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.catalog import load_catalog
-from mlora.batch.model.lora import GROUPS, group_shapes
+from mlora.batch.adapters.slots import BankError, SlotBank
 from mlora.batch.model.decoder import load_config
+from mlora.batch.model.lora import GROUPS, group_shapes
 from mlora.compress.bundle import read_bundle
 from mlora.compress.operator import joint_apply
 

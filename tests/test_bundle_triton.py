@@ -4,13 +4,13 @@ replay: ``test_graph_replay_of_the_bundle_context_equals_eager`` in test_bundle_
 
 import pytest
 import torch
+from test_bundle_serving import apply_both, served  # noqa: F401 - the demo bundle fixture, jd-full and jd-diag
+from test_kernels_slices import DEVICE  # the GPU where there is one, else the CPU (Triton interpreted)
 
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.model.lora import GROUPS
 from mlora.kernels import build_plan, make_launch_plan
 from mlora.kernels.triton_sgmv import add_bundle_slices_triton
-from test_bundle_serving import apply_both, served  # noqa: F401 - the demo bundle fixture, jd-full and jd-diag
-from test_kernels_slices import DEVICE  # the GPU where there is one, else the CPU (Triton interpreted)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

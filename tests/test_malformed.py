@@ -317,9 +317,8 @@ def test_target_set_mismatch(adapter_copy, manifests, base_dir):
 
 
 def test_literal_all_linear_config_resolves_on_the_base(tmp_path, manifests, base_dir):
-    from transformers import AutoModelForCausalLM
-
     from factory import make_adapter
+    from transformers import AutoModelForCausalLM
 
     path = str(tmp_path / "tiny-llama-adapter")
     make_adapter(path, base_model=AutoModelForCausalLM.from_pretrained(base_dir), r=2, target_modules="all-linear")

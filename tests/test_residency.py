@@ -14,16 +14,39 @@ import pytest
 import torch
 from factory import make_adapter, save_base, tiny_model
 
-from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.adapters.catalog import AdapterError, load_catalog, load_factors
+from mlora.batch.adapters.residency import (
+    TRANSITIONS,
+    AdapterLoadError,
+    AdmissionError,
+    ArtifactRefused,
+    FaultInjector,
+    HostArtifact,
+    HostCache,
+    KVCapacity,
+    LedgerError,
+    LoadError,
+    ManualEvent,
+    NotEvictable,
+    Owner,
+    PagedStorage,
+    PagePool,
+    Piece,
+    RequestAttempt,
+    Residency,
+    ResidencyBank,
+    ResidencyError,
+    RollbackError,
+    SlotStorage,
+    State,
+    TransitionError,
+    ValidationError,
+    check_transition,
+)
+from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.errors import CodedError
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE, group_shapes, held_slices
 from mlora.kernels import pitched_view
-from mlora.batch.adapters.residency import (TRANSITIONS, AdapterLoadError, AdmissionError, ArtifactRefused, FaultInjector, HostArtifact,
-                                   HostCache, KVCapacity, LedgerError, LoadError, ManualEvent, NotEvictable, Owner,
-                                   PagedStorage, PagePool, Piece, RequestAttempt, Residency, ResidencyBank,
-                                   ResidencyError, RollbackError, SlotStorage, State, TransitionError,
-                                   ValidationError, check_transition)
 
 # ---- the sixteen-slot fixture (docs/design.md, Page ledger) --------------------------------
 

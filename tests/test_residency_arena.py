@@ -7,11 +7,19 @@ import hashlib
 
 import pytest
 import torch
-
 from test_residency import pinned  # noqa: F401  (the pinned adapters fixture)
 
-from mlora.batch.adapters.residency import (AdmissionError, HostArtifact, HostCache, KVCapacity, PagePool, Piece,
-                                   Residency, ResidencyError, SlotStorage)
+from mlora.batch.adapters.residency import (
+    AdmissionError,
+    HostArtifact,
+    HostCache,
+    KVCapacity,
+    PagePool,
+    Piece,
+    Residency,
+    ResidencyError,
+    SlotStorage,
+)
 
 SLOTS, PPS, PAGES = 4, 2, 12  # slot s holds pages FIRST + 2s, FIRST + 2s + 1
 FIRST = PAGES - SLOTS * PPS

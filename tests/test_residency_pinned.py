@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from test_residency import LAYERS, SHAPES, _same, pinned, rbank  # noqa: F401 - pinned: the adapters fixture
 
-from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.adapters.residency import HostArtifact, HostCache, ManualEvent, Piece
 from mlora.batch.adapters.residency.pinned import BLOCK_ALIGN, PinnedPool
-from test_residency import LAYERS, SHAPES, _same, pinned, rbank  # noqa: F401 - pinned: the adapters fixture
+from mlora.batch.adapters.slots import SlotBank
 
 
 class Fences:

@@ -338,9 +338,8 @@ def test_a_bank_prepares_every_slots_probe_when_it_is_made(monkeypatch):
     """ResidencyBank: each slot's probe buffers are built when the bank is made (the first
     load into a slot allocates nothing while issuing); a load then probes from them."""
     from mlora.batch.adapters.residency import ResidencyBank
-    from mlora.batch.adapters.residency import storage as storage_mod
-
     from mlora.batch.adapters.residency import host as host_mod
+    from mlora.batch.adapters.residency import storage as storage_mod
 
     monkeypatch.setattr(storage_mod, "PREPARED_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(host_mod, "takes_word_stats", lambda flat: flat.dtype == torch.bfloat16)

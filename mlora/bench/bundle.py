@@ -39,8 +39,15 @@ from dataclasses import dataclass
 import torch
 
 from mlora.bench.batch import PRESETS
-from mlora.bench.residency import (HF_NAMES, fresh_output, module_shapes, save_adapter, warmup_input, write_base,
-                              write_input)
+from mlora.bench.residency import (
+    HF_NAMES,
+    fresh_output,
+    module_shapes,
+    save_adapter,
+    warmup_input,
+    write_base,
+    write_input,
+)
 
 
 @dataclass
@@ -170,10 +177,10 @@ def _compressed(root: str, o: BundleBenchOptions, progress=None) -> dict:
 def matched_slots(root: str, o: BundleBenchOptions) -> tuple[int, int, int]:
     """(slots, bundle device bytes, one slot's bytes): how many uncompressed adapters fit in
     the device bytes the resident bundle takes (at least one)."""
-    from mlora.compress.bundle import read_bundle
     from mlora.batch.adapters.bundle_bank import BundleBank
-    from mlora.batch.model.lora import group_shapes, held_slices
     from mlora.batch.adapters.residency import ResidencyBank
+    from mlora.batch.model.lora import group_shapes, held_slices
+    from mlora.compress.bundle import read_bundle
 
     p = PRESETS[o.preset]
     dtype = getattr(torch, o.dtype)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from mlora.bench.batch import BatchBenchOptions, PRESETS, _requests, preset_config
+from mlora.bench.batch import PRESETS, BatchBenchOptions, _requests, preset_config
 
 AUTO_START = 256  # --batch-size 0: the first batch size tried
 PROGRESS_EVERY_S = 15.0  # progress inside a generate() call at most this often

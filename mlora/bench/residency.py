@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.bench.batch import PRESETS
 from mlora.batch.model.lora import group_shapes, role_shapes
+from mlora.bench.batch import PRESETS
 
 HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -23,13 +23,13 @@ import typer
 from rich.console import Console
 
 from mlora import __version__
-from mlora.lora_tools import BaseLoadError, inspect_paths
-from mlora.lora_tools.manifest import base_identity, load_base
 from mlora.cli import render
 from mlora.cli.batch_run import batch_run
 from mlora.cli.bench import bench_app
 from mlora.cli.compress import compress
 from mlora.cli.release import merge, release_app, unmerge
+from mlora.lora_tools import BaseLoadError, inspect_paths
+from mlora.lora_tools.manifest import base_identity, load_base
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 0, 1, 2, 3
 

@@ -56,7 +56,8 @@ def compress(
     import torch
 
     from mlora.compress import CompressError
-    from mlora.compress.bundle import CompressOptions, compress as fit, write_bundle
+    from mlora.compress.bundle import CompressOptions, write_bundle
+    from mlora.compress.bundle import compress as fit
     from mlora.compress.collection import load_collection
 
     k = "auto" if clusters == "auto" else _int(clusters, err)

@@ -29,7 +29,8 @@ def merge(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar on stderr."),
 ) -> None:
     """Merge adapters into a new, immutable base revision: W' = W + sum_k w_k s_k B_k A_k."""
-    from mlora.lora_tools.release import MergeAdapter, ReleaseError, merge as do_merge
+    from mlora.lora_tools.release import MergeAdapter, ReleaseError
+    from mlora.lora_tools.release import merge as do_merge
 
     err = Console(stderr=True)
     weights = list(weight or [])
@@ -60,7 +61,8 @@ def unmerge(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Subtract merged adapters (reverse order) into a new release of kind arithmetic-unmerge. Not an exact rollback."""
-    from mlora.lora_tools.release import ReleaseError, unmerge as do_unmerge
+    from mlora.lora_tools.release import ReleaseError
+    from mlora.lora_tools.release import unmerge as do_unmerge
 
     err = Console(stderr=True)
     try:
@@ -87,7 +89,8 @@ def verify(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Re-hash every tensor of a release against release.json (exit 0 intact, 1 not)."""
-    from mlora.lora_tools.release import ReleaseError, verify as do_verify
+    from mlora.lora_tools.release import ReleaseError
+    from mlora.lora_tools.release import verify as do_verify
 
     err = Console(stderr=True)
     try:

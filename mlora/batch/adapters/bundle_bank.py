@@ -74,14 +74,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
-from mlora.kernels.launch import DECODE_BLOCK_M
-from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
-
 from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
 from mlora.batch.adapters.slots import BankError, BankStats, lru_slot
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE, module_layer_role
+from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
+from mlora.kernels.launch import DECODE_BLOCK_M
+from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
 
 # "torch": grouped dense GEMMs over all clusters (BundleContext), the default until the H200
 # serving benchmark compares the two; "triton": the segmented kernels with the member as the

@@ -52,8 +52,16 @@ from mlora.batch.adapters.catalog import PinnedAdapter, load_factors
 from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
 from mlora.batch.errors import CodedError
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE
-from mlora.kernels import (LaunchPlan, add_lora_slices, build_plan, empty_launch_plan, lora_silu_mul, make_launch_plan,
-                           pitched_view, tile_capacity)
+from mlora.kernels import (
+    LaunchPlan,
+    add_lora_slices,
+    build_plan,
+    empty_launch_plan,
+    lora_silu_mul,
+    make_launch_plan,
+    pitched_view,
+    tile_capacity,
+)
 from mlora.kernels.launch import DECODE_BLOCK_M
 
 # Invocations of at least this many rows add the gate/up deltas inside the SiLU product

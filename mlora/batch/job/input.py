@@ -41,8 +41,6 @@ Rules:
 
 from __future__ import annotations
 
-from mlora.batch.errors import CodedError
-
 import glob
 import hashlib
 import os
@@ -53,6 +51,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mlora.batch.errors import CodedError
 from mlora.batch.job.output import OUTPUT_COLUMNS
 
 # CLI flag of each column role, for messages that tell the user what to pass.

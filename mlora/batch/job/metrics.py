@@ -121,9 +121,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from mlora.lora_tools.findings import CODES
-
 from mlora.batch.job.output import atomic_write
+from mlora.lora_tools.findings import CODES
 
 PROM_NAME = "_metrics.prom"  # leading underscore: Parquet readers of OUTPUT skip it
 SCHEMA_VERSION = 1

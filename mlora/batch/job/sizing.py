@@ -15,8 +15,8 @@ import torch
 
 from mlora.batch.adapters.residency import ResidencyBank
 from mlora.batch.config import EngineConfig
-from mlora.batch.model.arena import ALIGN, PageArena
 from mlora.batch.errors import JobError
+from mlora.batch.model.arena import ALIGN, PageArena
 from mlora.batch.model.kvcache import KVCache
 
 

@@ -55,14 +55,14 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from mlora.batch.scaleout.assign import Dispatcher
 from mlora.batch.engine.engine import Request, Result, stored_adapter_bytes
 from mlora.batch.errors import JobError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import PreparedJob, RowWriter, finish_job
+from mlora.batch.job.session import requests_of, result_record
+from mlora.batch.scaleout.assign import Dispatcher
 from mlora.batch.scaleout.placement import WorkerPlace
 from mlora.batch.scaleout.worker import worker_main
-from mlora.batch.job.session import requests_of, result_record
 
 STOP_TIMEOUT_S = 60.0  # a worker told to stop reports within this, or is killed
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mlora.batch.config import JobConfig, resolve_device
-
 from mlora.batch.errors import JobError
+
 
 @dataclass(frozen=True)
 class WorkerPlace:

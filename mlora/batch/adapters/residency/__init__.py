@@ -20,12 +20,34 @@ One concept per module::
 """
 
 from mlora.batch.adapters.residency.bank import BankError, ResidencyBank, ResidencyContext
-from mlora.batch.adapters.residency.errors import (AdapterLoadError, AdmissionError, ArtifactRefused, KVCapacity, LedgerError, LoadError, NotEvictable,
-                     ResidencyError, RollbackError, TransitionError, ValidationError)
+from mlora.batch.adapters.residency.errors import (
+                     AdapterLoadError,
+                     AdmissionError,
+                     ArtifactRefused,
+                     KVCapacity,
+                     LedgerError,
+                     LoadError,
+                     NotEvictable,
+                     ResidencyError,
+                     RollbackError,
+                     TransitionError,
+                     ValidationError,
+)
 from mlora.batch.adapters.residency.events import DONE, CpuCopier, CudaCopier, Event, ManualEvent, copier_for
 from mlora.batch.adapters.residency.faults import FaultInjector
 from mlora.batch.adapters.residency.host import HostArtifact, HostCache, Piece
-from mlora.batch.adapters.residency.manager import Admission, Demand, Entry, Handle, Launch, RequestAttempt, Residency, ResidencyStats, Slot, Txn
+from mlora.batch.adapters.residency.manager import (
+                     Admission,
+                     Demand,
+                     Entry,
+                     Handle,
+                     Launch,
+                     RequestAttempt,
+                     Residency,
+                     ResidencyStats,
+                     Slot,
+                     Txn,
+)
 from mlora.batch.adapters.residency.pool import Owner, PagePool
 from mlora.batch.adapters.residency.states import BINDABLE, TRANSITIONS, State, check_transition
 from mlora.batch.adapters.residency.storage import PagedStorage, SlotStorage, validate_landed

@@ -39,12 +39,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from mlora.kernels import pitched_span
-
-from mlora.batch.model import arena as arena_mod
-from mlora.batch.adapters.slots import BankContext, SlotTensors
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter, load_factors
-from mlora.batch.model.lora import GROUPS
 from mlora.batch.adapters.residency.build import ProcessBuilder
 from mlora.batch.adapters.residency.errors import AdapterLoadError, AdmissionError, ResidencyError, ValidationError
 from mlora.batch.adapters.residency.events import Copier, copier_for
@@ -56,7 +51,10 @@ from mlora.batch.adapters.residency.pool import PagePool
 from mlora.batch.adapters.residency.prefetch import HostPrefetcher
 from mlora.batch.adapters.residency.states import BINDABLE, State
 from mlora.batch.adapters.residency.storage import SlotStorage
-
+from mlora.batch.adapters.slots import BankContext, SlotTensors
+from mlora.batch.model import arena as arena_mod
+from mlora.batch.model.lora import GROUPS
+from mlora.kernels import pitched_span
 
 WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
 DEFAULT_HOST_CACHE_IMAGES = 128  # host cache bound on a GPU without --host-cache-gb (images, in pinned blocks)

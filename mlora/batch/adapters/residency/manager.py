@@ -33,15 +33,25 @@ import itertools
 import time
 from dataclasses import dataclass, field, replace
 
-from mlora.batch.gcpauses import PAUSES
-from mlora.batch.adapters.residency.errors import (AdapterLoadError, AdmissionError, ArtifactRefused, KVCapacity, LedgerError, LoadError, NotEvictable,
-                     ResidencyError, RollbackError, ValidationError)
+from mlora.batch.adapters.residency.errors import (
+    AdapterLoadError,
+    AdmissionError,
+    ArtifactRefused,
+    KVCapacity,
+    LedgerError,
+    LoadError,
+    NotEvictable,
+    ResidencyError,
+    RollbackError,
+    ValidationError,
+)
 from mlora.batch.adapters.residency.events import DONE, Copier, CpuCopier, Event, complete
 from mlora.batch.adapters.residency.faults import FaultInjector
 from mlora.batch.adapters.residency.host import HostArtifact, HostCache
 from mlora.batch.adapters.residency.pool import Owner, PagePool
 from mlora.batch.adapters.residency.states import BINDABLE, EVICTABLE_STATES, State, check_transition
 from mlora.batch.adapters.residency.storage import Probe, SlotProber, Storage, validate_landed
+from mlora.batch.gcpauses import PAUSES
 
 S = State
 

@@ -27,8 +27,8 @@ import torch
 
 from mlora.batch.adapters.residency import host as host_mod
 from mlora.batch.adapters.residency.errors import ValidationError
-from mlora.kernels import wordstats
 from mlora.batch.adapters.residency.host import HostArtifact, StatsPart, pieces_sha256, view_stats, view_stats_parts
+from mlora.kernels import wordstats
 
 
 class Storage(Protocol):
