@@ -469,8 +469,8 @@ class ResidencyBank(SlotTensors):
             r, s = views.get(f"ranks.{g}"), views.get(f"scales.{g}")
             if r is None or s is None:
                 continue
-            # numpy on the host copies: a handful of tiny torch ops cost ~0.1-0.3 ms of the engine
-            # thread per load (load_breakdown.py's "layout check"), numpy's a few microseconds
+            # numpy on the host copies: a handful of tiny torch ops would cost the engine thread far
+            # more per load than numpy's microseconds
             r, s = r.to("cpu").numpy(), s.to("cpu", torch.float32).numpy()
             if ((r < 0) | (r > self.max_rank)).any():
                 raise ValidationError("E_VALIDATE_LAYOUT", f"adapter {name!r}: ranks of group {g} outside "
@@ -552,7 +552,7 @@ class SlotLayout:
 
         Whole views make a load a handful of large copies instead of two per targeted
         module (128 for a q/v adapter of a 32-layer model), with nothing to zero first:
-        fewer calls on the engine thread per load (``scripts/load_breakdown.py``)."""
+        fewer calls on the engine thread per load."""
         compact = sum(p.src.numel() * p.src.element_size() for p in pieces)
         whole = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                     for shape, dt in self.view_shapes.values())
