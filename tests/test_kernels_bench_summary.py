@@ -1,5 +1,5 @@
 """``mlora bench kernels``' verdicts (``mlora.bench.kernels.summarize``): which cases each of
-issue step 2's targets is judged on. Pure bookkeeping over timed cases, so it runs on the CPU
+the kernel targets is judged on. Pure bookkeeping over timed cases, so it runs on the CPU
 with made-up times. Also the static plan every timed case replays (``captured_plan``)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The engine benchmark behind ``mlora bench batch`` (issue step 3; targets in step 7).
+"""The engine benchmark behind ``mlora bench batch`` (its targets: BENCHMARKS.md).
 
 Owns the measurement method; the figures go into BENCHMARKS.md.
 
@@ -37,7 +37,7 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
   that run one after the other cannot overlap a compute-bound GEMM with a
   bandwidth-bound attention, so the staged floor (>= the floor) is what
   kernels in sequence can reach; at 256 decode rows of an 8B model, the GEMMs
-  are compute-bound and attention bandwidth-bound (eleventh session).
+  are compute-bound and attention bandwidth-bound.
 * Reported per scenario: generated tokens per second over the whole job (wall
   clock, prefill included), and for decode-only iterations the median time,
   the median floor and the median of time / floor, overall and at full batch
@@ -301,13 +301,10 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
         return _RecordingEngine(model, bank, pinned, config, num_blocks=_num_blocks(o))
 
     # compile the kernels outside the timed job: enough rows for full prefill chunks and
-    # most of the integer specialisations Triton compiles lazily (the first scenario of
-    # a run paid ~10 s of them inside its timed prefill with a 16-row warm-up),
-    # then one chunk of short prompts, over 1,024 rows when the limits allow: with many adapters
-    # its segments average under 32 rows, so it runs the 16-row-tile variants of the fused SiLU
-    # launch (invocations of >= 1,024 rows) that the job's mixed iterations need and full
-    # chunks never compile (the first 64-adapter scenario of a run paid ~1.3 s of them inside
-    # its timed prefill, twenty-sixth session)
+    # most of the integer specialisations Triton compiles lazily, then one chunk of short
+    # prompts over 1,024 rows when the limits allow: with many adapters its segments average
+    # under 32 rows, so it compiles the 16-row-tile variants of the fused SiLU launch
+    # (invocations of >= 1,024 rows) that the job's mixed iterations need and full chunks never do
     warm = engine()
     for batch in (_requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99),
                   _short_requests(o, model.config, n_adapters, o.seed + 98)):
@@ -414,8 +411,7 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
     scenarios = [run_scenario(model, o, n, ceil, progress) for n in o.adapters]
     if o.repeat_base and o.adapters and o.adapters[0] == 0 and len(o.adapters) > 1:
         # the first scenario of a run can pay lazy compiles and cold caches inside its timed
-        # part (eleventh session: base prefill 1.9x its floor first, 1.36x in another run),
-        # which flatters every ratio to it: run the base again last and take the faster
+        # part, which flatters every ratio to it: run the base again last and take the faster
         again = run_scenario(model, o, 0, ceil, progress)
         again["repeat"] = True
         scenarios.append(again)
@@ -437,9 +433,8 @@ def run_batch_bench(o: BatchBenchOptions, progress=None) -> dict:
 
 def machine_of(dev: torch.device) -> dict:
     """Which machine a run measured: the host name and, on CUDA, the GPU's UUID, its SM count and
-    the CUDA runtime torch was built with. Two H200s differed by 3-5% in these runs
-    (BENCHMARKS.md, twenty-sixth and twenty-seventh sessions), so a comparison across runs must
-    name them."""
+    the CUDA runtime torch was built with. Two GPUs of one model differ by a few percent
+    (BENCHMARKS.md), so a comparison across runs must name them."""
     out = {"host": socket.gethostname()}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)

@@ -1,4 +1,4 @@
-"""The GPU slot bank on top of the residency engine: step 3's seam, step 4's safety.
+"""The GPU slot bank on top of the residency engine: the slot bank's seam, residency's safety.
 
 Owns the device tensors the segmented kernels read, in the layout of
 ``mlora.kernels.add_lora_slices`` (exactly as ``mlora.batch.adapters.slots.SlotBank``),
@@ -18,7 +18,7 @@ whole-view image copies no zeros for untargeted modules). An adapter's host arti
 of its factors (A into the leading rank rows; B as rank-pitched blocks of each
 layer's flat ``B.<group>`` view, ``mlora.kernels.pitch``) plus its whole
 ranks/scales columns; the slot is zeroed on the device first, so every tail
-is zero and validation proves it (spec 0x06A).
+is zero and validation proves it (docs/design.md, Logical and physical rank).
 
 Calls, as for SlotBank: ``ensure(ids, pinned) -> {id: slot}`` before each
 model invocation, then ``context(row_slots)``. ``ensure`` closes the previous
@@ -63,7 +63,7 @@ PINNED_HEADROOM = 40  # pinned blocks beyond the cache's: builds and loads in fl
 
 
 class BankError(ResidencyError):
-    """The bank cannot place or serve an adapter (codes as step 3's SlotBank: E_ADAPTER_UNKNOWN,
+    """The bank cannot place or serve an adapter (codes as SlotBank's: E_ADAPTER_UNKNOWN,
     E_BANK_RANK_EXCEEDS_R, E_BANK_SHAPE, E_BANK_FULL, E_BANK_SLOT_EMPTY, ...)."""
 
 
@@ -265,8 +265,8 @@ class ResidencyBank(SlotTensors):
         return started
 
     def start_load(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> str:
-        """Start loading one adapter the scheduler admits, without waiting for it (spec 0x09B:
-        a cold adapter is load-eligible, its rows run once its generation is published).
+        """Start loading one adapter the scheduler admits, without waiting for it (a cold
+        adapter is load-eligible, its rows run once its generation is published).
         The transaction is an ordinary demand load (victims: any eligible slot, LRU, those
         no waiting row names first) whose copy overlaps the device work already queued;
         :meth:`commit_device` (or an ``ensure`` that needs it) validates and publishes it.
@@ -351,7 +351,7 @@ class ResidencyBank(SlotTensors):
 
     def want(self, adapter_ids, pinned: dict[str, PinnedAdapter]) -> None:
         """The adapters queued rows still name: eviction takes the others first (LRU within
-        each class). A ranking hint only: eligibility (0x04F) is unchanged."""
+        each class). A ranking hint only: eligibility (docs/design.md, Eviction eligibility) is unchanged."""
         self.residency.wanted = frozenset(pinned[a].semantic_sha256 for a in adapter_ids
                                           if a in pinned and pinned[a].semantic_sha256)
 
@@ -497,7 +497,7 @@ class ResidencyBank(SlotTensors):
 
 class SlotLayout:
     """What the host image of an adapter must look like for a bank's slots, and how to build
-    it: the checks of step 3's bank (``SlotTensors._place``), the factors in the leading rank
+    it: the checks of ``SlotTensors._place``, the factors in the leading rank
     rows/columns, whole slot views where they are compact enough. Picklable (plain
     attributes), so worker processes build images exactly as the bank would."""
 
@@ -566,7 +566,7 @@ class SlotLayout:
 
 class ResidencyContext(BankContext):
     """``mlora.batch.model.lora.LoraContext`` over a ResidencyBank for one invocation (``apply``
-    as step 3's; ranks were validated when published, row slots in ``context()``),
+    as BankContext's; ranks were validated when published, row slots in ``context()``),
     plus the launch snapshot that keeps its slots from being reclaimed."""
 
     def __init__(self, bank: ResidencyBank, row_slots: torch.Tensor, plan, targeted: frozenset, launch: Launch):
