@@ -1,4 +1,4 @@
-"""Serving a collection bundle with the three-stage operator (spec 0x06G4).
+"""Serving a collection bundle with the three-stage operator (docs/design.md, Bundle and three-stage operator).
 
 Owns the device copies of one bundle's shared bases and per-member cores and
 the LoraContext that applies them. Must not read bundle files itself (the
@@ -31,7 +31,7 @@ about 30 (a decode step replays one per group and layer). The slot tables'
 module columns are in (layer, group, slice) order so a group's modules are one
 contiguous column range.
 
-Residency (spec 0x06G9): the shared bases are loaded when the job starts and
+Residency: the shared bases are loaded when the job starts and
 stay resident for the whole job, so a basis is never evicted while a member is
 in flight, and a core is only ever used with the basis generation it was
 fitted with (both come from the one verified bundle, checked at pin time).
@@ -50,8 +50,8 @@ built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``).
 Two operators, chosen per bank (``operator=``; the engine always takes the default):
 
 * ``"torch"`` (default): the grouped dense GEMMs above, on either device.
-* ``"triton"`` (opt-in; run under the CPU interpreter in tests, never on a GPU yet, so
-  neither measured nor the default): the segmented LoRA kernels with the slot still the
+* ``"triton"`` (opt-in with ``--bundle-operator three-stage-triton``; CUDA, or the CPU
+  interpreter in tests): the segmented LoRA kernels with the slot still the
   member (``mlora.kernels.triton_sgmv.add_bundle_slices_triton``), one shrink and one
   expand launch per (layer, group) over one LaunchPlan per invocation built from the
   rows' slots (base rows are not in it). Per (layer, group) the bank holds the cluster
@@ -82,8 +82,7 @@ from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch
 from mlora.kernels.launch import DECODE_BLOCK_M
 from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
 
-# "torch": grouped dense GEMMs over all clusters (BundleContext), the default until the H200
-# serving benchmark compares the two; "triton": the segmented kernels with the member as the
+# "torch": grouped dense GEMMs over all clusters (BundleContext), the default; "triton": the segmented kernels with the member as the
 # slot, one LaunchPlan per invocation (BundleTritonContext, docs/compress.md)
 OPERATORS = ("torch", "triton")
 
