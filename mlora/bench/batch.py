@@ -288,6 +288,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, ceil: Ceilings, progress=None) -> dict:
+    """One timed scenario from warm-up to its record, kept in one piece so the timed span is visible in one place."""
     dev = model.device
     dtype = model.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()

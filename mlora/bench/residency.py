@@ -251,6 +251,7 @@ def fresh_output(root: str, name: str) -> str:
 
 
 def run_residency_bench(root: str, o: ResidencyBenchOptions, progress=None) -> dict:
+    """The benchmark's runs in sequence, kept in one piece so their order and what is timed read top to bottom."""
     from mlora.batch.config import JobConfig
     from mlora.batch.runner import run_job
 

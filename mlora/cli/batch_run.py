@@ -82,7 +82,10 @@ def batch_run(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
-    """Generate a completion for every input row with the adapter it names (Parquet in, Parquet out)."""
+    """Generate a completion for every input row with the adapter it names (Parquet in, Parquet out).
+
+    \f
+    Most of its lines are the Typer option declarations. (Text after the form feed is not shown in --help.)"""
     from mlora.batch.config import JobConfig
     from mlora.batch.errors import JobError
     from mlora.batch.runner import run_job

@@ -260,7 +260,10 @@ def bench_residency(
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
-    """Run a many-adapter batch-run job with limited GPU slots against the same job with every adapter resident."""
+    """Run a many-adapter batch-run job with limited GPU slots against the same job with every adapter resident.
+
+    \f
+    Most of its lines are the Typer option declarations and the table. (Text after the form feed is not shown in --help.)"""
     from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
     err = Console(stderr=True)

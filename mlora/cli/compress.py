@@ -41,7 +41,10 @@ def compress(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
-    """Compress a collection of LoRA adapters into shared bases plus per-adapter cores (JD-Full / JD-Diag)."""
+    """Compress a collection of LoRA adapters into shared bases plus per-adapter cores (JD-Full / JD-Diag).
+
+    \f
+    Most of its lines are the Typer option declarations and the table. (Text after the form feed is not shown in --help.)"""
     err = Console(stderr=True)
     if args[0] == "inspect":
         if len(args) != 2:

@@ -183,6 +183,8 @@ def cluster(
     ``normalize``, ``seed``, ``device`` and ``solver_options`` (e.g.
     ``{"eigensolver": "krylov"}`` for JD-Full, ``{"restarts": 2}`` for
     JD-Diag) go to every fit. K = 1 is one joint fit.
+
+    The alternation of assignment and refit in one loop, kept whole so its stopping rule reads in one place.
     """
     if method not in METHODS:
         raise CompressError("E_COMPRESS_METHOD", f"method must be one of {METHODS}, got {method!r}")

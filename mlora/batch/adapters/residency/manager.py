@@ -471,7 +471,9 @@ class Residency:
         load (unless ``replace``: a shadow copy that publishes a new generation).
         Raises AdmissionError (nothing changed), ArtifactRefused (or the host source's
         AdapterError) for an artifact refused before any eviction, LoadError after rolling the
-        attempt back, RollbackError when the rollback could not restore a victim."""
+        attempt back, RollbackError when the rollback could not restore a victim.
+
+        One transaction from reservation to the copy's issue, kept in one piece so its rollback points read in order."""
         self.collect()
         if request is not None and self._bound(request):
             raise ResidencyError("E_RESIDENCY_REQUEST_BOUND", f"request attempt {request} is already admitted; "
