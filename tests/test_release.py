@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import factory
 import pyarrow as pa
@@ -11,6 +12,7 @@ import torch
 from conftest import DEMO
 from safetensors.torch import load_file, save_file
 
+from mlora.batch.model.decoder import DecoderModel, ModelError
 from mlora.lora_tools import release as release_mod
 from mlora.lora_tools.release import ReleaseError, verify
 
@@ -127,7 +129,7 @@ def _fp16_fixture(tmp_path):
               str(adapter / "adapter_model.safetensors"))
     (adapter / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"],
-        "layers_to_transform": [0], "base_model_name_or_path": "org/tiny-llama", "bias": "none"}))
+        "layers_to_transform": [0], "base_model_name_or_path": "org/base16", "bias": "none"}))
     return base, str(adapter)
 
 
@@ -157,8 +159,91 @@ def test_safe_refuses_an_overflowing_merge_and_writes_nothing(tmp_path, run_cli)
     code, _, stderr = run_cli("merge", "--base", base, "--adapter", adapter, "-o", tmp_path / "rel", "--safe")
     assert code == 1 and "E_MERGE_NONFINITE" in stderr
     assert not (tmp_path / "rel").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
-    code, _, _ = run_cli("merge", "--base", base, "--adapter", adapter, "-o", tmp_path / "rel")
-    assert code == 0 and torch.isinf(_weights(tmp_path / "rel")["model.layers.0.self_attn.q_proj.weight"]).any()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", adapter, "-o", tmp_path / "rel", "--json")
+    assert code == 0 and torch.isinf(_weights(tmp_path / "rel")[key]).any()
+    assert "W_MERGE_NONFINITE" in stderr and key in stderr  # without --safe: written, and said
+    warnings = json.loads((tmp_path / "rel" / "release.json").read_text())["warnings"]
+    assert [(w["code"], w["tensor"], w["count"]) for w in warnings] == [("W_MERGE_NONFINITE", key, 1)]
+    assert verify(str(tmp_path / "rel"))["ok"]
+
+
+def test_merge_refuses_an_adapter_that_declares_another_base_unless_told(workspace, tmp_path, run_cli, manifests):
+    root, base, _ = workspace
+    other = factory.copy_adapter(str(root / "adapters" / "plain"), str(tmp_path / "other"))
+    cfg = factory.read_config(other)
+    cfg["base_model_name_or_path"] = "org/another-model"
+    factory.write_config(other, cfg)
+    _, [man] = manifests(other, "--base", base)
+    assert [f["code"] for f in man["findings"]] == ["W_BASE_NAME_MISMATCH"]  # what validate --base says
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", other, "-o", tmp_path / "rel")
+    assert code == 1 and "E_MERGE_BASE_MISMATCH" in stderr and "W_BASE_NAME_MISMATCH" in stderr
+    assert "org/another-model" in stderr and "--allow-base-mismatch" in stderr and not (tmp_path / "rel").exists()
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", other, "-o", tmp_path / "rel",
+                              "--allow-base-mismatch")
+    assert code == 0 and "W_BASE_NAME_MISMATCH" in stderr
+    warnings = json.loads((tmp_path / "rel" / "release.json").read_text())["warnings"]
+    assert [(w["code"], w["adapter"]) for w in warnings] == [("W_BASE_NAME_MISMATCH", "other")]
+    code, _, stderr = run_cli("unmerge", "--release", tmp_path / "rel", "-o", tmp_path / "back")
+    assert code == 0, stderr  # the release is not the base the adapter names: unmerge expects that
+
+
+def _inject_clean_base(rel, base):
+    """The attack on a release: the clean base's tensors as an extra file and an index sending every
+    weight there. Every file release.json lists stays byte-identical."""
+    shutil.copyfile(os.path.join(base, "model.safetensors"), rel / "evil.safetensors")
+    names = sorted(load_file(str(rel / "evil.safetensors")))
+    (rel / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        n: "evil.safetensors" for n in names}}))
+
+
+def test_files_added_to_a_release_are_tampering_and_never_loaded(workspace, tmp_path, run_cli):
+    root, base, _ = workspace
+    rel = tmp_path / "rel"
+    assert run_cli("merge", "--base", base, "--adapter", root / "adapters" / "plain", "-o", rel)[0] == 0
+    clean = run_cli("hash", "--base", base)[1].split()[0]
+    merged = run_cli("hash", "--base", rel)[1].split()[0]
+    assert merged != clean
+    _inject_clean_base(rel, base)
+
+    rc, stdout, stderr = run_cli("release", "verify", rel, "--json")
+    assert rc == 1 and json.loads(stdout)["code"] == "E_RELEASE_TAMPERED"
+    assert "evil.safetensors" in stderr and "model.safetensors.index.json" in stderr
+    code, stdout, stderr = run_cli("hash", "--base", rel)
+    assert code == 1 and stdout == "" and "E_BASE_INVALID" in stderr and "evil.safetensors" in stderr
+    with pytest.raises(ModelError) as e:
+        DecoderModel.from_pretrained(rel)
+    assert e.value.code == "E_MODEL_WEIGHTS" and "evil.safetensors" in str(e.value)
+    pq.write_table(pa.table({"id": ["r0"], "ids": [[1, 2, 3]], "adapter": pa.array([None], pa.string())}), tmp_path / "in.parquet")
+    code, _, stderr = run_cli("batch-run", tmp_path / "in.parquet", tmp_path / "out", "--base", rel,
+                              "--prompt-ids-column", "ids", "--max-new-tokens", 2, "--device", "cpu", "-q")
+    assert code == 1 and "E_BASE_INVALID" in stderr and "evil.safetensors" in stderr
+
+    for extra in ("evil.safetensors", "model.safetensors.index.json"):
+        os.remove(rel / extra)
+    assert run_cli("release", "verify", rel)[0] == 0 and run_cli("hash", "--base", rel)[1].split()[0] == merged
+
+
+def test_a_release_places_its_tensors_as_its_record_says(tmp_path, run_cli):
+    """An index listed by the release but edited is not what places the tensors: the record is
+    (verify reports the edit)."""
+    base = str(tmp_path / "base")
+    factory.save_base(factory.tiny_model("llama", seed=0), base, max_shard_size="20KB")
+    factory.make_adapters(str(tmp_path / "adapters"), base, {"a": dict(r=2, lora_alpha=4, seed=1)})
+    rel = tmp_path / "rel"
+    assert run_cli("merge", "--base", base, "--adapter", tmp_path / "adapters" / "a", "-o", rel)[0] == 0
+    shards = json.loads((rel / "release.json").read_text())["tensors"]
+    assert len({r["file"] for r in shards.values()}) > 1
+    merged = run_cli("hash", "--base", rel)[1].split()[0]
+    index = rel / "model.safetensors.index.json"
+    os.chmod(index, 0o644)
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = dict(list(doc["weight_map"].items())[:1])
+    index.write_text(json.dumps(doc))
+    assert run_cli("hash", "--base", rel)[1].split()[0] == merged
+    model = DecoderModel.from_pretrained(rel, dtype="float32")
+    assert torch.equal(model.layers[1].down_weight, _weights(rel)["model.layers.1.mlp.down_proj.weight"])
+    assert run_cli("release", "verify", rel)[0] == 1
 
 
 @pytest.mark.parametrize("damage, code", [
@@ -284,7 +369,7 @@ def test_lora_on_a_tied_lm_head_is_refused(tmp_path, run_cli):
               str(head / "adapter_model.safetensors"))
     (head / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 4, "target_modules": ["lm_head"],
-        "base_model_name_or_path": "org/tiny-llama", "bias": "none"}))
+        "base_model_name_or_path": "org/tied", "bias": "none"}))
     code, _, stderr = run_cli("merge", "--base", base, "--adapter", tmp_path / "head", "-o", tmp_path / "rel")
     assert code == 1 and "E_MERGE_TIED" in stderr and not (tmp_path / "rel").exists()
 

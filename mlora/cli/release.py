@@ -25,6 +25,8 @@ def merge(
     dtype: str = typer.Option("auto", "--dtype", help="auto (each tensor's own), bfloat16, float16 or float32."),
     compute_dtype: str = typer.Option("float32", "--compute-dtype", help="float32 or float64."),
     safe: bool = typer.Option(False, "--safe", help="Refuse (write nothing) if any merged value is not finite."),
+    allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Merge an adapter that declares "
+                                             "another base (refused otherwise; recorded in release.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print release.json's summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar on stderr."),
 ) -> None:
@@ -47,9 +49,11 @@ def merge(
     try:
         with bar:
             man = do_merge(str(base), pairs, str(output), dtype=dtype, compute_dtype=compute_dtype, safe=safe,
+                           allow_base_mismatch=allow_base_mismatch,
                            progress=lambda name, nbytes: bar.advance(task, nbytes))
     except ReleaseError as exc:
         _fail(err, exc.code, exc.message)
+    _warn(err, man)
     _report(man, str(output), json_out)
 
 
@@ -69,6 +73,7 @@ def unmerge(
         man, drift = do_unmerge(str(release), str(output), list(adapter or []), str(base) if base else None)
     except ReleaseError as exc:
         _fail(err, exc.code, exc.message)
+    _warn(err, man)
     if json_out:
         sys.stdout.write(json.dumps({"release": str(output), "release_sha256": man["release_sha256"],
                                      "kind": man["kind"], "drift": drift}) + "\n")
@@ -105,6 +110,12 @@ def verify(
     else:
         Console().print(f"{release}: intact ({res['tensors']} tensors, {res['kind']}, sha256 {res['release_sha256']})"
                         + ("; parent base checked" if res.get("parent_checked") else ""))
+
+
+def _warn(err: Console, man: dict) -> None:
+    """The release's warnings (also in its release.json) on stderr, with or without --json or -q."""
+    for w in man.get("warnings", []):
+        err.print(f"Warning: {w['code']}: {w['message']}", markup=False, highlight=False)
 
 
 def _report(man: dict, out: str, json_out: bool) -> None:

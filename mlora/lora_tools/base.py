@@ -14,6 +14,12 @@ map, and ``base_sha256`` (docs/design.md, Base identity)::
 Tensors are streamed from disk in fixed chunks (never the whole model in RAM)
 and hashed on all cores. The sharding of a checkpoint does not enter the
 identity: the same tensors re-sharded hash the same. Must not know adapters.
+
+Which files hold the weights (:func:`weight_files`, also the batch model's
+loader): the shard index, else ``model.safetensors``; for an mlora release
+(``release.json``, docs/release.md) the release's own record, and a release
+holding any file its record does not list is refused, as ``release verify``
+reports it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from mlora.lora_tools.canonical import canonicalize_floats, digest
+from mlora.lora_tools.canonical import canonicalize_floats, digest, sealed_digest
 from mlora.lora_tools.safetensors_io import SafetensorsError, TensorInfo, read_header, scan_many
 
 # config.json keys that record where or by which library version a file was
@@ -36,8 +42,72 @@ OUTPUT_LAYER_NAMES = frozenset({"lm_head", "embed_out", "output"})
 EMBEDDING_LEAF_NAMES = frozenset({"embed_tokens", "wte", "wpe", "word_embeddings", "embed_in", "embed_positions"})
 
 
+RELEASE_FILE = "release.json"  # the sealed record of an mlora release (mlora.lora_tools.release)
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
 class BaseCheckpointError(ValueError):
     """The directory is not a readable base checkpoint (finding E_BASE_INVALID)."""
+
+
+def release_record(path: str) -> dict | None:
+    """The record (``release.json``) of the mlora release at ``path``, its seal checked;
+    None when ``path`` holds no record. Raises BaseCheckpointError when it is unreadable or edited."""
+    file = os.path.join(path, RELEASE_FILE)
+    if not os.path.lexists(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BaseCheckpointError(f"{file} cannot be read ({exc})") from None
+    if not isinstance(record, dict) or sealed_digest(record, "release_sha256") != record.get("release_sha256"):
+        raise BaseCheckpointError(f"{file} does not hash to its release_sha256: edited")
+    return record
+
+
+def unlisted_files(path: str, record: dict) -> list[str]:
+    """Entries of the release directory ``path`` that its record does not list: a loader
+    could read any of them (an index, a weight file, a tokenizer), the release never held them."""
+    listed = record.get("files")
+    listed = set(listed) if isinstance(listed, dict) else set()
+    return sorted(e for e in os.listdir(path) if e not in listed and e != RELEASE_FILE)
+
+
+def weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files a loader reads in the checkpoint directory ``path`` (names in it) and
+    the map placing each tensor in one of them (None: the one file holds every tensor).
+    An mlora release answers from its record, never from an index beside it."""
+    record = release_record(path)
+    if record is not None:
+        extra = unlisted_files(path, record)
+        if extra:
+            raise BaseCheckpointError(f"{path} is an mlora release holding files its {RELEASE_FILE} does not list "
+                                      f"({', '.join(extra)}), which a loader could read: it was altered; remove "
+                                      f"them or restore the release, and check it with `mlora release verify`")
+        try:
+            weight_map = {name: rec["file"] for name, rec in record["tensors"].items()}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise BaseCheckpointError(f"{path}/{RELEASE_FILE}: no readable tensor table ({exc})") from None
+    elif os.path.isfile(os.path.join(path, INDEX_FILE)):
+        index = os.path.join(path, INDEX_FILE)
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BaseCheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        if not isinstance(weight_map, dict):
+            raise BaseCheckpointError(f"{index}: weight_map is not an object")
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        return [SINGLE_FILE], None
+    else:
+        raise BaseCheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or not os.path.isfile(os.path.join(path, shard)):
+            raise BaseCheckpointError(f"{path}: shard {shard!r} is missing")
+    return shards, weight_map
 
 
 @dataclass(frozen=True)
@@ -71,24 +141,10 @@ class BaseCheckpoint:
         self.tensors = self._read_tensor_table()
 
     def _read_tensor_table(self) -> dict[str, TensorInfo]:
-        single = os.path.join(self.path, "model.safetensors")
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise BaseCheckpointError(f"{index}: unreadable shard index ({exc})") from None
-            shards = sorted(set(weight_map.values()))
-        elif os.path.isfile(single):
-            weight_map, shards = None, ["model.safetensors"]
-        else:
-            raise BaseCheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+        shards, weight_map = weight_files(self.path)
         tensors: dict[str, TensorInfo] = {}
         for shard in shards:
             shard_path = os.path.join(self.path, shard)
-            if os.path.basename(shard) != shard or not os.path.isfile(shard_path):
-                raise BaseCheckpointError(f"{self.path}: shard {shard!r} is missing")
             try:
                 header = read_header(shard_path)
             except SafetensorsError as exc:

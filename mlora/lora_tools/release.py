@@ -16,8 +16,12 @@ Every adapter is validated against the base as ``mlora validate`` does; refused 
 lora_bias, trained biases, aLoRA (which cannot be merged: its activation
 depends on the request: docs/identity.md, Activation policy) and every other unservable variant;
 LoRA on a tied ``lm_head`` (``E_MERGE_TIED``: merging would change the
-input embedding too). ``safe``: a non-finite merged value anywhere stops
-the merge and nothing is written (PEFT's ``safe_merge``, whole model).
+input embedding too); an adapter that declares another base
+(``E_MERGE_BASE_MISMATCH``, naming validate's ``W_BASE_NAME_MISMATCH``) unless
+``allow_base_mismatch``, which records it in ``warnings``. ``safe``: a non-finite
+merged value anywhere stops the merge and nothing is written (PEFT's
+``safe_merge``, whole model); without it, each tensor holding one is a
+``W_MERGE_NONFINITE`` warning.
 
 **Release directory** (written into a hidden temporary sibling, renamed into
 place; an existing path is never overwritten; files read-only): the base's
@@ -29,11 +33,14 @@ files copied; ``config.json`` with the output dtype) plus ``release.json``::
     artifact/semantic digests), dtypes (compute, output), files {name: bytes},
     file_sha256 {name: sha256} (every file that is not a weight shard),
     tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
+    warnings [{code, adapter | tensor, message}],
     release_sha256 (sha256 of the document form of all the rest: mlora.lora_tools.canonical)
 
 Tensor digests are the same as adapters' (canonical dtype/shape prefix +
 bytes). ``verify`` re-hashes everything: a flipped byte, a truncated or
-removed file or an edited release.json are caught (``E_RELEASE_TAMPERED``,
+removed file, a file added beside them (a loader could read it: an extra
+weight file and index would replace the merged weights) or an edited
+release.json are caught (``E_RELEASE_TAMPERED``,
 ``E_RELEASE_TRUNCATED``, ``E_RELEASE_MISSING``), and with a base, the parent
 identity is checked (``E_RELEASE_PARENT``).
 """
@@ -50,7 +57,14 @@ import torch
 
 from mlora.lora_tools.adapter import check_against_base, open_adapter, scan_adapters
 from mlora.lora_tools.atomic import atomic_directory, check_new
-from mlora.lora_tools.base import BaseCheckpoint, BaseCheckpointError
+from mlora.lora_tools.base import (
+    INDEX_FILE,
+    RELEASE_FILE,
+    BaseCheckpoint,
+    BaseCheckpointError,
+    release_record,
+    unlisted_files,
+)
 from mlora.lora_tools.canonical import file_sha256, sealed_digest
 from mlora.lora_tools.manifest import build_manifest
 from mlora.lora_tools.safetensors_io import (
@@ -63,7 +77,7 @@ from mlora.lora_tools.safetensors_io import (
     tensor_sha256,
 )
 
-RELEASE_FILE = "release.json"
+BASE_MISMATCH = "W_BASE_NAME_MISMATCH"  # the finding of validate --base (mlora.lora_tools.adapter)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ST = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -184,8 +198,9 @@ class StreamingSafetensors:
 # ---------------------------------------------------------------- adapters
 
 
-def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None):
-    """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]."""
+def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=None, allow_base_mismatch=False):
+    """Validated adapters: [(MergeAdapter, manifest, {module: (A, B, scale)})]. An adapter that declares
+    another base (``validate --base``'s W_BASE_NAME_MISMATCH) is refused unless ``allow_base_mismatch``."""
     arts = [open_adapter(a.path) for a in adapters]
     scan_adapters(arts, workers)
     for art in arts:
@@ -198,6 +213,11 @@ def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=N
         if bad is not None or not man["valid"]:
             why = f"{bad.code}: {bad.message}" if bad else "not a valid adapter"
             raise ReleaseError("E_MERGE_UNSUPPORTED", f"adapter {art.name!r} cannot be merged by mlora ({why})")
+        other = next((f for f in art.findings if f.code == BASE_MISMATCH), None)
+        if other is not None and not allow_base_mismatch:
+            raise ReleaseError("E_MERGE_BASE_MISMATCH", f"adapter {art.name!r} declares another base than "
+                               f"{base.name!r} ({other.code}: {other.message}); merge it into the base it was "
+                               "trained on, or pass --allow-base-mismatch if this is that base")
         factors = {}
         for rec in art.modules:
             if rec.kind != "linear":
@@ -227,7 +247,9 @@ def _factor(t, digest: str | None, name: str) -> torch.Tensor:
 def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of, manifest: dict, config_dtype: str | None,
                    safe: bool, progress=None) -> dict:
     """The common writer of merge and unmerge: every tensor of ``tensors`` (name -> TensorInfo-like)
-    produced by ``produce(name)``, in the source's file layout, plus copied side files."""
+    produced by ``produce(name)``, in the source's file layout, plus copied side files. A produced
+    tensor with a non-finite value stops the write (``safe``) or adds a warning to ``manifest["warnings"]``."""
+    warnings = list(manifest.get("warnings", []))
     with atomic_directory(out, _release_exists) as tmp:
         files: dict[str, list[str]] = {}
         for name, info in tensors.items():
@@ -244,22 +266,24 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
                     if isinstance(t, tuple):  # ("copy", path, offset, nbytes, sha256): unchanged bytes
                         w.copy(n, *t[1:])
                         continue
-                    if safe and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise ReleaseError("E_MERGE_NONFINITE", f"{n}: the merged weights are not finite in "
-                                           f"{specs[n][0]} (--safe); nothing was written")
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        if safe:
+                            raise ReleaseError("E_MERGE_NONFINITE", f"{n}: the merged weights are not finite in "
+                                               f"{specs[n][0]} (--safe); nothing was written")
+                        warnings.append(_nonfinite_warning(n, t, specs[n][0]))
                     w.write(n, t)
             finally:
                 w.close()
             for n in names:
                 records[n] = {"file": file, "dtype": specs[n][0], "shape": list(specs[n][1]), "sha256": w.digests[n]}
-        if len(files) > 1 or os.path.exists(os.path.join(src_dir, "model.safetensors.index.json")):
+        if len(files) > 1 or os.path.exists(os.path.join(src_dir, INDEX_FILE)):
             index = {"metadata": {"total_size": sum(os.path.getsize(os.path.join(tmp, f)) for f in files)},
                      "weight_map": {n: r["file"] for n, r in sorted(records.items())}}
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
                 json.dump(index, f, indent=2)
         for entry in sorted(os.listdir(src_dir)):
             full = os.path.join(src_dir, entry)
-            if (entry in files or entry in (RELEASE_FILE, "model.safetensors.index.json") or entry.startswith(".")
+            if (entry in files or entry in (RELEASE_FILE, INDEX_FILE) or entry.startswith(".")
                     or not os.path.isfile(full)):
                 continue
             shutil.copyfile(full, os.path.join(tmp, entry))
@@ -275,13 +299,21 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         for f in sorted(os.listdir(tmp)):
             if f not in files:
                 side[f] = file_sha256(os.path.join(tmp, f))
-        manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side,
+        manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side, warnings=warnings,
                         files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
         manifest["release_sha256"] = sealed_digest(manifest, "release_sha256")
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
     return manifest
+
+
+def _nonfinite_warning(name: str, t: torch.Tensor, dtype: str) -> dict:
+    count = int((~torch.isfinite(t)).sum())
+    return {"code": "W_MERGE_NONFINITE", "tensor": name, "count": count,
+            "message": f"{name}: {count} merged value(s) are not finite in {dtype} (overflow); the release holds "
+                       "them as computed: lower the adapter weight or use a wider --dtype, and pass --safe to refuse "
+                       "such a merge"}
 
 
 CHUNK_ELEMENTS = 1 << 20  # rows of a weight merged together: about 4 MiB of float32, cache-sized
@@ -307,9 +339,11 @@ def _release_exists(path: str, during: bool) -> ReleaseError:
 
 
 def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str = "auto",
-          compute_dtype: str = "float32", safe: bool = False, workers: int | None = None, progress=None) -> dict:
+          compute_dtype: str = "float32", safe: bool = False, allow_base_mismatch: bool = False,
+          workers: int | None = None, progress=None) -> dict:
     """Merge ``adapters`` (in order) into the base at ``base_dir``; write the release ``out``; return release.json.
-    ``progress(tensor_name, nbytes)`` is called before each tensor is written."""
+    ``progress(tensor_name, nbytes)`` is called before each tensor is written. ``allow_base_mismatch``: merge
+    an adapter that declares another base (recorded as a warning) instead of refusing it."""
     if not adapters:
         raise ReleaseError("E_MERGE_USAGE", "name at least one --adapter")
     if dtype != "auto" and dtype not in DTYPES:
@@ -321,7 +355,7 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
         base = BaseCheckpoint(base_dir)
     except BaseCheckpointError as exc:
         raise ReleaseError("E_BASE_INVALID", str(exc)) from None
-    loaded, identity = _load_adapters(base, adapters, workers)
+    loaded, identity = _load_adapters(base, adapters, workers, allow_base_mismatch)
     cdt = torch.float64 if compute_dtype == "float64" else torch.float32
     deltas: dict[str, list] = {}
     for a, art, man, factors in loaded:
@@ -354,6 +388,8 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
                      for a, art, man, _ in loaded],
         "dtypes": {"compute": compute_dtype, "output": dtype},
         "changed": sorted(deltas),
+        "warnings": [{"code": f.code, "adapter": art.name, "message": f.message}
+                     for _, art, _, _ in loaded for f in art.findings if f.code == BASE_MISMATCH],
     }
     return _write_release(base_dir, out, base.tensors, produce, out_dtype_of, manifest,
                           None if dtype == "auto" else dtype, safe, progress)
@@ -365,14 +401,11 @@ def merge(base_dir: str, adapters: list[MergeAdapter], out: str, *, dtype: str =
 def read_release(path: str) -> dict:
     """release.json, its own digest checked."""
     try:
-        with open(os.path.join(path, RELEASE_FILE)) as f:
-            man = json.load(f)
-    except FileNotFoundError:
-        raise ReleaseError("E_RELEASE_MISSING", f"{path} has no {RELEASE_FILE}: not an mlora release") from None
-    except (OSError, ValueError) as exc:
-        raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} cannot be read ({exc})") from None
-    if not isinstance(man, dict) or sealed_digest(man, "release_sha256") != man.get("release_sha256"):
-        raise ReleaseError("E_RELEASE_TAMPERED", f"{path}/{RELEASE_FILE} does not hash to its release_sha256: edited")
+        man = release_record(path)
+    except BaseCheckpointError as exc:
+        raise ReleaseError("E_RELEASE_TAMPERED", str(exc)) from None
+    if man is None:
+        raise ReleaseError("E_RELEASE_MISSING", f"{path} has no {RELEASE_FILE}: not an mlora release")
     return man
 
 
@@ -380,6 +413,10 @@ def verify(path: str, base_dir: str | None = None, workers: int | None = None) -
     """Re-hash every tensor of the release against release.json; with ``base_dir``, check
     the parent identity (merge releases). Raises ReleaseError on the first problem."""
     man = read_release(path)
+    extra = unlisted_files(path, man)
+    if extra:
+        raise ReleaseError("E_RELEASE_TAMPERED", f"{path} holds files {RELEASE_FILE} does not list: "
+                           f"{', '.join(extra)}; a loader could read them: remove them or restore the release")
     for file, size in man["files"].items():
         full = os.path.join(path, file)
         if file == RELEASE_FILE:
@@ -455,7 +492,9 @@ def unmerge(release_dir: str, out: str, adapter_ids: list[str] | None = None, ba
     except BaseCheckpointError as exc:
         raise ReleaseError("E_RELEASE_TAMPERED", str(exc)) from None
     removing = [a for a in reversed(merged) if a["id"] in ids]
-    loaded, _ = _load_adapters(source, [MergeAdapter(a["path"], a["weight"]) for a in removing])
+    # the adapters name the clean base, not this release: their digests are checked below instead
+    loaded, _ = _load_adapters(source, [MergeAdapter(a["path"], a["weight"]) for a in removing],
+                               allow_base_mismatch=True)
     for (ma, art, m, _f), rec in zip(loaded, removing):
         if m["artifact_sha256"] != rec["artifact_sha256"]:
             raise ReleaseError("E_UNMERGE_ADAPTER_CHANGED", f"adapter {rec['id']!r} at {rec['path']} is not the "

@@ -44,6 +44,7 @@ from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.lora import LoraContext, apply_silu_mul, group_shapes
 from mlora.kernels.elementwise import ops_for
 from mlora.kernels.elementwise import rms_norm_ref as rms_norm
+from mlora.lora_tools.base import BaseCheckpointError, weight_files
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -469,26 +470,20 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _weight_files(base_dir: str) -> dict[str, str]:
-    """tensor name -> safetensors file, from the shard index or the single file."""
-    index = os.path.join(base_dir, "model.safetensors.index.json")
-    single = os.path.join(base_dir, "model.safetensors")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ModelError("E_MODEL_WEIGHTS", f"cannot read the shard index {index}: {e}") from e
-        where = {name: os.path.join(base_dir, file) for name, file in weight_map.items()}
-        for file in set(where.values()):
-            if not os.path.exists(file):
-                raise ModelError("E_MODEL_WEIGHTS", f"shard {os.path.basename(file)} named in the index is missing")
-        return where
-    if os.path.exists(single):
-        from safetensors import safe_open
+    """tensor name -> safetensors file, as ``mlora.lora_tools.base.weight_files`` places them
+    (the one reading of a checkpoint's layout: an mlora release's own record, the shard index,
+    or the single file)."""
+    try:
+        shards, weight_map = weight_files(base_dir)
+    except BaseCheckpointError as e:
+        raise ModelError("E_MODEL_WEIGHTS", str(e)) from None
+    if weight_map is not None:
+        return {name: os.path.join(base_dir, file) for name, file in weight_map.items()}
+    single = os.path.join(base_dir, shards[0])
+    from safetensors import safe_open
 
-        try:
-            with safe_open(single, framework="pt") as f:
-                return {name: single for name in f.keys()}
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ModelError("E_MODEL_WEIGHTS", f"cannot read {single}: {e}") from e
-    raise ModelError("E_MODEL_WEIGHTS", f"{base_dir} has no model.safetensors or model.safetensors.index.json")
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise ModelError("E_MODEL_WEIGHTS", f"cannot read {single}: {e}") from e
