@@ -58,6 +58,7 @@ def test_merge_equals_peft_merge_and_unload(workspace, tmp_path, run_cli):
             assert (got[k] - want[k]).abs().max() <= 1e-6, (name, k)
         assert json.loads(stdout)["changed"] > 0
         assert verify(str(out), base)["ok"]
+        assert "warnings" not in json.loads((out / "release.json").read_text())  # a clean merge has none
 
 
 def test_two_adapters_with_weights_in_order_and_bf16_within_one_ulp(workspace, tmp_path, run_cli):

@@ -33,7 +33,7 @@ files copied; ``config.json`` with the output dtype) plus ``release.json``::
     artifact/semantic digests), dtypes (compute, output), files {name: bytes},
     file_sha256 {name: sha256} (every file that is not a weight shard),
     tensors {name: {file, dtype, shape, sha256}}, changed (merged tensor names),
-    warnings [{code, adapter | tensor, message}],
+    warnings [{code, adapter | tensor, message}] (present only when not empty),
     release_sha256 (sha256 of the document form of all the rest: mlora.lora_tools.canonical)
 
 Tensor digests are the same as adapters' (canonical dtype/shape prefix +
@@ -299,8 +299,11 @@ def _write_release(src_dir: str, out: str, tensors: dict, produce, out_dtype_of,
         for f in sorted(os.listdir(tmp)):
             if f not in files:
                 side[f] = file_sha256(os.path.join(tmp, f))
-        manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side, warnings=warnings,
+        manifest = dict(manifest, schema_version=1, tensors=records, file_sha256=side,
                         files={f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))})
+        manifest.pop("warnings", None)
+        if warnings:  # absent when empty: a clean release's document (and digest) has no warnings key
+            manifest["warnings"] = warnings
         manifest["release_sha256"] = sealed_digest(manifest, "release_sha256")
         with open(os.path.join(tmp, RELEASE_FILE), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
