@@ -25,7 +25,6 @@ special tokens, because the template writes them (BOS and the like) itself, as
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from datetime import datetime
@@ -36,6 +35,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlora.batch.errors import CodedError, JobError
+from mlora.lora_tools.canonical import digest
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -155,9 +155,7 @@ class ChatTemplate:
     @property
     def sha256(self) -> str:
         """Digest of the template and the special tokens it sees (part of the job fingerprint)."""
-        blob = json.dumps({"template": self.source, "special_tokens": self.special_tokens}, sort_keys=True,
-                          ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+        return digest({"template": self.source, "special_tokens": self.special_tokens})
 
     def render(self, messages) -> str:
         """The prompt text of ``messages`` (a list of ``{role, content, ...}``) with the generation prompt.
