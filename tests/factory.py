@@ -122,3 +122,46 @@ def raw_layout(tensors: dict[str, np.ndarray]) -> tuple[dict, bytes]:
         chunks.append(b)
         off += len(b)
     return header, b"".join(chunks)
+
+
+# Llama-3 and ChatML control tokens of the chat tokenizer, after its 256 byte tokens and 7 merges
+CHAT_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
+               "<|im_end|>", "<|pad|>")
+
+
+def save_chat_tokenizer(path: str, chat_template=None, template_file: str | None = None) -> str:
+    """A byte-level BPE tokenizer with a few merges and the :data:`CHAT_TOKENS` as special tokens,
+    whose post-processor prepends ``<|begin_of_text|>`` (so encoding rendered chat text with special
+    tokens would double it), saved as ``tokenizer.json`` plus ``tokenizer_config.json`` (bos as a
+    string, eos as an AddedToken object). ``chat_template`` goes into the config (a string or a list
+    of named templates); ``template_file`` is written to ``chat_template.jinja`` beside it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("u", "s"), ("e", "r"), ("us", "er"), ("Ġ", "t")]
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+    bos = tok.token_to_id(CHAT_TOKENS[0])
+    tok.post_processor = processors.TemplateProcessing(single=f"{CHAT_TOKENS[0]} $A", pair=f"{CHAT_TOKENS[0]} $A $B",
+                                                       special_tokens=[(CHAT_TOKENS[0], bos)])
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for t in CHAT_TOKENS}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": CHAT_TOKENS[0],
+              "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "lstrip": False, "normalized": False,
+                            "rstrip": False, "single_word": False, "special": True},
+              "pad_token": "<|pad|>", "added_tokens_decoder": added, "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if template_file is not None:
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(template_file)
+    return path

@@ -26,7 +26,7 @@ def served(request, tmp_path_factory):
     from mlora.cli.app import app
 
     out = tmp_path_factory.mktemp(request.param) / "bundle"
-    res = CliRunner().invoke(app, ["compress", os.path.join(DEMO, "adapters"), "-o", str(out), "--rank", "8",
+    res = CliRunner().invoke(app, ["compress", "fit", os.path.join(DEMO, "adapters"), "-o", str(out), "--rank", "8",
                                    "--clusters", "2", "--method", request.param, "--max-error", "1.0"])
     assert res.exit_code == 0, res.output
     bundle = read_bundle(str(out))

@@ -73,7 +73,7 @@ def shared_collection(root, base, n=5, true_rank=3, r=4, seed=0, noise=0.0):
 def test_shared_bases_compress_to_near_zero_error_and_members_round_trip(tmp_path, base, run_cli):
     src = shared_collection(str(tmp_path / "src"), base)
     out = tmp_path / "bundle"
-    code, stdout, stderr = run_cli("compress", src, "-o", out, "--rank", 3, "--json", "--base", base)
+    code, stdout, stderr = run_cli("compress", "fit", src, "-o", out, "--rank", 3, "--json", "--base", base)
     assert code == 0, stderr
     res = json.loads(stdout)
     assert res["ok"] and max(res["max_error_by_member"].values()) < 1e-8
@@ -89,14 +89,14 @@ def test_shared_bases_compress_to_near_zero_error_and_members_round_trip(tmp_pat
     code, stdout, _ = run_cli("compress", "inspect", out, "--json")
     assert code == 0 and json.loads(stdout)["bundle_sha256"] == res["bundle_sha256"]
     # deterministic: the same inputs and seed give the same bundle identity
-    code, stdout, _ = run_cli("compress", src, "-o", tmp_path / "again", "--rank", 3, "--json", "--base", base)
+    code, stdout, _ = run_cli("compress", "fit", src, "-o", tmp_path / "again", "--rank", 3, "--json", "--base", base)
     assert json.loads(stdout)["bundle_sha256"] == res["bundle_sha256"]
 
 
 def test_the_gate_refuses_and_writes_nothing(tmp_path, base, run_cli):
     src = shared_collection(str(tmp_path / "src"), base, true_rank=4, r=4, noise=0.5, seed=3)
     out = tmp_path / "bundle"
-    code, stdout, stderr = run_cli("compress", src, "-o", out, "--rank", 1, "--max-error", 0.05, "--json")
+    code, stdout, stderr = run_cli("compress", "fit", src, "-o", out, "--rank", 1, "--max-error", 0.05, "--json")
     assert code == 1 and "E_COMPRESS_MAX_ERROR" in stderr
     res = json.loads(stdout)
     assert not res["ok"] and res["offenders"] and all(o["error"] > 0.05 for o in res["offenders"])
@@ -111,9 +111,9 @@ def test_clusters_auto_meets_the_bound_that_one_cluster_misses(tmp_path, base, r
     for g in ("g1", "g2"):  # unique member ids across the two groups
         for d in os.listdir(root / g):
             os.rename(root / g / d, root / g / f"{g}-{d}")
-    code, _, _ = run_cli("compress", root / "g1", root / "g2", "-o", tmp_path / "one", "--rank", 2, "--max-error", 1e-6)
+    code, _, _ = run_cli("compress", "fit", root / "g1", root / "g2", "-o", tmp_path / "one", "--rank", 2, "--max-error", 1e-6)
     assert code == 1
-    code, stdout, stderr = run_cli("compress", root / "g1", root / "g2", "-o", tmp_path / "auto", "--rank", 2,
+    code, stdout, stderr = run_cli("compress", "fit", root / "g1", root / "g2", "-o", tmp_path / "auto", "--rank", 2,
                                    "--clusters", "auto", "--max-error", 1e-6, "--json")
     assert code == 0, stderr
     man = read_bundle(str(tmp_path / "auto")).manifest
@@ -128,9 +128,9 @@ def test_existing_outputs_are_never_overwritten(tmp_path, base, run_cli):
     src = shared_collection(str(tmp_path / "src"), base, n=2)
     out = tmp_path / "bundle"
     out.mkdir()
-    code, _, stderr = run_cli("compress", src, "-o", out, "--rank", 3)
+    code, _, stderr = run_cli("compress", "fit", src, "-o", out, "--rank", 3)
     assert code == 1 and "E_BUNDLE_EXISTS" in stderr and os.listdir(out) == []
-    code, _, _ = run_cli("compress", src, "-o", tmp_path / "b2", "--rank", 3)
+    code, _, _ = run_cli("compress", "fit", src, "-o", tmp_path / "b2", "--rank", 3)
     assert code == 0
     (tmp_path / "ex").mkdir()
     code, _, stderr = run_cli("compress", "export", tmp_path / "b2", "a0", "-o", tmp_path / "ex")
@@ -144,7 +144,7 @@ def test_existing_outputs_are_never_overwritten(tmp_path, base, run_cli):
 def test_tampering_is_detected(tmp_path, base, run_cli, damage, code):
     src = shared_collection(str(tmp_path / "src"), base, n=2)
     out = tmp_path / "bundle"
-    assert run_cli("compress", src, "-o", out, "--rank", 3)[0] == 0
+    assert run_cli("compress", "fit", src, "-o", out, "--rank", 3)[0] == 0
     for f in os.listdir(out):
         os.chmod(out / f, 0o644)
     if damage == "json":
@@ -172,7 +172,7 @@ def test_export_is_a_peft_adapter_with_the_compressed_delta(tmp_path, base, run_
     from transformers import AutoModelForCausalLM
 
     src = shared_collection(str(tmp_path / "src"), base, n=3, noise=0.05, seed=5)
-    assert run_cli("compress", src, "-o", tmp_path / "b", "--rank", 3, "--method", "jd-diag", "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", src, "-o", tmp_path / "b", "--rank", 3, "--method", "jd-diag", "--max-error", 0.9)[0] == 0
     code, stdout, stderr = run_cli("compress", "export", tmp_path / "b", "a1", "-o", tmp_path / "ex", "--json")
     assert code == 0, stderr and json.loads(stdout)["modules"] == LAYERS * len(MODULES)
     code, stdout, _ = run_cli("validate", tmp_path / "ex", "--base", base, "--json")
@@ -195,7 +195,7 @@ def test_batch_run_serves_bundle_members_exactly_as_their_exports(tmp_path, run_
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
-    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     members = read_bundle(str(bundle)).member_ids()
     for m in members:
         assert run_cli("compress", "export", bundle, m, "-o", tmp_path / "ex" / m)[0] == 0
@@ -243,7 +243,7 @@ def test_a_catalog_file_entry_may_name_a_bundle_member(tmp_path, run_cli):
     from mlora.batch.adapters.catalog import load_catalog, load_factors
 
     bundle = tmp_path / "bundle"
-    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     cat = tmp_path / "catalog.json"
     cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"},
                                "ghost": {"path": "bundle", "member": "nobody"},
@@ -272,7 +272,7 @@ def test_pinning_every_member_reads_and_verifies_the_bundle_once(tmp_path, run_c
     from mlora.batch.adapters.catalog import load_catalog
 
     bundle = tmp_path / "bundle"
-    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     reads = []
     real = served.read_bundle
     monkeypatch.setattr(served, "read_bundle", lambda path: reads.append(path) or real(path))
@@ -298,7 +298,7 @@ def test_three_stage_refuses_a_job_that_is_not_one_bundle(tmp_path, run_cli):
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
-    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     cat = tmp_path / "catalog.json"
     cat.write_text(json.dumps({"up": {"path": "bundle", "member": "upper"}, "plain": os.path.join(DEMO, "adapters", "spell")}))
     inp = tmp_path / "in.parquet"
@@ -330,7 +330,7 @@ def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run
     from conftest import DEMO
 
     bundle = tmp_path / "bundle"
-    assert run_cli("compress", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
+    assert run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", bundle, "--rank", 32, "--max-error", 0.9)[0] == 0
     common = ("--base", os.path.join(DEMO, "base"), "--max-new-tokens", 2, "--device", "cpu", "-q",
               "--bundle-operator", "three-stage-triton")
     cat = tmp_path / "catalog.json"
@@ -349,7 +349,7 @@ def test_three_stage_triton_is_refused_off_cuda_and_for_mixed_jobs(tmp_path, run
 def test_the_summary_says_why_there_is_no_single_break_even_size(tmp_path, run_cli):
     """The demo's adapters adapt different module sets (rot13 only the MLP): the ledger has no
     single break-even n, and the human summary says why instead of printing "None"."""
-    code, stdout, stderr = run_cli("compress", os.path.join(DEMO, "adapters"), "-o", tmp_path / "b", "--rank", 16)
+    code, stdout, stderr = run_cli("compress", "fit", os.path.join(DEMO, "adapters"), "-o", tmp_path / "b", "--rank", 16)
     assert code == 0, stderr
     assert "members adapt different module sets" in stdout and "None" not in stdout
     assert read_bundle(str(tmp_path / "b")).manifest["ledger"]["break_even_n"] is None

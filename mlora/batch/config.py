@@ -75,6 +75,7 @@ class JobConfig(EngineConfig):
     id_column: str = "id"
     prompt_column: str | None = "prompt"
     prompt_ids_column: str | None = None
+    messages_column: str | None = None  # chat messages rendered with the base's chat template (docs/batch.md)
     adapter_column: str = "adapter"
     max_new_tokens_column: str | None = None
     keep_columns: tuple[str, ...] = ()

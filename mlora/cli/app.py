@@ -26,7 +26,7 @@ from mlora import __version__
 from mlora.cli import render
 from mlora.cli.batch_run import batch_run
 from mlora.cli.bench import bench_app
-from mlora.cli.compress import compress
+from mlora.cli.compress import compress_app
 from mlora.cli.release import merge, release_app, unmerge
 from mlora.lora_tools import BaseLoadError, inspect_paths
 from mlora.lora_tools.manifest import base_identity, load_base
@@ -42,7 +42,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.command("batch-run")(batch_run)
-app.command("compress")(compress)
+app.add_typer(compress_app, name="compress")
 app.command("merge")(merge)
 app.command("unmerge")(unmerge)
 app.add_typer(release_app, name="release")

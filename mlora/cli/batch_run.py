@@ -36,6 +36,7 @@ def batch_run(
     id_column: str = typer.Option("id", "--id-column", help="Row id column (generated from the row position if absent)."),
     prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="Text prompt column (default: prompt)."),
     prompt_ids_column: Optional[str] = typer.Option(None, "--prompt-ids-column", help="Token-id prompt column instead of text."),
+    messages_column: Optional[str] = typer.Option(None, "--messages-column", help="Chat messages column (list of {role, content}) instead of a prompt, rendered with the base's chat template."),
     adapter_column: str = typer.Option("adapter", "--adapter-column", help="Adapter id column (null, empty or __base__ = base model)."),
     max_new_tokens_column: Optional[str] = typer.Option(None, "--max-new-tokens-column", help="Per-row max_new_tokens column."),
     keep_columns: Optional[List[str]] = typer.Option(None, "--keep-columns", help="Input columns to copy to the output (repeat or comma-separate)."),
@@ -95,14 +96,17 @@ def batch_run(
         _fail(err, "E_USAGE", "give either --adapters DIR or --catalog FILE, not both", EXIT_USAGE)
     if prompt_column and prompt_ids_column:
         _fail(err, "E_USAGE", "give either --prompt-column or --prompt-ids-column, not both", EXIT_USAGE)
+    if messages_column and (prompt_column or prompt_ids_column):
+        _fail(err, "E_USAGE", "--messages-column replaces the prompt: give it without --prompt-column and "
+              "--prompt-ids-column", EXIT_USAGE)
     if not 0 < top_p <= 1:
         _fail(err, "E_USAGE", "--top-p must lie in (0, 1]", EXIT_USAGE)
     keep = tuple(c.strip() for item in (keep_columns or []) for c in item.split(",") if c.strip())
     opts = JobConfig(
         input=input, output=str(output), base=str(base),
         adapters_dir=str(adapters) if adapters else None, catalog_file=str(catalog) if catalog else None,
-        id_column=id_column, prompt_column=None if prompt_ids_column else (prompt_column or "prompt"),
-        prompt_ids_column=prompt_ids_column, adapter_column=adapter_column,
+        id_column=id_column, prompt_column=None if (prompt_ids_column or messages_column) else (prompt_column or "prompt"),
+        prompt_ids_column=prompt_ids_column, messages_column=messages_column, adapter_column=adapter_column,
         max_new_tokens_column=max_new_tokens_column, keep_columns=keep, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), strict=strict,
         resume=resume, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,

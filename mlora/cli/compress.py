@@ -1,8 +1,10 @@
-"""``mlora compress``: fit a collection bundle; ``compress inspect`` and ``compress export`` read one.
+"""``mlora compress fit|inspect|export``: fit a collection bundle, verify one, export a member.
 
-Thin: parse options, call ``mlora.compress``, render. The first argument
-``inspect`` or ``export`` selects the sub-command (write ``./inspect`` for an
-adapter directory of that name).
+Thin: parse options, call ``mlora.compress``, render. A Typer group: the first
+word after ``compress`` is always a sub-command, so an adapter directory named
+``inspect`` or ``export`` is an adapter path wherever the grammar places one
+(``mlora compress fit inspect -o B``). ``mlora.compress`` and torch are imported
+inside the commands, so that ``mlora --help`` and the other commands start without them.
 """
 
 from __future__ import annotations
@@ -14,20 +16,35 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from mlora.cli.render import fail as _fail
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
 
-def compress(
-    args: List[str] = typer.Argument(..., help="ADAPTER... (directories or directories of them), or "
-                                     "'inspect BUNDLE', or 'export BUNDLE ADAPTER_ID'."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The bundle to write (compress) or the "
-                                          "adapter directory to write (export). Never overwritten."),
+class _CompressGroup(TyperGroup):
+    """The sub-commands, and a usage error that names them when the first word is none of them."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            ctx.fail(f"no sub-command {args[0]!r}: use fit, inspect or export "
+                     "(fit a bundle with `mlora compress fit ADAPTER... -o BUNDLE`)")
+        return super().resolve_command(ctx, args)
+
+
+compress_app = typer.Typer(cls=_CompressGroup, no_args_is_help=True,
+                           help="Collection bundles: fit shared bases and per-adapter cores, inspect, export.")
+
+
+@compress_app.command("fit")
+def fit(
+    adapters: List[str] = typer.Argument(..., help="Adapter directories, or directories of them."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The bundle to write. Never overwritten."),
     method: str = typer.Option("jd-full", "--method", help="jd-full (orthonormal bases, R x R cores) or jd-diag."),
     rank: int = typer.Option(16, "--rank", help="Shared rank R."),
     clusters: str = typer.Option("1", "--clusters", help="Clusters per module: K, or 'auto' (smallest K meeting --max-error)."),
@@ -46,21 +63,13 @@ def compress(
     \f
     Most of its lines are the Typer option declarations and the table. (Text after the form feed is not shown in --help.)"""
     err = Console(stderr=True)
-    if args[0] == "inspect":
-        if len(args) != 2:
-            _fail(err, "E_USAGE", "usage: mlora compress inspect BUNDLE [--json]", EXIT_USAGE)
-        return _inspect(args[1], json_out, err)
-    if args[0] == "export":
-        if len(args) != 3 or output is None:
-            _fail(err, "E_USAGE", "usage: mlora compress export BUNDLE ADAPTER_ID -o DIR", EXIT_USAGE)
-        return _export(args[1], args[2], str(output), json_out, err)
     if output is None:
         _fail(err, "E_USAGE", "give the bundle to write with -o BUNDLE", EXIT_USAGE)
     import torch
 
     from mlora.compress import CompressError
     from mlora.compress.bundle import CompressOptions, write_bundle
-    from mlora.compress.bundle import compress as fit
+    from mlora.compress.bundle import compress as fit_collection
     from mlora.compress.collection import load_collection
 
     k = "auto" if clusters == "auto" else _int(clusters, err)
@@ -74,7 +83,7 @@ def compress(
     show = not quiet  # progress goes to stderr, so --json (stdout) keeps it
     try:
         started = time.perf_counter()
-        col = load_collection(list(args), str(base) if base else None)
+        col = load_collection(list(adapters), str(base) if base else None)
         if show:
             err.print(f"[dim]{len(col.members)} members validated in {time.perf_counter() - started:.1f} s, "
                       f"{len(col.modules)} modules; fitting {method} R={rank} clusters={clusters} on {dev}[/dim]")
@@ -87,7 +96,7 @@ def compress(
                 err.print(f"[dim]{done[0]:>4}/{len(col.modules)} {f.module}: K={f.result.K}, worst error {worst:.4f}, "
                           f"{f.seconds:.1f} s[/dim]")
 
-        result = fit(col, opts, progress)
+        result = fit_collection(col, opts, progress)
         bad = result.offenders()
         if bad:
             if json_out:
@@ -126,18 +135,24 @@ def _num(x: float):
     return x if math.isfinite(x) else str(x)
 
 
-def _inspect(path: str, json_out: bool, err: Console) -> None:
+@compress_app.command("inspect")
+def inspect_bundle(
+    bundle: str = typer.Argument(..., help="The bundle directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print the bundle manifest as JSON on stdout."),
+) -> None:
+    """Verify a bundle (every file and tensor against its manifest) and print its ledger and errors."""
     from mlora.compress import CompressError
     from mlora.compress.bundle import read_bundle
 
+    err = Console(stderr=True)
     try:
-        b = read_bundle(path)
+        b = read_bundle(bundle)
     except CompressError as exc:
         _fail(err, exc.code, exc.message, EXIT_INVALID)
     if json_out:
         sys.stdout.write(json.dumps(b.manifest) + "\n")
         return
-    _print_summary(b.manifest, path)
+    _print_summary(b.manifest, bundle)
 
 
 def _print_summary(man: dict, path: str) -> None:
@@ -160,15 +175,23 @@ def _print_summary(man: dict, path: str) -> None:
     con.print(t)
 
 
-def _export(bundle_path: str, member: str, out: str, json_out: bool, err: Console) -> None:
+@compress_app.command("export")
+def export_adapter(
+    bundle: str = typer.Argument(..., help="The bundle directory."),
+    adapter_id: str = typer.Argument(..., help="The member to export."),
+    output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. Never overwritten."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Write one member of a bundle as a plain PEFT LoRA adapter (its compressed delta, rank R)."""
     from mlora.compress import CompressError
     from mlora.compress.bundle import export_member, read_bundle
 
+    err, out = Console(stderr=True), str(output)
     try:
-        info = export_member(read_bundle(bundle_path), member, out)
+        info = export_member(read_bundle(bundle), adapter_id, out)
     except CompressError as exc:
         _fail(err, exc.code, exc.message, EXIT_INVALID)
     if json_out:
         sys.stdout.write(json.dumps(info) + "\n")
     else:
-        Console().print(f"exported {member} ({info['modules']} modules, rank {info['rank']}) to {out}")
+        Console().print(f"exported {adapter_id} ({info['modules']} modules, rank {info['rank']}) to {out}")

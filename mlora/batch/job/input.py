@@ -16,7 +16,9 @@ Rules:
 * Column types, checked in every file before any row is read: id string or
   integer (integers become their decimal string); prompt string; prompt_ids
   list of integers; adapter string; max_new_tokens integer; kept columns any
-  type, but the same type in every file. Strings may also be dictionary
+  type, but the same type in every file; messages a list of structs with
+  string ``role`` and ``content`` fields (other fields allowed: they reach
+  the chat template as they are). Strings may also be dictionary
   encoded; a column whose type is ``null`` (all values null) is accepted
   where nulls are. Only kept columns must agree exactly between files: role
   columns are converted to Python values, so ``string`` in one file and
@@ -59,6 +61,7 @@ _FLAG = {
     "id": "--id-column",
     "prompt": "--prompt-column",
     "prompt_ids": "--prompt-ids-column",
+    "messages": "--messages-column",
     "adapter": "--adapter-column",
     "max_new_tokens": "--max-new-tokens-column",
     "keep": "--keep-columns",
@@ -75,8 +78,8 @@ class JobInputError(CodedError, ValueError):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """Which input column plays which role. Exactly one of ``prompt_column``
-    and ``prompt_ids_column`` is set (else ``E_INPUT_USAGE``, a usage error)."""
+    """Which input column plays which role. Exactly one of ``prompt_column``,
+    ``prompt_ids_column`` and ``messages_column`` is set (else ``E_INPUT_USAGE``, a usage error)."""
 
     id_column: str = "id"
     prompt_column: str | None = "prompt"
@@ -84,11 +87,14 @@ class InputSpec:
     adapter_column: str = "adapter"
     max_new_tokens_column: str | None = None
     keep_columns: tuple[str, ...] = ()
+    messages_column: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
-        if (self.prompt_column is None) == (self.prompt_ids_column is None):
-            raise JobInputError("E_INPUT_USAGE", "give exactly one of --prompt-column and --prompt-ids-column")
+        prompts = (self.prompt_column, self.prompt_ids_column, self.messages_column)
+        if sum(c is not None for c in prompts) != 1:
+            raise JobInputError("E_INPUT_USAGE", "give exactly one of --prompt-column, --prompt-ids-column and "
+                                "--messages-column")
         if len(set(self.keep_columns)) != len(self.keep_columns):
             raise JobInputError("E_INPUT_USAGE", f"--keep-columns names a column twice: {list(self.keep_columns)}")
         clash = [c for c in self.keep_columns if c in OUTPUT_COLUMNS]
@@ -105,6 +111,8 @@ class InputSpec:
             roles["prompt"] = self.prompt_column
         if self.prompt_ids_column is not None:
             roles["prompt_ids"] = self.prompt_ids_column
+        if self.messages_column is not None:
+            roles["messages"] = self.messages_column
         if self.max_new_tokens_column is not None:
             roles["max_new_tokens"] = self.max_new_tokens_column
         return roles
@@ -121,6 +129,7 @@ class InputBatch:
     adapters: list[str | None]
     max_new_tokens: list[int | None]
     kept: pa.Table
+    messages: list[list[dict] | None] | None = None  # with --messages-column, instead of prompts
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -145,11 +154,21 @@ def _is_int_list(t: pa.DataType) -> bool:
     return any(p(t) for p in lists) and pa.types.is_integer(t.value_type)
 
 
+def _is_messages(t: pa.DataType) -> bool:
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    if not (any(p(t) for p in lists) and pa.types.is_struct(t.value_type)):
+        return False
+    item = t.value_type
+    names = [item.field(i).name for i in range(item.num_fields)]
+    return all(names.count(k) == 1 and _is_text(item.field(k).type) for k in ("role", "content"))
+
+
 # role -> (accepts, expected type in words, nulls allowed)
 _TYPES = {
     "id": (lambda t: _is_text(t) or pa.types.is_integer(t), "string or integer", False),
     "prompt": (_is_text, "string", True),
     "prompt_ids": (_is_int_list, "list<integer>", True),
+    "messages": (_is_messages, "list<struct<role: string, content: string>>", True),
     "adapter": (_is_text, "string", True),
     "max_new_tokens": (pa.types.is_integer, "integer", True),
 }
@@ -322,6 +341,7 @@ class InputSource:
             ids = [v if isinstance(v, str) else str(v) for v in raw]
         prompts = rb.column(spec.prompt_column).to_pylist() if spec.prompt_column is not None else None
         prompt_ids = rb.column(spec.prompt_ids_column).to_pylist() if spec.prompt_ids_column is not None else None
+        messages = rb.column(spec.messages_column).to_pylist() if spec.messages_column is not None else None
         adapters = rb.column(spec.adapter_column).to_pylist()
         if spec.max_new_tokens_column is not None:
             max_new_tokens = rb.column(spec.max_new_tokens_column).to_pylist()
@@ -331,7 +351,7 @@ class InputSource:
             kept = pa.Table.from_arrays([rb.column(c) for c in spec.keep_columns], schema=self.kept_schema)
         else:  # no columns, but still n rows
             kept = pa.Table.from_batches([rb.select([])])
-        return InputBatch(first_row, ids, prompts, prompt_ids, adapters, max_new_tokens, kept)
+        return InputBatch(first_row, ids, prompts, prompt_ids, adapters, max_new_tokens, kept, messages)
 
 
 def _missing(role: str, column: str, path: str, schema: pa.Schema) -> JobInputError:

@@ -10,12 +10,17 @@ worker processes or Ray) drive engines between the two.
 Row outcomes (``error_code``; ``finish_reason`` is ``error``):
 
     E_PROMPT_NULL        the prompt cell is null
+    E_PROMPT_MESSAGES    the messages cell is not a non-empty list of {role, content} (``job/chat.py``)
+    E_PROMPT_TEMPLATE    the base's chat template raised on the row's messages
     E_PROMPT_EMPTY       the prompt tokenizes to nothing
     E_PROMPT_TOO_LONG    the prompt does not fit the context (or prompt + max_new_tokens the KV cache)
     E_PROMPT_TOKEN_RANGE a prompt token id is outside the vocabulary
     E_MAX_NEW_TOKENS     the row's max_new_tokens is < 1
     E_ADAPTER_UNKNOWN    the adapter id is not in the catalog
     other E_...          the adapter failed validation at job start (its ``mlora validate`` code)
+
+A row's problem fails only that row; a job-wide one (no chat template for
+``--messages-column``, a column of the wrong type) fails the job before any row runs.
 
 With ``strict`` an adapter that is unknown, invalid or not servable fails the
 whole job before any row runs (JobError, exit 1).
@@ -34,6 +39,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from mlora.batch.adapters.catalog import BASE_ID, load_catalog
 from mlora.batch.config import JobConfig, resolve_dtype
 from mlora.batch.errors import JobError
+from mlora.batch.job.chat import load_chat_template
 from mlora.batch.job.input import InputSpec, open_input
 from mlora.batch.job.output import JobOutput, ResultSink, output_schema
 from mlora.batch.model.decoder import load_config
@@ -80,17 +86,25 @@ def distinct_adapters(files: list[str], column: str) -> set[str]:
 
 
 class Tokenizer:
-    """The base's tokenizer.json (special tokens added as its post-processor says)."""
+    """The base's tokenizer.json (special tokens added as its post-processor says) and, with
+    ``chat``, its chat template (JobError ``E_CHAT_TEMPLATE_MISSING`` when it has none)."""
 
-    def __init__(self, base_dir: str):
+    def __init__(self, base_dir: str, chat: bool = False):
         path = os.path.join(base_dir, "tokenizer.json")
         if not os.path.exists(path):
             raise JobError("E_TOKENIZER", f"{path} not found: the base needs a tokenizer.json "
                            "(or give --prompt-ids-column with token ids)")
         self._tok = HFTokenizer.from_file(path)
+        self.chat_template = load_chat_template(base_dir) if chat else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def encode_chat(self, messages) -> list[int]:
+        """One row's messages rendered with the chat template and the generation prompt, encoded without
+        adding special tokens (the template writes them), as transformers' ``apply_chat_template`` does.
+        Raises :class:`~mlora.batch.job.chat.ChatMessagesError`."""
+        return self._tok.encode(self.chat_template.render(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -137,10 +151,11 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
     spec = InputSpec(
         id_column=opts.id_column, prompt_column=opts.prompt_column, prompt_ids_column=opts.prompt_ids_column,
         adapter_column=opts.adapter_column, max_new_tokens_column=opts.max_new_tokens_column,
-        keep_columns=tuple(opts.keep_columns),
+        keep_columns=tuple(opts.keep_columns), messages_column=opts.messages_column,
     )
     source = open_input(opts.input, spec)
-    tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
+    tokenizer = Tokenizer(opts.base, chat=bool(opts.messages_column)) if (opts.prompt_column or opts.messages_column
+                                                                         or opts.stop) else None
 
     # identities: base, then every adapter the input names, pinned by digest now
     try:
@@ -169,12 +184,14 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
         "input": source.fingerprint(),
         "columns": {"id": opts.id_column, "prompt": opts.prompt_column, "prompt_ids": opts.prompt_ids_column,
                     "adapter": opts.adapter_column, "max_new_tokens": opts.max_new_tokens_column,
-                    "keep": list(opts.keep_columns)},
+                    "keep": list(opts.keep_columns), "messages": opts.messages_column},
         "sampling": {"temperature": repr(float(opts.temperature)), "top_p": repr(float(opts.top_p)),
                      "top_k": opts.top_k, "seed": opts.seed, "max_new_tokens": opts.max_new_tokens,
                      "stop": list(opts.stop)},
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if opts.messages_column:  # the template makes the prompts: a changed template is a different job
+        parts["chat_template_sha256"] = tokenizer.chat_template.sha256
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
     summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,

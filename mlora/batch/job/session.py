@@ -31,6 +31,7 @@ from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
 from mlora.batch.errors import JobError
 from mlora.batch.gcpauses import RunPauses
+from mlora.batch.job.chat import ChatMessagesError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import BASE_IDS, Tokenizer
 from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots
@@ -51,7 +52,8 @@ class EngineSession:
 
     def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
-        self.tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
+        self.tokenizer = Tokenizer(opts.base, chat=bool(opts.messages_column)) if (
+            opts.prompt_column or opts.messages_column or opts.stop) else None
         self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         self.arena = None  # the joint memory ledger's page arena
         self._switch = None  # the GIL switch interval to restore at close
@@ -271,6 +273,16 @@ def requests_of(batch, opts: JobConfig, tokenizer: Tokenizer | None, vocab_size:
             if any((t < 0 or t >= vocab_size) for t in ids):
                 yield Result(row, rid, adapter, [], "error", len(ids), "E_PROMPT_TOKEN_RANGE",
                              f"a prompt token id is outside [0, {vocab_size})")
+                continue
+        elif batch.messages is not None:
+            messages = batch.messages[i]
+            if messages is None:
+                yield Result(row, rid, adapter, [], "error", 0, "E_PROMPT_NULL", "the messages cell is null")
+                continue
+            try:
+                ids = tokenizer.encode_chat(messages)
+            except ChatMessagesError as exc:
+                yield Result(row, rid, adapter, [], "error", 0, exc.code, exc.message)
                 continue
         else:
             text = batch.prompts[i]

@@ -78,6 +78,7 @@ except ImportError as exc:
 
 # the role columns of the table read_window yields (kept input columns keep their names)
 ROW, ID, PROMPT, PROMPT_IDS, ADAPTER, MAX_NEW = "_row", "_id", "_prompt", "_prompt_ids", "_adapter", "_max_new_tokens"
+MESSAGES = "_messages"
 # JobConfig fields a predictor takes as keyword options (the rest are about files and the job)
 PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
     "input", "output", "base", "adapters_dir", "catalog_file", "keep_columns", "strict", "resume", "shard_rows",
@@ -110,7 +111,7 @@ class MloraPredictor:
     :data:`PREDICTOR_OPTIONS` as keywords with batch-run's meaning and defaults
     (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
     ``max_num_seqs``, ``max_batch_tokens``, ``max_gpu_adapters``, ``host_cache_gb``,
-    ``kv_cache_gb``, ``id_column``, ``prompt_column`` or ``prompt_ids_column``,
+    ``kv_cache_gb``, ``id_column``, ``prompt_column`` or ``prompt_ids_column`` or ``messages_column``,
     ``adapter_column``, ``max_new_tokens_column``, ...).
 
     ``__call__(batch)``: a pandas DataFrame, a pyarrow Table or a dict of columns
@@ -133,7 +134,7 @@ class MloraPredictor:
         unknown = sorted(set(options) - PREDICTOR_OPTIONS)
         if unknown:
             raise TypeError(f"MloraPredictor: unknown option(s) {unknown}; known: {sorted(PREDICTOR_OPTIONS)}")
-        if options.get("prompt_ids_column"):
+        if options.get("prompt_ids_column") or options.get("messages_column"):
             options.setdefault("prompt_column", None)
         self.keep_columns = None if keep_columns is None else list(keep_columns)
         self.opts = JobConfig(input="", output="", base=base, adapters_dir=adapters, catalog_file=catalog,
@@ -150,7 +151,7 @@ class MloraPredictor:
         as_pandas = type(batch).__module__.startswith("pandas")
         table = _to_table(batch)
         o = self.opts
-        roles = [c for c in (o.id_column, o.prompt_column, o.prompt_ids_column, o.adapter_column,
+        roles = [c for c in (o.id_column, o.prompt_column, o.prompt_ids_column, o.messages_column, o.adapter_column,
                              o.max_new_tokens_column) if c]
         missing = [c for c in roles if c not in table.column_names]
         if missing:
@@ -174,7 +175,7 @@ class MloraPredictor:
             raise ValueError(f"E_INPUT_NULL_ID: row {ids.index(None)} of the batch has a null id; fill in every id")
         n = table.num_rows
         batch_ = InputBatch(0, ids, col(o.prompt_column), col(o.prompt_ids_column), col(o.adapter_column),
-                            col(o.max_new_tokens_column) or [None] * n, None)
+                            col(o.max_new_tokens_column) or [None] * n, None, col(o.messages_column))
         s = self.session
         results = s.run(requests_of(batch_, o, s.tokenizer, s.vocab_size))
         records = [None] * n
@@ -207,7 +208,8 @@ def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int
     position, yielded as tables of at most ``batch_rows`` rows (the module docstring)."""
     spec = InputSpec(id_column=opts.id_column, prompt_column=opts.prompt_column,
                      prompt_ids_column=opts.prompt_ids_column, adapter_column=opts.adapter_column,
-                     max_new_tokens_column=opts.max_new_tokens_column, keep_columns=tuple(opts.keep_columns))
+                     max_new_tokens_column=opts.max_new_tokens_column, keep_columns=tuple(opts.keep_columns),
+                     messages_column=opts.messages_column)
     source = open_input(opts.input, spec)
     if source.fingerprint() != fingerprint:
         raise JobInputError("E_INPUT_CHANGED", f"{opts.input} changed after the job started; rerun the job on a "
@@ -219,7 +221,8 @@ def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int
             for i in range(len(b)):
                 rows.append((b.adapters[i] or "", b.first_row + i, b.ids[i],
                              b.prompts[i] if b.prompts is not None else None,
-                             b.prompt_ids[i] if b.prompt_ids is not None else None, b.adapters[i], mnt[i]))
+                             b.prompt_ids[i] if b.prompt_ids is not None else None, b.adapters[i], mnt[i],
+                             b.messages[i] if b.messages is not None else None))
             kept.append(b.kept)
         order = sorted(range(len(rows)), key=lambda k: rows[k][:2])  # adapter, then input order
         cols = {ROW: pa.array([rows[k][1] for k in order], pa.int64()),
@@ -228,6 +231,8 @@ def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int
                 MAX_NEW: pa.array([rows[k][6] for k in order], pa.int64())}
         if opts.prompt_ids_column:
             cols[PROMPT_IDS] = pa.array([rows[k][4] for k in order], pa.list_(pa.int64()))
+        elif opts.messages_column:
+            cols[MESSAGES] = pa.array([rows[k][7] for k in order])
         else:
             cols[PROMPT] = pa.array([rows[k][3] for k in order], pa.string())
         table = pa.table(cols)
@@ -298,8 +303,9 @@ def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # mlora's own progress is on stderr
     options = {k: getattr(opts, k) for k in PREDICTOR_OPTIONS if k not in ("device", "dtype")}
-    options.update(id_column=ID, prompt_column=None if opts.prompt_ids_column else PROMPT,
-                   prompt_ids_column=PROMPT_IDS if opts.prompt_ids_column else None, adapter_column=ADAPTER,
+    options.update(id_column=ID, prompt_column=None if (opts.prompt_ids_column or opts.messages_column) else PROMPT,
+                   prompt_ids_column=PROMPT_IDS if opts.prompt_ids_column else None,
+                   messages_column=MESSAGES if opts.messages_column else None, adapter_column=ADAPTER,
                    max_new_tokens_column=MAX_NEW)
     predictor = dict(base=opts.base, pinned=prep.pinned, device="cuda" if on_gpu else "cpu",
                      keep_columns=[ROW, *opts.keep_columns],
