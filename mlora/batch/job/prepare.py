@@ -184,13 +184,14 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
         "input": source.fingerprint(),
         "columns": {"id": opts.id_column, "prompt": opts.prompt_column, "prompt_ids": opts.prompt_ids_column,
                     "adapter": opts.adapter_column, "max_new_tokens": opts.max_new_tokens_column,
-                    "keep": list(opts.keep_columns), "messages": opts.messages_column},
+                    "keep": list(opts.keep_columns)},
         "sampling": {"temperature": repr(float(opts.temperature)), "top_p": repr(float(opts.top_p)),
                      "top_k": opts.top_k, "seed": opts.seed, "max_new_tokens": opts.max_new_tokens,
                      "stop": list(opts.stop)},
         "dtype": str(dtype).replace("torch.", ""),
     }
     if opts.messages_column:  # the template makes the prompts: a changed template is a different job
+        parts["columns"]["messages"] = opts.messages_column  # absent otherwise: earlier outputs still resume
         parts["chat_template_sha256"] = tokenizer.chat_template.sha256
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
