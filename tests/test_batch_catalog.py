@@ -206,6 +206,9 @@ def test_invalid_and_unservable_adapters_keep_their_step1_codes(ws, tmp_path):
     os.truncate(file, os.path.getsize(file) - 7)
     bias = copy_adapter(src, str(tmp_path / "d" / "bias"))
     write_config(bias, {**read_config(bias), "bias": "all"})
+    tensors = load_tensors(bias)  # a trained bias: a base without biases cannot serve it
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = torch.ones(32)
+    save_tensors(bias, tensors)
     head = str(tmp_path / "d" / "head")
     make_adapter(head, r=2, lora_alpha=2, target_modules=["lm_head"])
     save_tensors(head, {k: v for k, v in load_tensors(head).items() if "lora_" in k})  # valid, servable PEFT

@@ -168,6 +168,33 @@ def test_row_outcomes(env, tmp_path):
     assert all(rows[k]["finish_reason"] == "error" and rows[k]["error_message"] for k in rows if k != "ok")
 
 
+def _a1_rows_under(env, tmp_path, ids: list[str]) -> str:
+    """An input of the ``a1`` rows of ``env``, once under each adapter id of ``ids``."""
+    a1 = [i for i, a in enumerate(ROW_ADAPTERS) if a == "a1"]
+    inp = str(tmp_path / "a1.parquet")
+    pq.write_table(pa.table({
+        "id": [f"{name}:r{i}" for name in ids for i in a1],
+        "prompt_ids": pa.array([env["prompts"][i] for _ in ids for i in a1], pa.list_(pa.int64())),
+        "adapter": [name for name in ids for _ in a1],
+    }), inp)
+    return inp
+
+
+def test_a_bias_field_without_bias_tensors_is_served_as_the_plain_lora(env, tmp_path):
+    """bias="lora_only" on a base without biases: the file is the plain LoRA a1, and so is every token."""
+    adapters = tmp_path / "adapters"
+    factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1"))
+    factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1-bias"))
+    factory.write_config(str(adapters / "a1-bias"), {**factory.read_config(str(adapters / "a1-bias")), "bias": "lora_only"})
+    _run(env, tmp_path / "out", input=_a1_rows_under(env, tmp_path, ["a1", "a1-bias"]), adapters_dir=str(adapters),
+         keep_columns=())
+    rows = _rows(tmp_path / "out")
+    for rid, r in rows.items():
+        assert r["error_code"] is None, r
+        assert r["completion_token_ids"] == env["expected"][rid.split(":")[1]]
+    assert {r["adapter"] for r in rows.values()} == {"a1", "a1-bias"} and len(rows) == 6
+
+
 def test_strict_fails_on_an_unknown_adapter(env, tmp_path, run_cli):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array([[5, 6]], pa.list_(pa.int64())), "adapter": ["nope"]}), inp)

@@ -352,6 +352,26 @@ def test_unservable_config_features(adapter_copy, manifests, changes, code):
     assert m["valid"] and not m["servable"] and m["artifact_sha256"]
 
 
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_bias_field_without_a_bias_tensor_is_a_plain_lora(adapter_copy, good_adapter, manifests, bias):
+    """On a base without biases PEFT saves no bias tensor: the field is inert, the adapter
+    is the plain LoRA it holds (servable, its factors' identity) and only a warning says so."""
+    set_config(adapter_copy, bias=bias)
+    m = expect(manifests, adapter_copy, "W_BIAS_INERT", 0)
+    assert m["valid"] and m["servable"]
+    assert m["modules"] == manifests(good_adapter)[1][0]["modules"]
+    expect(manifests, adapter_copy, "W_BIAS_INERT", 1, "--strict")
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_bias_field_with_a_trained_bias_tensor_is_unservable(adapter_copy, manifests, bias):
+    set_config(adapter_copy, bias=bias)
+    mutate_tensors(adapter_copy, lambda t: t.__setitem__(f"{Q0}.bias", torch.full((32,), 0.5)))
+    m = expect(manifests, adapter_copy, "U_BIAS", 1)
+    assert m["valid"] and not m["servable"] and m["artifact_sha256"]
+    assert f"{Q0}.bias" in m["findings"][0]["message"]
+
+
 def test_every_code_is_exercised():
     """The corpus above names every registered code (keeps the registry honest)."""
     here = open(__file__).read() + open(os.path.join(os.path.dirname(__file__), "test_peft_parity.py")).read()

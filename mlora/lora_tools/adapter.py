@@ -265,6 +265,7 @@ def _build_modules(art: AdapterArtifact) -> None:
         art.add(finding("U_EMBEDDING_LORA", "the adapter holds lora_embedding_A/B factors"))
     if not pairs:
         art.add(finding("E_NO_MODULES", "no lora_A/lora_B tensors found"))
+    _check_bias(art, spec)
     _check_patterns(art, spec)
 
 
@@ -312,6 +313,20 @@ def _explained_extra(spec: LoraSpec, name: str, tensors: dict[str, Tensor]) -> b
         module = name[: -len(".base_layer.weight")]
         return any(_canonical(k).startswith(module + ".lora_embedding_") for k in tensors)
     return False
+
+
+def _check_bias(art: AdapterArtifact, spec: LoraSpec) -> None:
+    """``bias`` != "none", judged by what the file holds: trained base biases are unservable
+    (mlora serves the base's own); with none (a base without biases) the adapter is the plain
+    LoRA it stores, as PEFT serves it, and the field is inert."""
+    if spec.bias == "none":
+        return
+    held = sorted(k for k in art.extra if k.endswith(".bias") and not (spec.lora_bias and k.endswith(".lora_B.bias")))
+    if held:
+        art.add(finding("U_BIAS", f"bias is {spec.bias!r} and the file holds {len(held)} trained bias tensor(s), "
+                                  f"e.g. {held[0]!r}"))
+    else:
+        art.add(finding("W_BIAS_INERT", f"bias is {spec.bias!r} and the file holds no bias tensor"))
 
 
 def _check_patterns(art: AdapterArtifact, spec: LoraSpec) -> None:
