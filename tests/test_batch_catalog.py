@@ -236,6 +236,30 @@ def test_load_factors_gives_peft_factors(ws, pinned):
             assert torch.equal(a, ra) and torch.equal(b, rb) and scale == pytest.approx(scaling, rel=1e-12)
 
 
+def test_a_pickle_adapter_is_pinned_only_when_allowed_and_reread_verified(ws, pinned, tmp_path):
+    path = copy_adapter(os.path.join(ws["adapters"], "qv"), str(tmp_path / "d" / "qv"))
+    tensors = load_tensors(path)
+    torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    cat = load_catalog(str(tmp_path / "d"), None)
+    refused = cat.pin({"qv"}, ws["base"])["qv"]
+    assert not refused.ok and refused.error_code == "E_PICKLE_REFUSED" and "--allow-pickle" in refused.error_message
+    p = cat.pin({"qv"}, ws["base"], allow_pickle=True)["qv"]
+    assert p.ok and p.semantic_sha256 == pinned["qv"].semantic_sha256  # the identity is not the container's
+    want = load_factors(pinned["qv"], torch.float32, "cpu")
+    got = load_factors(p, torch.float32, "cpu")
+    assert got.keys() == want.keys() and all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+                                             for g, w in zip(got.values(), want.values()))
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] += 1.0
+    torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+    with pytest.raises(AdapterChanged, match="no longer hashes"):
+        load_factors(p, torch.float32, "cpu")
+    os.remove(os.path.join(path, "adapter_model.bin"))
+    with pytest.raises(AdapterChanged, match="cannot be read"):
+        load_factors(p, torch.float32, "cpu")
+
+
 def test_unsupported_role_is_refused_at_load_time(pinned):
     p = pinned["qv"]
     sneaky = dataclasses.replace(p, modules=(dataclasses.replace(p.modules[0], role="lm_head", name="lm_head"),))

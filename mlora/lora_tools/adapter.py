@@ -202,7 +202,7 @@ def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
             art.add(finding("E_PICKLE_REFUSED", f"{PICKLE_FILE} is a pickle, which can run code when loaded"))
             return False
         try:
-            art.tensors = _load_pickle(pk)
+            art.tensors = load_pickle_tensors(pk)
         except Exception as exc:  # torch.load raises many types; all mean "unreadable"
             art.add(finding("E_PICKLE_LOAD", f"{PICKLE_FILE}: {type(exc).__name__}: {exc}"))
             return False
@@ -212,14 +212,16 @@ def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
     return True
 
 
-def _load_pickle(path: str) -> dict[str, Tensor]:
+def load_pickle_tensors(path: str) -> dict[str, MemTensor]:
+    """The floating-point tensors of a PEFT ``adapter_model.bin``, read with
+    ``torch.load(weights_only=True)`` (``--allow-pickle``); raises on anything else."""
     import torch  # only the pickle path needs torch
 
     names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise TypeError("the pickle does not hold a state dict")
-    out: dict[str, Tensor] = {}
+    out: dict[str, MemTensor] = {}
     for key, t in state.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in names:
             raise TypeError(f"entry {key!r} is not a floating-point tensor")
