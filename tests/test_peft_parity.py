@@ -77,10 +77,10 @@ def check_parity(tmp_path, manifests, kind, case, kwargs):
 def test_llama_parity(tmp_path, manifests, case):
     code, m = check_parity(tmp_path, manifests, "llama", case, CASES[case])
     if case in EXPECTED_UNSERVABLE:
-        assert EXPECTED_UNSERVABLE[case] in codes(m)
+        assert codes(m) == {EXPECTED_UNSERVABLE[case]}, m["findings"]
         assert not m["servable"] and code == 1
     else:
-        assert m["servable"] and code == 0, m["findings"]
+        assert codes(m) == set() and m["servable"] and code == 0, m["findings"]
 
 
 def test_patterns_resolve_in_dict_order(tmp_path, manifests):

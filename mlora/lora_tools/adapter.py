@@ -268,7 +268,7 @@ def _build_modules(art: AdapterArtifact) -> None:
     if not pairs:
         art.add(finding("E_NO_MODULES", "no lora_A/lora_B tensors found"))
     _check_bias(art, spec)
-    _check_patterns(art, spec)
+    _check_patterns(art, spec, sorted({name for name, _ in pairs}))
 
 
 def _module_record(art: AdapterArtifact, spec: LoraSpec, name: str, kind: str, a: Tensor, b: Tensor) -> ModuleRecord | None:
@@ -331,8 +331,9 @@ def _check_bias(art: AdapterArtifact, spec: LoraSpec) -> None:
         art.add(finding("W_BIAS_INERT", f"bias is {spec.bias!r} and the file holds no bias tensor"))
 
 
-def _check_patterns(art: AdapterArtifact, spec: LoraSpec) -> None:
-    names = [m.name for m in art.modules]
+def _check_patterns(art: AdapterArtifact, spec: LoraSpec, names: list[str]) -> None:
+    """A pattern key that matches none of the stored factor modules (a module whose factors are
+    malformed still counts: the key does match it)."""
     for label, patterns in (("rank_pattern", spec.rank_pattern), ("alpha_pattern", spec.alpha_pattern)):
         for key in patterns:
             if not any(pattern_key({key: None}, n) is not None for n in names):
@@ -409,7 +410,7 @@ def check_against_base(art: AdapterArtifact, base) -> None:
     _check_declared_base(art, spec, base)
     if spec.target_modules is not None and art.modules:
         expected = {n for n in shapes if module_is_targeted(spec, n, base.linear_modules)}
-        actual = {m.name for m in art.modules}
+        actual = {m.name for m in art.modules if m.name in shapes}  # the others are E_TARGET_NOT_IN_BASE
         missing, surplus = sorted(expected - actual), sorted(actual - expected)
         if missing or surplus:
             detail = []
