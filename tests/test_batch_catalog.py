@@ -206,6 +206,9 @@ def test_invalid_and_unservable_adapters_keep_their_step1_codes(ws, tmp_path):
     os.truncate(file, os.path.getsize(file) - 7)
     bias = copy_adapter(src, str(tmp_path / "d" / "bias"))
     write_config(bias, {**read_config(bias), "bias": "all"})
+    tensors = load_tensors(bias)  # a trained bias: a base without biases cannot serve it
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = torch.ones(32)
+    save_tensors(bias, tensors)
     head = str(tmp_path / "d" / "head")
     make_adapter(head, r=2, lora_alpha=2, target_modules=["lm_head"])
     save_tensors(head, {k: v for k, v in load_tensors(head).items() if "lora_" in k})  # valid, servable PEFT
@@ -231,6 +234,30 @@ def test_load_factors_gives_peft_factors(ws, pinned):
         for key, (a, b, scale) in factors.items():
             ra, rb, scaling, _ = ws["refs"][name][key]
             assert torch.equal(a, ra) and torch.equal(b, rb) and scale == pytest.approx(scaling, rel=1e-12)
+
+
+def test_a_pickle_adapter_is_pinned_only_when_allowed_and_reread_verified(ws, pinned, tmp_path):
+    path = copy_adapter(os.path.join(ws["adapters"], "qv"), str(tmp_path / "d" / "qv"))
+    tensors = load_tensors(path)
+    torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    cat = load_catalog(str(tmp_path / "d"), None)
+    refused = cat.pin({"qv"}, ws["base"])["qv"]
+    assert not refused.ok and refused.error_code == "E_PICKLE_REFUSED" and "--allow-pickle" in refused.error_message
+    p = cat.pin({"qv"}, ws["base"], allow_pickle=True)["qv"]
+    assert p.ok and p.semantic_sha256 == pinned["qv"].semantic_sha256  # the identity is not the container's
+    want = load_factors(pinned["qv"], torch.float32, "cpu")
+    got = load_factors(p, torch.float32, "cpu")
+    assert got.keys() == want.keys() and all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+                                             for g, w in zip(got.values(), want.values()))
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] += 1.0
+    torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+    with pytest.raises(AdapterChanged, match="no longer hashes"):
+        load_factors(p, torch.float32, "cpu")
+    os.remove(os.path.join(path, "adapter_model.bin"))
+    with pytest.raises(AdapterChanged, match="cannot be read"):
+        load_factors(p, torch.float32, "cpu")
 
 
 def test_unsupported_role_is_refused_at_load_time(pinned):

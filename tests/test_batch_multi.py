@@ -107,6 +107,23 @@ def test_two_cpu_workers_write_exactly_the_single_process_output(tmp_path, singl
     assert len([f for f in os.listdir(tmp_path / "out") if f == "_manifest.json"]) == 1
 
 
+def test_pickle_adapters_with_allow_pickle_on_two_workers_write_the_single_process_output(tmp_path,
+                                                                                          single_process_output):
+    """The demo adapters as adapter_model.bin: the workers read them as the job pinned them
+    (torch.load(weights_only=True), bytes re-hashed), to the same rows and identities."""
+    import shutil
+
+    from factory import load_tensors
+
+    adapters = tmp_path / "adapters"
+    shutil.copytree(os.path.join(DEMO, "adapters"), adapters)
+    for name in os.listdir(adapters):
+        torch.save(load_tensors(str(adapters / name)), adapters / name / "adapter_model.bin")
+        os.remove(adapters / name / "adapter_model.safetensors")
+    run_job(_opts(tmp_path / "out", adapters_dir=str(adapters), num_workers=2, allow_pickle=True))
+    _same_output(tmp_path / "out", single_process_output)
+
+
 def test_a_killed_worker_loses_and_duplicates_no_row(tmp_path, single_process_output, monkeypatch):
     """Worker 0 kills itself (SIGKILL) after sending 2 rows; its unfinished rows go to
     worker 1. Small chunks (max_num_seqs 2) and segments (schedule_window 8) so it holds some."""

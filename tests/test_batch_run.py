@@ -168,6 +168,71 @@ def test_row_outcomes(env, tmp_path):
     assert all(rows[k]["finish_reason"] == "error" and rows[k]["error_message"] for k in rows if k != "ok")
 
 
+def _a1_rows_under(env, tmp_path, ids: list[str]) -> str:
+    """An input of the ``a1`` rows of ``env``, once under each adapter id of ``ids``."""
+    a1 = [i for i, a in enumerate(ROW_ADAPTERS) if a == "a1"]
+    inp = str(tmp_path / "a1.parquet")
+    pq.write_table(pa.table({
+        "id": [f"{name}:r{i}" for name in ids for i in a1],
+        "prompt_ids": pa.array([env["prompts"][i] for _ in ids for i in a1], pa.list_(pa.int64())),
+        "adapter": [name for name in ids for _ in a1],
+    }), inp)
+    return inp
+
+
+def test_a_bias_field_without_bias_tensors_is_served_as_the_plain_lora(env, tmp_path):
+    """bias="lora_only" on a base without biases: the file is the plain LoRA a1, and so is every token."""
+    adapters = tmp_path / "adapters"
+    factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1"))
+    factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1-bias"))
+    factory.write_config(str(adapters / "a1-bias"), {**factory.read_config(str(adapters / "a1-bias")), "bias": "lora_only"})
+    _run(env, tmp_path / "out", input=_a1_rows_under(env, tmp_path, ["a1", "a1-bias"]), adapters_dir=str(adapters),
+         keep_columns=())
+    rows = _rows(tmp_path / "out")
+    for rid, r in rows.items():
+        assert r["error_code"] is None, r
+        assert r["completion_token_ids"] == env["expected"][rid.split(":")[1]]
+    assert {r["adapter"] for r in rows.values()} == {"a1", "a1-bias"} and len(rows) == 6
+
+
+def _to_pickle(path: str) -> str:
+    """The adapter at ``path`` with its tensors in adapter_model.bin (torch.save) instead of safetensors."""
+    torch.save(factory.load_tensors(path), os.path.join(path, "adapter_model.bin"))
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def test_a_pickle_adapter_is_served_only_with_allow_pickle(env, tmp_path, run_cli):
+    """Without --allow-pickle an adapter_model.bin adapter's rows are error rows whose advice
+    (--allow-pickle) batch-run takes; with it the rows equal the same adapter in safetensors,
+    under the same identity. The flag is part of what the job pinned: resuming without it
+    is refused."""
+    adapters = tmp_path / "adapters"
+    factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1"))
+    _to_pickle(factory.copy_adapter(os.path.join(env["adapters"], "a1"), str(adapters / "a1-bin")))
+    args = ["batch-run", _a1_rows_under(env, tmp_path, ["a1", "a1-bin"]), None, "--base", env["base"],
+            "--adapters", adapters, "--prompt-ids-column", "prompt_ids", "--device", "cpu", "--max-new-tokens",
+            MAX_NEW, "--quiet", "--json"]
+    args[2] = tmp_path / "refused"
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert json.loads(out)["errors_by_code"] == {"E_PICKLE_REFUSED": 3}
+    refused = _rows(tmp_path / "refused")
+    for rid, r in refused.items():
+        if r["adapter"] == "a1-bin":
+            assert r["error_code"] == "E_PICKLE_REFUSED" and "pass --allow-pickle" in r["error_message"]
+    args[2] = tmp_path / "served"
+    code, out, err = run_cli(*args, "--allow-pickle")
+    assert code == 0, err
+    assert json.loads(out)["error_rows"] == 0
+    rows = _rows(tmp_path / "served")
+    for rid, r in rows.items():
+        assert r["completion_token_ids"] == env["expected"][rid.split(":")[1]], r
+        assert r["adapter_sha256"] == rows["a1:" + rid.split(":")[1]]["adapter_sha256"] is not None
+    code, _, err = run_cli(*args, "--resume")
+    assert code == 1 and "E_RESUME_MISMATCH" in err
+
+
 def test_strict_fails_on_an_unknown_adapter(env, tmp_path, run_cli):
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt_ids": pa.array([[5, 6]], pa.list_(pa.int64())), "adapter": ["nope"]}), inp)

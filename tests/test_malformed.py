@@ -44,9 +44,10 @@ def mutate_tensors(path, fn):
 
 
 def expect(manifests, path, code, exit_code, *extra):
+    """``mlora validate --json PATH *extra``: exactly the finding ``code`` (once or more, nothing else) and ``exit_code``."""
     rc, ms = manifests(path, *extra)
     assert len(ms) == 1
-    assert code in codes(ms[0]), ms[0]["findings"]
+    assert codes(ms[0]) == {code}, ms[0]["findings"]
     assert rc == exit_code
     return ms[0]
 
@@ -200,7 +201,8 @@ def test_unsupported_dtype(adapter_copy, manifests):
 
 
 def test_empty_tensor(adapter_copy, manifests):
-    arrays = {f"{Q0}.lora_A.weight": np.zeros((0, 32), np.float32), f"{Q0}.lora_B.weight": np.zeros((32, 0), np.float32)}
+    """A [r, 0]: empty, with the config's rank (a rank-0 pair would be a rank mismatch too)."""
+    arrays = {f"{Q0}.lora_A.weight": np.zeros((4, 0), np.float32), f"{Q0}.lora_B.weight": np.ones((32, 4), np.float32)}
     _single_module(adapter_copy, arrays)
     expect(manifests, adapter_copy, "E_EMPTY_TENSOR", 1)
 
@@ -284,11 +286,13 @@ def test_base_invalid(adapter_copy, manifests, tmp_path, run_cli):
 
 
 def test_target_not_in_base(adapter_copy, manifests, base_dir):
-    def move(t):
+    """A q_proj of a layer 9 the base lacks: an error, and no target-set warning (the config
+    targets every q_proj, and every q_proj of the base has its factors)."""
+    def add_layer_9(t):
         for side in "AB":
-            t[f"base_model.model.model.layers.9.self_attn.q_proj.lora_{side}.weight"] = t.pop(f"{Q0}.lora_{side}.weight")
+            t[f"base_model.model.model.layers.9.self_attn.q_proj.lora_{side}.weight"] = t[f"{Q0}.lora_{side}.weight"].clone()
 
-    mutate_tensors(adapter_copy, move)
+    mutate_tensors(adapter_copy, add_layer_9)
     expect(manifests, adapter_copy, "E_TARGET_NOT_IN_BASE", 1, "--base", base_dir)
 
 
@@ -350,6 +354,26 @@ def test_unservable_config_features(adapter_copy, manifests, changes, code):
     set_config(adapter_copy, **changes)
     m = expect(manifests, adapter_copy, code, 1)
     assert m["valid"] and not m["servable"] and m["artifact_sha256"]
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_bias_field_without_a_bias_tensor_is_a_plain_lora(adapter_copy, good_adapter, manifests, bias):
+    """On a base without biases PEFT saves no bias tensor: the field is inert, the adapter
+    is the plain LoRA it holds (servable, its factors' identity) and only a warning says so."""
+    set_config(adapter_copy, bias=bias)
+    m = expect(manifests, adapter_copy, "W_BIAS_INERT", 0)
+    assert m["valid"] and m["servable"]
+    assert m["modules"] == manifests(good_adapter)[1][0]["modules"]
+    expect(manifests, adapter_copy, "W_BIAS_INERT", 1, "--strict")
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_bias_field_with_a_trained_bias_tensor_is_unservable(adapter_copy, manifests, bias):
+    set_config(adapter_copy, bias=bias)
+    mutate_tensors(adapter_copy, lambda t: t.__setitem__(f"{Q0}.bias", torch.full((32,), 0.5)))
+    m = expect(manifests, adapter_copy, "U_BIAS", 1)
+    assert m["valid"] and not m["servable"] and m["artifact_sha256"]
+    assert f"{Q0}.bias" in m["findings"][0]["message"]
 
 
 def test_every_code_is_exercised():

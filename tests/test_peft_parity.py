@@ -77,10 +77,10 @@ def check_parity(tmp_path, manifests, kind, case, kwargs):
 def test_llama_parity(tmp_path, manifests, case):
     code, m = check_parity(tmp_path, manifests, "llama", case, CASES[case])
     if case in EXPECTED_UNSERVABLE:
-        assert EXPECTED_UNSERVABLE[case] in codes(m)
+        assert codes(m) == {EXPECTED_UNSERVABLE[case]}, m["findings"]
         assert not m["servable"] and code == 1
     else:
-        assert m["servable"] and code == 0, m["findings"]
+        assert codes(m) == set() and m["servable"] and code == 0, m["findings"]
 
 
 def test_patterns_resolve_in_dict_order(tmp_path, manifests):
@@ -92,11 +92,19 @@ def test_patterns_resolve_in_dict_order(tmp_path, manifests):
     assert ranks["model.layers.0.self_attn.k_proj"] == 4
 
 
-def test_qwen2_bias_all_is_unservable_and_hashed(tmp_path, manifests):
-    """q/k/v biases trained with bias="all" are stored, explained and bound into the identity."""
-    code, m = check_parity(tmp_path, manifests, "qwen2", "bias", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], bias="all"))
-    assert "U_BIAS" in codes(m) and "E_UNEXPECTED_KEY" not in codes(m)
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_qwen2_bias_is_unservable_and_hashed(tmp_path, manifests, bias):
+    """q/k/v biases trained with bias="all" or "lora_only" are stored, explained and bound into the identity."""
+    code, m = check_parity(tmp_path, manifests, "qwen2", "bias", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], bias=bias))
+    assert codes(m) == {"U_BIAS"}, m["findings"]
     assert code == 1 and not m["servable"] and m["artifact_sha256"]
+
+
+def test_llama_bias_lora_only_saves_no_bias_and_is_servable(tmp_path, manifests):
+    """A base without biases leaves bias="lora_only" nothing to train: PEFT saves a plain LoRA."""
+    code, m = check_parity(tmp_path, manifests, "llama", "bias", dict(r=4, lora_alpha=8, target_modules=["q_proj"], bias="lora_only"))
+    assert codes(m) == {"W_BIAS_INERT"}, m["findings"]
+    assert code == 0 and m["servable"]
 
 
 def test_qwen2_plain_is_servable(tmp_path, manifests):

@@ -72,6 +72,7 @@ class JobConfig(EngineConfig):
     base: str
     adapters_dir: str | None = None
     catalog_file: str | None = None
+    allow_pickle: bool = False  # read adapter_model.bin adapters with torch.load(weights_only=True)
     id_column: str = "id"
     prompt_column: str | None = "prompt"
     prompt_ids_column: str | None = None

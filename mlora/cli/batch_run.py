@@ -33,6 +33,8 @@ def batch_run(
                                             help="Directory whose sub-directories are adapters (id = name)."),
     catalog: Optional[Path] = typer.Option(None, "--catalog", exists=True, dir_okay=False,
                                            help="JSON catalog: id -> path or {path, artifact_sha256}."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle",
+                                      help="Serve adapter_model.bin adapters, read with torch.load(weights_only=True) (trusted files only)."),
     id_column: str = typer.Option("id", "--id-column", help="Row id column (generated from the row position if absent)."),
     prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="Text prompt column (default: prompt)."),
     prompt_ids_column: Optional[str] = typer.Option(None, "--prompt-ids-column", help="Token-id prompt column instead of text."),
@@ -105,6 +107,7 @@ def batch_run(
     opts = JobConfig(
         input=input, output=str(output), base=str(base),
         adapters_dir=str(adapters) if adapters else None, catalog_file=str(catalog) if catalog else None,
+        allow_pickle=allow_pickle,
         id_column=id_column, prompt_column=None if (prompt_ids_column or messages_column) else (prompt_column or "prompt"),
         prompt_ids_column=prompt_ids_column, messages_column=messages_column, adapter_column=adapter_column,
         max_new_tokens_column=max_new_tokens_column, keep_columns=keep, max_new_tokens=max_new_tokens,

@@ -202,7 +202,7 @@ def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
             art.add(finding("E_PICKLE_REFUSED", f"{PICKLE_FILE} is a pickle, which can run code when loaded"))
             return False
         try:
-            art.tensors = _load_pickle(pk)
+            art.tensors = load_pickle_tensors(pk)
         except Exception as exc:  # torch.load raises many types; all mean "unreadable"
             art.add(finding("E_PICKLE_LOAD", f"{PICKLE_FILE}: {type(exc).__name__}: {exc}"))
             return False
@@ -212,14 +212,16 @@ def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
     return True
 
 
-def _load_pickle(path: str) -> dict[str, Tensor]:
+def load_pickle_tensors(path: str) -> dict[str, MemTensor]:
+    """The floating-point tensors of a PEFT ``adapter_model.bin``, read with
+    ``torch.load(weights_only=True)`` (``--allow-pickle``); raises on anything else."""
     import torch  # only the pickle path needs torch
 
     names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise TypeError("the pickle does not hold a state dict")
-    out: dict[str, Tensor] = {}
+    out: dict[str, MemTensor] = {}
     for key, t in state.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in names:
             raise TypeError(f"entry {key!r} is not a floating-point tensor")
@@ -265,7 +267,8 @@ def _build_modules(art: AdapterArtifact) -> None:
         art.add(finding("U_EMBEDDING_LORA", "the adapter holds lora_embedding_A/B factors"))
     if not pairs:
         art.add(finding("E_NO_MODULES", "no lora_A/lora_B tensors found"))
-    _check_patterns(art, spec)
+    _check_bias(art, spec)
+    _check_patterns(art, spec, sorted({name for name, _ in pairs}))
 
 
 def _module_record(art: AdapterArtifact, spec: LoraSpec, name: str, kind: str, a: Tensor, b: Tensor) -> ModuleRecord | None:
@@ -314,8 +317,23 @@ def _explained_extra(spec: LoraSpec, name: str, tensors: dict[str, Tensor]) -> b
     return False
 
 
-def _check_patterns(art: AdapterArtifact, spec: LoraSpec) -> None:
-    names = [m.name for m in art.modules]
+def _check_bias(art: AdapterArtifact, spec: LoraSpec) -> None:
+    """``bias`` != "none", judged by what the file holds: trained base biases are unservable
+    (mlora serves the base's own); with none (a base without biases) the adapter is the plain
+    LoRA it stores, as PEFT serves it, and the field is inert."""
+    if spec.bias == "none":
+        return
+    held = sorted(k for k in art.extra if k.endswith(".bias") and not (spec.lora_bias and k.endswith(".lora_B.bias")))
+    if held:
+        art.add(finding("U_BIAS", f"bias is {spec.bias!r} and the file holds {len(held)} trained bias tensor(s), "
+                                  f"e.g. {held[0]!r}"))
+    else:
+        art.add(finding("W_BIAS_INERT", f"bias is {spec.bias!r} and the file holds no bias tensor"))
+
+
+def _check_patterns(art: AdapterArtifact, spec: LoraSpec, names: list[str]) -> None:
+    """A pattern key that matches none of the stored factor modules (a module whose factors are
+    malformed still counts: the key does match it)."""
     for label, patterns in (("rank_pattern", spec.rank_pattern), ("alpha_pattern", spec.alpha_pattern)):
         for key in patterns:
             if not any(pattern_key({key: None}, n) is not None for n in names):
@@ -392,7 +410,7 @@ def check_against_base(art: AdapterArtifact, base) -> None:
     _check_declared_base(art, spec, base)
     if spec.target_modules is not None and art.modules:
         expected = {n for n in shapes if module_is_targeted(spec, n, base.linear_modules)}
-        actual = {m.name for m in art.modules}
+        actual = {m.name for m in art.modules if m.name in shapes}  # the others are E_TARGET_NOT_IN_BASE
         missing, surplus = sorted(expected - actual), sorted(actual - expected)
         if missing or surplus:
             detail = []

@@ -52,7 +52,7 @@ CODES: dict[str, tuple[str, str]] = {
     # valid PEFT, not servable by mlora
     "U_DORA": (UNSERVABLE, "DoRA (use_dora) is not served or merged by mlora yet; retrain without DoRA, or merge it with PEFT's merge_and_unload"),
     "U_LORA_BIAS": (UNSERVABLE, "lora_bias adds a bias to lora_B; mlora does not serve it"),
-    "U_BIAS": (UNSERVABLE, "bias != \"none\" trains base biases; mlora serves the unchanged base only"),
+    "U_BIAS": (UNSERVABLE, "the file holds base biases trained with bias != \"none\"; mlora serves the unchanged base only"),
     "U_MODULES_TO_SAVE": (UNSERVABLE, "modules_to_save replaces whole base modules; ship a merged release instead"),
     "U_EMBEDDING_LORA": (UNSERVABLE, "LoRA on embedding layers is not served by mlora; target linear projections"),
     "U_TARGET_PARAMETERS": (UNSERVABLE, "target_parameters (LoRA on raw parameters, e.g. MoE experts) is not served by mlora"),
@@ -65,6 +65,7 @@ CODES: dict[str, tuple[str, str]] = {
     # warnings
     "W_CONFIG_UNKNOWN_FIELD": (WARNING, "mlora does not know this field; check that it does not change the adapter's math"),
     "W_PATTERN_UNMATCHED": (WARNING, "PEFT ignores such a key silently; fix or remove it"),
+    "W_BIAS_INERT": (WARNING, "without bias tensors the config's bias field changes nothing: the adapter is served as the plain LoRA it holds; set bias to \"none\" to silence this"),
     "W_ZERO_DELTA": (WARNING, "this module changes nothing; was the adapter trained?"),
     "W_BASE_NAME_MISMATCH": (WARNING, "the adapter declares another base; check that it was trained on this one"),
     "W_TARGET_SET_MISMATCH": (WARNING, "the config and the stored factors disagree on which modules are adapted"),

@@ -100,13 +100,13 @@ class LoraSpec:
     # ---- servability -----------------------------------------------------------
 
     def unservable_findings(self) -> list[Finding]:
+        """The features the config alone makes unservable. ``bias`` is not one: whether it
+        trained anything depends on the tensors the file holds (the adapter reader judges it)."""
         out = []
         if self.use_dora:
             out.append(finding("U_DORA", "use_dora is true"))
         if self.lora_bias:
             out.append(finding("U_LORA_BIAS", "lora_bias is true"))
-        if self.bias != "none":
-            out.append(finding("U_BIAS", f"bias is {self.bias!r}"))
         if self.modules_to_save:
             out.append(finding("U_MODULES_TO_SAVE", f"modules_to_save is {self.modules_to_save}"))
         if self.target_parameters:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +32,10 @@ import numpy as np
 
 from mlora.lora_tools.canonical import canonical_json
 
-# Same bound as the safetensors library: a header larger than this is refused
-# before anything is allocated.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# The safetensors library's header bound (its MAX_HEADER_SIZE, in bytes): a longer header is
+# refused before anything is allocated, as safe_open refuses it.
+MAX_HEADER_BYTES = 100_000_000
+U64_LIMIT = 1 << 64  # shapes, offsets and byte counts are u64 in the library; larger is refused
 CHUNK_BYTES = 8 * 1024 * 1024  # multiple of every element size
 
 DTYPE_BYTES = {
@@ -97,10 +99,17 @@ class SafetensorsHeader:
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check a safetensors header without reading tensor data.
 
+    At least as strict as the safetensors library (a file accepted here opens
+    with ``safe_open`` to the same tensor table): the header is at most
+    MAX_HEADER_BYTES of UTF-8 JSON, one object without duplicate keys,
+    ``__metadata__`` null or an object of strings, every tensor a known dtype, a
+    u64 shape and ``data_offsets`` whose range is shape x dtype bytes long; the
+    ranges, sorted, tile the data section exactly from byte 0 (no gap, no
+    overlap, no trailing byte).
+
     Raises SafetensorsError with ``E_SAFETENSORS_TRUNCATED`` when the file is
     shorter than the header or the data it declares, and ``E_SAFETENSORS_HEADER``
-    when the header is oversized, unparsable or inconsistent (unknown dtype,
-    byte range not matching shape x dtype, overlapping or out-of-order ranges)."""
+    for anything else the header gets wrong."""
     file_size = os.path.getsize(path)
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -109,63 +118,149 @@ def read_header(path: str) -> SafetensorsHeader:
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES:
             raise SafetensorsError(
-                "E_SAFETENSORS_HEADER", f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte bound"
+                "E_SAFETENSORS_HEADER",
+                f"header length {header_len} exceeds the safetensors format's {MAX_HEADER_BYTES}-byte limit",
             )
         if 8 + header_len > file_size:
             raise SafetensorsError(
                 "E_SAFETENSORS_TRUNCATED", f"header declares {header_len} bytes but the file has {file_size - 8}"
             )
         raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError("E_SAFETENSORS_HEADER", f"header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError("E_SAFETENSORS_HEADER", "header is not a JSON object")
+    header = _parse_header_json(raw)
 
     data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise SafetensorsError("E_SAFETENSORS_HEADER", "__metadata__ is not an object")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        tensors[name] = _tensor_info(path, name, entry, data_start)
-
-    # Byte ranges must not overlap and must lie inside the file.
-    end_of_data = data_start
-    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
-        if info.offset < end_of_data:
-            raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {info.name!r} overlaps another tensor")
-        end_of_data = info.offset + info.nbytes
-    if end_of_data > file_size:
-        raise SafetensorsError(
-            "E_SAFETENSORS_TRUNCATED", f"data ends at byte {end_of_data} but the file has {file_size} bytes"
-        )
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", "__metadata__ is not an object of strings")
+    tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in header.items()}
+    _check_layout(tensors, data_start, file_size)
     return SafetensorsHeader(path=path, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
+def _parse_header_json(raw: bytes) -> dict:
+    """The header as a dict, parsed as strictly as the library's JSON reader: no duplicate key,
+    no NaN/Infinity, no number outside u64/i64/f64, no lone surrogate, no nesting deep
+    enough to exhaust the stack."""
+    try:
+        header = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
+            parse_int=_bounded_int, parse_float=_finite_float,
+        )
+    except UnicodeDecodeError as exc:
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"header is not UTF-8 ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and the hooks' refusals are ValueErrors
+        raise SafetensorsError("E_SAFETENSORS_HEADER", f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", "header is not a JSON object")
+    if _has_lone_surrogate(header):
+        raise SafetensorsError("E_SAFETENSORS_HEADER", "header holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF)")
+    return header
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < U64_LIMIT:
+        raise ValueError(f"integer {text[:40]} does not fit 64 bits")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """True when a key or string holds an unpaired surrogate (only a ``\\uD8xx`` escape makes one)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def _is_u64(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < U64_LIMIT
 
 
 def _tensor_info(path: str, name: str, entry: object, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise SafetensorsError("E_SAFETENSORS_HEADER", f"entry {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
         raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has an invalid shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
         raise SafetensorsError("E_SAFETENSORS_HEADER", f"tensor {name!r} has invalid data_offsets {offsets!r}")
-    need = numel(shape) * DTYPE_BYTES[dtype]
+    need = 1
+    for d in [*shape, DTYPE_BYTES[dtype]]:  # checked at every step, as the library does
+        need *= d
+        if need >= U64_LIMIT:
+            raise SafetensorsError(
+                "E_SAFETENSORS_HEADER", f"tensor {name!r}: shape {shape} x {dtype} overflows a 64-bit byte count"
+            )
     nbytes = offsets[1] - offsets[0]
     if need != nbytes:
         raise SafetensorsError(
             "E_SAFETENSORS_HEADER", f"tensor {name!r}: shape {shape} x {dtype} needs {need} bytes, header gives {nbytes}"
         )
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
+
+
+def _check_layout(tensors: dict[str, TensorInfo], data_start: int, file_size: int) -> None:
+    """The byte ranges, sorted by (start, end), must tile the data section (``data_start`` to the
+    file's end) exactly: each starts where the previous one ends, the first at 0, the last at the end."""
+    data_bytes, end = file_size - data_start, 0
+    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        start = info.offset - data_start
+        if start > end:
+            raise SafetensorsError(
+                "E_SAFETENSORS_HEADER", f"tensor {info.name!r} starts at data byte {start}, after the previous "
+                f"tensor's end at {end}: {start - end} bytes belong to no tensor",
+            )
+        if start < end:
+            raise SafetensorsError(
+                "E_SAFETENSORS_HEADER", f"tensor {info.name!r} starts at data byte {start}, inside another tensor "
+                f"(which ends at {end}): tensors overlap",
+            )
+        end = start + info.nbytes
+    if end > data_bytes:
+        raise SafetensorsError(
+            "E_SAFETENSORS_TRUNCATED", f"data ends at byte {end} of the data section but the file holds {data_bytes}"
+        )
+    if end < data_bytes:
+        raise SafetensorsError(
+            "E_SAFETENSORS_HEADER", f"the tensors end at byte {end} of the data section but the file holds "
+            f"{data_bytes}: {data_bytes - end} trailing bytes belong to no tensor",
+        )
 
 
 def tensor_digest_prefix(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:

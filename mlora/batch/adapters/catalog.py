@@ -11,7 +11,11 @@ Pinning freezes an adapter's identity: ``artifact_sha256``, ``semantic_sha256``
 and, per module, where its A/B bytes lie and their tensor digests
 (docs/identity.md). :func:`load_factors` re-hashes the bytes it reads and
 refuses any that changed (``E_ADAPTER_CHANGED``): a job serves the identity it
-pinned or nothing. A bad adapter never raises at pin time; it becomes a
+pinned or nothing. An ``adapter_model.bin`` adapter is read only when the job
+allows pickles (``allow_pickle``: ``batch-run --allow-pickle``, the same
+``torch.load(weights_only=True)`` as ``mlora validate --allow-pickle``), else it
+pins as ``E_PICKLE_REFUSED``; its factors are re-read from the pickle and
+re-hashed alike. A bad adapter never raises at pin time; it becomes a
 ``PinnedAdapter`` with ``ok=False`` and one error code, and the job decides
 (error rows, or exit 1 with ``--strict``).
 
@@ -48,7 +52,9 @@ from mlora.lora_tools.adapter import (
     PICKLE_FILE,
     SAFETENSORS_FILE,
     AdapterArtifact,
+    MemTensor,
     check_against_base,
+    load_pickle_tensors,
     open_adapter,
     scan_adapters,
 )
@@ -89,10 +95,12 @@ class Catalog:
         base_dir: str,
         workers: int | None = None,
         base_identity: BaseIdentity | None = None,
+        allow_pickle: bool = False,
     ) -> dict[str, PinnedAdapter]:
         """Validate the adapters named by ``ids`` against the base once (all
         tensors streamed and hashed on one thread pool) and pin their
-        identities. Pass ``base_identity`` when the job already measured it.
+        identities. Pass ``base_identity`` when the job already measured it;
+        ``allow_pickle`` reads ``adapter_model.bin`` adapters (refused otherwise).
         Raises ``mlora.lora_tools.manifest.BaseLoadError`` for an unusable base,
         ValueError for a reserved id; never for a bad adapter."""
         reserved = sorted(i for i in ids if i in (BASE_ID, "") or not isinstance(i, str))
@@ -101,7 +109,7 @@ class Catalog:
         base = load_base(base_dir)
         members = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is not None)
         known = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is None)
-        arts: dict[str, AdapterArtifact] = {i: _open(self.entries[i].path) for i in known}
+        arts: dict[str, AdapterArtifact] = {i: _open(self.entries[i].path, allow_pickle) for i in known}
         scan_adapters(list(arts.values()), workers)
         for art in arts.values():
             check_against_base(art, base)
@@ -220,12 +228,12 @@ def _has_adapter_files(path: str) -> bool:
 # ---- pinning ---------------------------------------------------------------------
 
 
-def _open(path: str) -> AdapterArtifact:
+def _open(path: str, allow_pickle: bool) -> AdapterArtifact:
     if not os.path.isdir(path):
         art = AdapterArtifact(path=path, name=os.path.basename(os.path.normpath(path)))
         art.add(finding("E_NOT_AN_ADAPTER", f"{path} is not a directory"))
         return art
-    return open_adapter(path, allow_pickle=False)  # a batch job never unpickles
+    return open_adapter(path, allow_pickle=allow_pickle)
 
 
 def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -> PinnedAdapter:
@@ -255,7 +263,7 @@ def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -
             return bad("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {entry.id!r}: {problem}")
         modules.append(PinnedModule(
             name=rec.name, layer=rec.layer, role=rec.role, rank=rec.rank, scale=float(rec.scale),
-            d_in=rec.d_in, d_out=rec.d_out, a=_ref(rec.a, rec.a_sha256), b=_ref(rec.b, rec.b_sha256),
+            d_in=rec.d_in, d_out=rec.d_out, a=_ref(art, rec.a, rec.a_sha256), b=_ref(art, rec.b, rec.b_sha256),
         ))
     return PinnedAdapter(
         id=entry.id, path=entry.path, ok=True, artifact_sha256=manifest["artifact_sha256"],
@@ -268,9 +276,13 @@ def _where(f: Finding) -> str:
     return f"{f.module}: {f.message}" if f.module else f.message
 
 
-def _ref(t, sha256: str | None) -> TensorRef:
-    if not isinstance(t, TensorInfo) or sha256 is None:  # pin() opens safetensors only, and scanned them
-        raise AssertionError(f"tensor {t.name!r} was not read from a scanned safetensors file")
+def _ref(art: AdapterArtifact, t, sha256: str | None) -> TensorRef:
+    if sha256 is None:  # pin() scanned every tensor it pins
+        raise AssertionError(f"tensor {t.name!r} was not scanned")
+    if isinstance(t, MemTensor):  # read from the adapter's pickle, which load_factors reads again
+        return TensorRef(t.name, os.path.join(art.path, PICKLE_FILE), 0, t.nbytes, t.dtype, tuple(t.shape), sha256,
+                         pickled=True)
+    assert isinstance(t, TensorInfo)
     return TensorRef(t.name, t.path, t.offset, t.nbytes, t.dtype, tuple(t.shape), sha256)
 
 
@@ -289,12 +301,13 @@ def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tupl
             return member_factors(pinned, dtype, device)
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     files: dict[str, int] = {}
+    pickles: dict[str, dict[str, MemTensor]] = {}
     try:
         for m in pinned.modules:
             problem = unsupported_module(m.name, "linear", m.role, m.layer)
             if problem:
                 raise AdapterError("E_ADAPTER_MODULE_UNSUPPORTED", f"adapter {pinned.id!r}: {problem}", pinned.id)
-            a, b = (_read_verified(pinned.id, ref, files) for ref in (m.a, m.b))
+            a, b = (_read_verified(pinned.id, ref, files, pickles) for ref in (m.a, m.b))
             out[(m.layer, m.role)] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), m.scale)
     finally:
         for fd in files.values():
@@ -302,11 +315,15 @@ def load_factors(pinned: PinnedAdapter, dtype: torch.dtype, device) -> dict[tupl
     return out
 
 
-def _read_verified(adapter_id: str, ref: TensorRef, files: dict[str, int]) -> torch.Tensor:
+def _read_verified(adapter_id: str, ref: TensorRef, files: dict[str, int],
+                   pickles: dict[str, dict[str, MemTensor]]) -> torch.Tensor:
     try:
-        if ref.path not in files:
-            files[ref.path] = os.open(ref.path, os.O_RDONLY)
-        data = read_verified(ref, ref.sha256, files[ref.path])
+        if ref.pickled:
+            data = read_verified(_pickled(adapter_id, ref, pickles), ref.sha256)
+        else:
+            if ref.path not in files:
+                files[ref.path] = os.open(ref.path, os.O_RDONLY)
+            data = read_verified(ref, ref.sha256, files[ref.path])
     except OSError as exc:
         raise AdapterChanged(adapter_id, f"{ref.path} cannot be read ({exc})") from None
     except TensorChanged as exc:
@@ -315,3 +332,16 @@ def _read_verified(adapter_id: str, ref: TensorRef, files: dict[str, int]) -> to
     if ref.dtype not in _TORCH_DTYPES:
         raise AdapterError("E_UNSUPPORTED_DTYPE", f"tensor {ref.name!r} is {ref.dtype}", adapter_id)
     return torch.frombuffer(data, dtype=_TORCH_DTYPES[ref.dtype]).reshape(ref.shape)
+
+
+def _pickled(adapter_id: str, ref: TensorRef, pickles: dict[str, dict[str, MemTensor]]) -> MemTensor:
+    """Tensor ``ref.name`` of the pickle at ``ref.path``, loaded once per :func:`load_factors` call."""
+    if ref.path not in pickles:
+        try:
+            pickles[ref.path] = load_pickle_tensors(ref.path)
+        except Exception as exc:  # torch.load raises many types; all mean "no longer readable"
+            raise AdapterChanged(adapter_id, f"{ref.path} cannot be read ({type(exc).__name__}: {exc})") from None
+    t = pickles[ref.path].get(ref.name)
+    if t is None:
+        raise AdapterChanged(adapter_id, f"tensor {ref.name!r} is no longer in {ref.path}")
+    return t

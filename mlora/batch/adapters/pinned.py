@@ -59,6 +59,7 @@ class TensorRef:
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
     sha256: str
+    pickled: bool = False  # ``path`` is an adapter_model.bin (--allow-pickle) and ``name`` its state-dict key
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
     names = distinct_adapters(source.files, opts.adapter_column)
     if opts.adapters_dir or opts.catalog_file:
         catalog = load_catalog(opts.adapters_dir, opts.catalog_file)
-        pinned = catalog.pin(names, opts.base, workers=opts.workers, base_identity=base_id) if names else {}
+        pinned = (catalog.pin(names, opts.base, workers=opts.workers, base_identity=base_id,
+                              allow_pickle=opts.allow_pickle) if names else {})
     else:  # no catalog: every adapter the input names is unknown (error rows, or --strict fails)
         pinned = {}
     unknown = sorted(names - set(pinned))

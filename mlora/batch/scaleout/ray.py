@@ -86,13 +86,14 @@ PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
 
 
 def pin_adapters(base: str, adapters: str | None = None, catalog: str | None = None,
-                 ids: list[str] | None = None, workers: int | None = None) -> dict:
+                 ids: list[str] | None = None, workers: int | None = None, allow_pickle: bool = False) -> dict:
     """Validate and pin adapters once (every id of the catalog, or ``ids``) for
     ``MloraPredictor(pinned=...)``: actors then serve exactly these identities and
     do not hash the base and the adapters again each. Bad adapters are kept
-    (their rows become error rows)."""
+    (their rows become error rows); ``allow_pickle`` as batch-run's ``--allow-pickle``."""
     catalog_ = load_catalog(adapters, catalog)
-    return catalog_.pin(set(ids if ids is not None else catalog_.ids()), base, workers=workers)
+    return catalog_.pin(set(ids if ids is not None else catalog_.ids()), base, workers=workers,
+                        allow_pickle=allow_pickle)
 
 
 class MloraPredictor:
@@ -143,7 +144,8 @@ class MloraPredictor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         if pinned is None:
-            pinned = pin_adapters(base, adapters, catalog, adapter_ids) if (adapters or catalog) else {}
+            pinned = (pin_adapters(base, adapters, catalog, adapter_ids, allow_pickle=self.opts.allow_pickle)
+                      if (adapters or catalog) else {})
         dev = resolve_device(device)
         self.session = EngineSession(self.opts, pinned, dev, resolve_dtype(dtype, load_config(base).dtype, dev))
 
