@@ -134,8 +134,8 @@ def hash_(
     """
     if not paths:
         if base is None:
-            err.print("Error: give at least one adapter PATH, or --base DIR to hash a base checkpoint.")
-            raise typer.Exit(EXIT_USAGE)
+            render.fail(err, "E_USAGE", "give at least one adapter PATH, or --base DIR to hash a base checkpoint",
+                        EXIT_USAGE)
         _hash_base(base, json_out, workers, quiet)
         return
     reports, _ = _inspect(paths, base, allow_pickle, workers, quiet)

@@ -82,6 +82,7 @@ def validation(console: Console, reports: list[AdapterReport], base: BaseIdentit
 
 
 def fail(err: Console, code: str, message: str, exit_code: int = 1):
-    """Print ``Error: CODE: message`` on stderr (no markup: messages quote paths and lists) and exit."""
-    err.print(f"Error: {code}: {message}", markup=False, highlight=False)
+    """Print ``Error: CODE: message`` on stderr and exit: no markup (messages quote paths and
+    lists), one line (the terminal wraps it; a log keeps paths and values whole)."""
+    err.print(f"Error: {code}: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code)
