@@ -113,8 +113,9 @@ class JobConfig(EngineConfig):
 
 
 class Range(NamedTuple):
-    """The values a numeric field takes: ``low`` (excluded when ``low_open``) up to ``high``;
-    ``optional``: None keeps the default; ``hint`` says what an edge value or leaving it out means."""
+    """The values a numeric field takes: ``low`` (excluded when ``low_open``) up to ``high``, whole
+    numbers when ``low`` is an int, finite ones else; ``optional``: None keeps the default; ``hint``
+    says what an edge value or leaving the option out means."""
 
     option: str
     low: float
@@ -140,7 +141,7 @@ class Range(NamedTuple):
         return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
 
 
-# the numeric fields and their ranges (README, Exit codes: a value outside is a usage error)
+# every numeric field's range: a value outside is a usage error (docs/batch.md, Capacity)
 ENGINE_RANGES = {
     "max_num_seqs": Range("--max-num-seqs", 1),
     "max_batch_tokens": Range("--max-batch-tokens", 1),
