@@ -524,7 +524,7 @@ def test_resume_refuses_a_different_job(tmp_path):
         JobOutput.open(out_dir, changed, resume=True)
     assert code_of(e) == "E_RESUME_MISMATCH"
     message = str(e.value)
-    assert "sampling:" in message and "0.7" in message and "0.8" in message and "stop: null (stored)" in message
+    assert "sampling.temperature: 0.7 (stored) vs 0.8 (now)" in message and 'stop: absent (stored) vs ["\\n"] (now)' in message
     assert "base" not in message.split("):", 1)[1].split(". Resume")[0]  # unchanged keys are not listed
     assert "new OUTPUT" in message
 

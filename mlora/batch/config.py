@@ -10,7 +10,9 @@ nothing of mlora.batch but the errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,8 +36,10 @@ class EngineConfig:
     max_batch_tokens: int = 2048  # tokens per model invocation (prefill chunks + decode rows)
     max_gpu_adapters: int | None = None  # GPU adapter slots (default: a quarter of the usable GPU memory)
     gpu_memory_utilization: float = 0.9  # share of the device memory the job may take
-    kv_cache_gb: float | None = None  # KV cache size (default: from the free memory)
-    host_cache_gb: float | None = None  # host cache of verified adapter images (default: unbounded)
+    kv_cache_gb: float | None = None  # KV cache size, > 0 (default: from the free memory)
+    # host cache of verified adapter images (default: 128 images on a GPU, unbounded on the CPU;
+    # 0: none, every load reads and verifies its adapter file again)
+    host_cache_gb: float | None = None
     block_size: int = 16  # tokens per KV block
     schedule_window: int = 8192  # rows admission may reorder among (one residency job's adapters load about once)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
@@ -61,6 +65,7 @@ class EngineConfig:
         if self.bundle_operator not in BUNDLE_OPERATORS:
             raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
                            f"not {self.bundle_operator!r}", 2)
+        check_ranges(self, ENGINE_RANGES)
 
 
 @dataclass(kw_only=True)
@@ -106,6 +111,69 @@ class JobConfig(EngineConfig):
         super().validate()
         if self.max_new_tokens < 1:
             raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
+        check_ranges(self, JOB_RANGES)
+
+
+class Range(NamedTuple):
+    """The values a numeric field takes: ``low`` (excluded when ``low_open``) up to ``high``, whole
+    numbers when ``low`` is an int, finite ones else; ``optional``: None keeps the default; ``hint``
+    says what an edge value or leaving the option out means."""
+
+    option: str
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    optional: bool = False
+    hint: str = ""
+
+    def holds(self, value) -> bool:
+        if self.optional and value is None:
+            return True
+        whole = isinstance(self.low, int)
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            return False
+        if not whole and not math.isfinite(value):
+            return False
+        return (value > self.low if self.low_open else value >= self.low) and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        kind = "an integer" if isinstance(self.low, int) else "a number"
+        if self.high is None:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# every numeric field's range: a value outside is a usage error (docs/batch.md, Capacity)
+ENGINE_RANGES = {
+    "max_num_seqs": Range("--max-num-seqs", 1),
+    "max_batch_tokens": Range("--max-batch-tokens", 1),
+    "max_gpu_adapters": Range("--max-gpu-adapters", 1, optional=True, hint="leave it out to size the slots from memory"),
+    "gpu_memory_utilization": Range("--gpu-memory-utilization", 0.0, 1.0, low_open=True),
+    "kv_cache_gb": Range("--kv-cache-gb", 0.0, low_open=True, optional=True,
+                         hint="leave it out to size the KV cache from free memory"),
+    "host_cache_gb": Range("--host-cache-gb", 0.0, optional=True, hint="0: no host cache, every load reads its adapter again"),
+    "block_size": Range("block_size", 1),
+    "schedule_window": Range("--schedule-window", 1),
+    "prefetch_adapters": Range("--prefetch-adapters", 0, hint="0 turns prefetching off"),
+    "prefetch_gpu_adapters": Range("--prefetch-gpu-adapters", 0, hint="0 turns GPU-slot prefetching off"),
+    "image_build_processes": Range("image_build_processes", 0),
+}
+JOB_RANGES = {
+    "temperature": Range("--temperature", 0.0, hint="0 is greedy"),
+    "top_p": Range("--top-p", 0.0, 1.0, low_open=True),
+    "top_k": Range("--top-k", 0, hint="0 turns top-k off"),
+    "shard_rows": Range("--shard-rows", 1),
+    "workers": Range("workers", 1, optional=True, hint="leave it out to hash on every core"),
+}
+
+
+def check_ranges(config, ranges: dict[str, Range]) -> None:
+    """Raise JobError E_OPTION_RANGE (exit 2) for the first field of ``config`` outside its range."""
+    for name, r in ranges.items():
+        value = getattr(config, name)
+        if not r.holds(value):
+            hint = f"; {r.hint}" if r.hint else ""
+            raise JobError("E_OPTION_RANGE", f"{r.option} must be {r.describe()}, not {value!r}{hint}", 2)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,7 +181,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise JobError("E_DEVICE", "--device cuda was asked for but no CUDA device is available")
+        raise JobError("E_DEVICE", "--device cuda was asked for but no CUDA device is available; use --device cpu or auto", 2)
     if name not in ("cpu", "cuda"):
         raise JobError("E_DEVICE", f"--device must be auto, cuda or cpu, not {name!r}", 2)
     return torch.device(name)

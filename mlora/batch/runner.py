@@ -19,13 +19,15 @@ from mlora.batch.scaleout.coordinator import run_workers
 from mlora.batch.scaleout.placement import plan_workers
 
 
-def run_job(opts: JobConfig, progress=None, note=None) -> JobSummary:
+def run_job(opts: JobConfig, progress=None, note=None, phase=None) -> JobSummary:
     """Run (or resume) one batch job in this process, on worker processes (``opts.gpus`` /
     ``opts.num_workers``) or on Ray (``opts.engine == "ray"``); docs/scaleout.md.
 
     ``progress(summary, Progress)`` is called as rows finish; ``note(text)`` gets
-    events worth a line on stderr (a worker that died). Raises JobError / the I/O
-    and catalog errors (with codes)."""
+    events worth a line on stderr (a worker that died, no adapter source);
+    ``phase(text, rows_total, rows_done)`` names each step before the first row
+    finishes (``rows_total`` None until the input is read). Raises JobError / the
+    I/O and catalog errors (with codes)."""
     opts.validate()  # usage errors (exit 2) before any work
     plan = plan_workers(opts)
     if plan.engine == "ray":
@@ -33,22 +35,28 @@ def run_job(opts: JobConfig, progress=None, note=None) -> JobSummary:
         from mlora.batch.scaleout.ray import run_ray_job
 
         return run_ray_job(opts, plan, progress, note)
-    prep = prepare_job(opts, plan.device)
+    phase = phase or (lambda text, rows_total, rows_done: None)
+    prep = prepare_job(opts, plan.device, phase, note)
     if prep.sink is None:
         return prep.summary
     try:
         if plan.places:
+            phase(f"starting {len(plan.places)} workers", prep.summary.rows, prep.start_row)
             return run_workers(prep, plan.places, progress, note)
-        return run_single(prep, progress)
+        return run_single(prep, progress, phase)
     except BaseException:
         prep.sink.close_after_failure()  # what is contiguous so far; rows after a gap run again on --resume
         raise
 
 
-def run_single(prep: PreparedJob, progress) -> JobSummary:
+def run_single(prep: PreparedJob, progress, phase=None) -> JobSummary:
     """The job on one engine in this process."""
     opts = prep.opts
+    if phase:
+        phase("loading the weights", prep.summary.rows, prep.start_row)
     session = EngineSession(opts, prep.pinned, prep.device, prep.dtype)
+    if phase:  # the first iterations compile the kernels (and capture decode graphs on a GPU)
+        phase("compiling and starting the first rows", prep.summary.rows, prep.start_row)
     writer = RowWriter(prep.sink, prep.summary, session.metrics)
     kept: dict[int, dict] = {}
     # rows handed to the engine ahead of time: the window its adapter-aware admission

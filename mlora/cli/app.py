@@ -39,19 +39,21 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: whole option names at 80 columns, brackets kept
 )
 app.add_typer(bench_app, name="bench")
-app.command("batch-run")(batch_run)
-app.add_typer(compress_app, name="compress")
-app.command("merge")(merge)
-app.command("unmerge")(unmerge)
+# short_help: the root's command list shows one line per command, whole at 80 columns
+app.command("batch-run", short_help="Generate a completion per Parquet row with its adapter.")(batch_run)
+app.add_typer(compress_app, name="compress", short_help="Compress adapters into a collection bundle.")
+app.command("merge", short_help="Merge adapters into a new immutable base revision.")(merge)
+app.command("unmerge", short_help="Subtract merged adapters into a new release.")(unmerge)
 app.add_typer(release_app, name="release")
 out = Console(soft_wrap=True)
 if not out.is_terminal and "COLUMNS" not in os.environ:
     out.width = 140  # logs and pipes: no terminal to fit, keep tables on one line each
 err = Console(stderr=True)
 
-PathsArg = typer.Argument(..., exists=True, help="Adapter directories, or directories of adapter directories.")
+PathsArg = typer.Argument(..., exists=True, metavar="PATH", help="Adapter directories, or directories of adapter directories.")
 BaseOpt = typer.Option(None, "--base", exists=True, file_okay=False, help="Base checkpoint directory to check against and bind identities to.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON manifest per adapter on stdout, nothing else.")
 PickleOpt = typer.Option(False, "--allow-pickle", help="Read adapter_model.bin with torch.load(weights_only=True).")
@@ -89,7 +91,7 @@ def _base_error(exc: BaseLoadError):
     raise typer.Exit(EXIT_INVALID) from None
 
 
-@app.command()
+@app.command(short_help="Check adapters: structure, values, fit to a base, servability.")
 def validate(
     paths: List[Path] = PathsArg,
     base: Optional[Path] = BaseOpt,
@@ -113,10 +115,10 @@ def validate(
     raise typer.Exit(EXIT_OK if all(r.passes(strict) for r in reports) else EXIT_INVALID)
 
 
-@app.command("hash")
+@app.command("hash", short_help="Print the content identities of adapters or a base.")
 def hash_(
     paths: Optional[List[Path]] = typer.Argument(
-        None, exists=True, help="Adapter directories, or directories of adapter directories."
+        None, exists=True, metavar="PATH", help="Adapter directories, or directories of adapter directories."
     ),
     base: Optional[Path] = BaseOpt,
     json_out: bool = JsonOpt,
@@ -132,8 +134,8 @@ def hash_(
     """
     if not paths:
         if base is None:
-            err.print("Error: give at least one adapter PATH, or --base DIR to hash a base checkpoint.")
-            raise typer.Exit(EXIT_USAGE)
+            render.fail(err, "E_USAGE", "give at least one adapter PATH, or --base DIR to hash a base checkpoint",
+                        EXIT_USAGE)
         _hash_base(base, json_out, workers, quiet)
         return
     reports, _ = _inspect(paths, base, allow_pickle, workers, quiet)

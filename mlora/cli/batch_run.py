@@ -26,8 +26,8 @@ EXIT_INVALID, EXIT_USAGE, EXIT_RUNTIME = 1, 2, 3
 
 
 def batch_run(
-    input: str = typer.Argument(..., help="Parquet file, directory of Parquet files, or glob."),
-    output: Path = typer.Argument(..., help="Output directory (Parquet shards, _manifest.json, _SUCCESS)."),
+    input: str = typer.Argument(..., metavar="INPUT", help="Parquet file, directory of Parquet files, or glob."),
+    output: Path = typer.Argument(..., metavar="OUTPUT", help="Output directory (Parquet shards, _manifest.json, _SUCCESS)."),
     base: Path = typer.Option(..., "--base", exists=True, file_okay=False, help="Base checkpoint directory."),
     adapters: Optional[Path] = typer.Option(None, "--adapters", exists=True, file_okay=False,
                                             help="Directory whose sub-directories are adapters (id = name)."),
@@ -42,31 +42,31 @@ def batch_run(
     adapter_column: str = typer.Option("adapter", "--adapter-column", help="Adapter id column (null, empty or __base__ = base model)."),
     max_new_tokens_column: Optional[str] = typer.Option(None, "--max-new-tokens-column", help="Per-row max_new_tokens column."),
     keep_columns: Optional[List[str]] = typer.Option(None, "--keep-columns", help="Input columns to copy to the output (repeat or comma-separate)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Default new-token limit per row."),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (default)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Default new-token limit per row (>= 1)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature, >= 0 (0 = greedy, the default)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k sampling (0 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling, >= 0 (0 = off)."),
     seed: int = typer.Option(0, "--seed", help="Job seed; a row's random stream depends only on it and the row id."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     strict: bool = typer.Option(False, "--strict", help="Fail the job (exit 1) if any referenced adapter is unknown or unservable."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job in OUTPUT."),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu."),
     dtype: str = typer.Option("auto", "--dtype", help="auto | bfloat16 | float16 | float32 (auto: float32 on CPU, the checkpoint's on GPU)."),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="Sequences decoded together."),
-    max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", min=1, help="Token budget of one iteration (chunked prefill)."),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use."),
-    max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", min=1, help="GPU adapter slots (default: every adapter the job names, at most what fits in a quarter of the free GPU memory; one per adapter on the CPU). For a bundle served three-stage: the members' core slots."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Sequences decoded together (>= 1)."),
+    max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", help="Token budget of one iteration (chunked prefill; >= 1)."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Fraction of GPU memory mlora may use, in (0, 1]."),
+    max_gpu_adapters: Optional[int] = typer.Option(None, "--max-gpu-adapters", help="GPU adapter slots, >= 1 (default: every adapter the job names, at most what fits in a quarter of the free GPU memory; one per adapter on the CPU). For a bundle served three-stage: the members' core slots."),
     host_cache_gb: Optional[float] = typer.Option(None, "--host-cache-gb",
-                                                  help="Host cache of adapter images, pinned at start on a GPU (default: 128 images on a GPU, "
-                                                       "unbounded on the CPU)."),
-    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size (default: from free memory on GPU, max-num-seqs full contexts on CPU). On a GPU the adapter slots then get the rest of the usable memory instead of a quarter."),
-    shard_rows: int = typer.Option(10000, "--shard-rows", min=1, help="Rows per output shard."),
-    schedule_window: int = typer.Option(8192, "--schedule-window", min=1,
-                                        help="Input rows the scheduler may reorder to group rows by adapter: an adapter is loaded about once per window; up to a window of finished rows waits in memory for the output order."),
-    prefetch_adapters: int = typer.Option(16, "--prefetch-adapters", min=0,
-                                          help="Cold adapters of waiting rows read and verified ahead, in the background (0: off)."),
-    prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters", min=0,
-                                              help="Of the prefetched adapters, how many may start loading into free or unneeded GPU slots per iteration, while the current rows run; on a GPU admission also starts loads without waiting for them (0: both off, loads block)."),
+                                                  help="Host cache of adapter images in GiB, pinned at start on a GPU (default: 128 images on a "
+                                                       "GPU, unbounded on the CPU; 0: no cache, every load reads its adapter again)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size in GiB, > 0 (default: from free memory on GPU, max-num-seqs full contexts on CPU). On a GPU the adapter slots then get the rest of the usable memory instead of a quarter."),
+    shard_rows: int = typer.Option(10000, "--shard-rows", help="Rows per output shard (>= 1)."),
+    schedule_window: int = typer.Option(8192, "--schedule-window",
+                                        help="Input rows (>= 1) the scheduler may reorder to group rows by adapter: an adapter is loaded about once per window; up to a window of finished rows waits in memory for the output order."),
+    prefetch_adapters: int = typer.Option(16, "--prefetch-adapters",
+                                          help="Cold adapters of waiting rows read and verified ahead, in the background (>= 0; 0: off)."),
+    prefetch_gpu_adapters: int = typer.Option(4, "--prefetch-gpu-adapters",
+                                              help="Of the prefetched adapters, how many (>= 0) may start loading into free or unneeded GPU slots per iteration, while the current rows run; on a GPU admission also starts loads without waiting for them (0: both off, loads block)."),
     preload_adapters: bool = typer.Option(False, "--preload-adapters",
                                           help="Load adapters into their GPU slots (as many as there are slots) before the first row."),
     bundle_operator: str = typer.Option("auto", "--bundle-operator",
@@ -78,8 +78,8 @@ def batch_run(
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
                                    help="Build the next decode iteration's inputs while the device runs the current one (same outputs; --no-lookahead: strictly serial, for debugging)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
-    num_workers: Optional[int] = typer.Option(None, "--num-workers", min=1,
-                                              help="--engine local: N worker processes on the CPU (--device cpu); --engine ray: N actors."),
+    num_workers: Optional[int] = typer.Option(None, "--num-workers",
+                                              help="--engine local: N >= 1 worker processes on the CPU (--device cpu); --engine ray: N actors."),
     engine: str = typer.Option("local", "--engine", help="local (this host) | ray (Ray Data; pip install 'mlora[ray]')."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine ray: address of a running Ray cluster (default: start a local one)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
@@ -101,8 +101,6 @@ def batch_run(
     if messages_column and (prompt_column or prompt_ids_column):
         _fail(err, "E_USAGE", "--messages-column replaces the prompt: give it without --prompt-column and "
               "--prompt-ids-column", EXIT_USAGE)
-    if not 0 < top_p <= 1:
-        _fail(err, "E_USAGE", "--top-p must lie in (0, 1]", EXIT_USAGE)
     keep = tuple(c.strip() for item in (keep_columns or []) for c in item.split(",") if c.strip())
     opts = JobConfig(
         input=input, output=str(output), base=str(base),
@@ -122,7 +120,7 @@ def batch_run(
     show = not quiet and err.is_terminal
     bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn(), console=err, disable=not show)
-    task = bar.add_task("rows", total=None, info="")
+    task = bar.add_task("rows", total=None, info="starting")
 
     def progress(summary, p):
         rate = p.generated_tokens / max(1e-9, time.perf_counter() - started)
@@ -134,17 +132,20 @@ def batch_run(
         if show:
             bar.console.print(f"note: {text}", markup=False, highlight=False)
 
+    def phase(text, rows_total, rows_done):
+        bar.update(task, total=rows_total, completed=rows_done, info=text)
+
     started = time.perf_counter()
     try:
         with bar:
-            summary = run_job(opts, progress=progress, note=note)
+            summary = run_job(opts, progress=progress, note=note, phase=phase)
     except JobError as exc:
         _fail(err, exc.code, str(exc).split(": ", 1)[-1], exc.exit_code)
     except ValueError as exc:  # the input, output, catalog and model errors carry a stable code
         code = getattr(exc, "code", None)
         if code is None:
             _runtime(err, exc)
-        _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_USAGE if code.endswith("_USAGE") else EXIT_INVALID)
+        _fail(err, code, str(exc).split(": ", 1)[-1], EXIT_USAGE if _usage(code) else EXIT_INVALID)
     except KeyboardInterrupt:
         _fail(err, "E_INTERRUPTED", f"stopped; every committed shard in {output} is kept: rerun with --resume "
               "to finish the job", EXIT_RUNTIME)
@@ -153,14 +154,37 @@ def batch_run(
     if json_out:
         sys.stdout.write(json.dumps(summary.to_json()) + "\n")
         return
+    _print_summary(summary, output)
+
+
+def _usage(code: str) -> bool:
+    """Whether a coded input error is a usage error (exit 2): the ``*_USAGE`` codes, and an
+    INPUT that names no file (a missing path, README "Exit codes")."""
+    return code.endswith("_USAGE") or code == "E_INPUT_NOT_FOUND"
+
+
+def _print_summary(summary, output: Path) -> None:
+    con = Console()
+    if summary.already_complete:
+        con.print(f"{output} is already complete: all {summary.rows} rows were committed by an earlier run; "
+                  "nothing to do.", markup=False, highlight=False)
+        return
     table = Table(title=f"mlora batch-run -> {output}", title_justify="left")
     for col in ("rows", "ok", "errors", "generated tokens", "tokens/s", "wall", "adapters", "device"):
         table.add_column(col, justify="right")
     table.add_row(str(summary.rows), str(summary.ok_rows), str(summary.error_rows), str(summary.generated_tokens),
                   f"{summary.tokens_per_s:,.1f}", f"{summary.wall_s:.1f} s", str(summary.adapters), summary.device)
-    Console().print(table)
+    con.print(table)
+    if summary.unknown_adapters:
+        con.print(f"unknown adapters ({len(summary.unknown_adapters)}, not served): "
+                  + ", ".join(summary.unknown_adapters[:20]) + (" ..." if len(summary.unknown_adapters) > 20 else ""),
+                  markup=False, highlight=False)
+    if summary.unservable_adapters:
+        con.print(f"unservable adapters ({len(summary.unservable_adapters)}, not served): "
+                  + ", ".join(f"{a} {c}" for a, c in list(summary.unservable_adapters.items())[:20])
+                  + (" ..." if len(summary.unservable_adapters) > 20 else ""), markup=False, highlight=False)
     if summary.errors_by_code:
-        Console().print("error rows by code: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())))
+        con.print("error rows by code: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())))
 
 
 def _runtime(err: Console, exc: BaseException):

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from mlora.bench.hash import run_hash_bench
 
-bench_app = typer.Typer(help="Benchmarks (results belong in BENCHMARKS.md).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (results belong in BENCHMARKS.md).", no_args_is_help=True,
+                        rich_markup_mode=None)  # plain help, as the app's (mlora.cli.app)
 
 
 @bench_app.command("hash")
@@ -62,6 +63,7 @@ def bench_kernels(
     from mlora.bench.kernels import run_kernel_bench
 
     err = Console(stderr=True)
+    _check_options(err, "cuda")  # the kernels run on a GPU only
 
     def progress(c):
         err.print(
@@ -97,10 +99,27 @@ def _save(results: dict, out: Optional[Path], json_out: bool, indent: int | None
     return json_out
 
 
-def _require_cuda(err: Console, device: str) -> None:
-    if device == "cuda" and not __import__("torch").cuda.is_available():
-        err.print("[red]error:[/red] no CUDA device; use --device cpu (with --preset tiny)")
-        raise typer.Exit(1)
+def _usage(err: Console, message: str):
+    """A usage error: ``Error: E_USAGE: message`` on stderr, exit 2 (README, Exit codes)."""
+    err.print(f"Error: E_USAGE: {message}", markup=False, highlight=False)
+    raise typer.Exit(2)
+
+
+def _check_options(err: Console, device: str, preset: str | None = None, dtype: str | None = None) -> None:
+    """Refuse (exit 2) a model shape, device or dtype the benchmark does not know, and
+    ``--device cuda`` on a machine without CUDA, before any workspace is written."""
+    import torch
+
+    from mlora.bench.batch import PRESETS
+
+    if preset is not None and preset not in PRESETS:
+        _usage(err, f"--preset must be one of {', '.join(PRESETS)}, not {preset!r}")
+    if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
+        _usage(err, f"--dtype must be bfloat16, float16 or float32, not {dtype!r}")
+    if device not in ("cuda", "cpu"):
+        _usage(err, f"--device must be cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        _usage(err, "--device cuda: no CUDA device here; use --device cpu (with --preset tiny)")
 
 
 def _us(s) -> str:
@@ -159,7 +178,7 @@ def bench_batch(
         counts = tuple(int(a) for a in adapters.split(","))
     except ValueError:
         raise typer.BadParameter("--adapters takes comma-separated integers, e.g. 0,1,8,64")
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
@@ -184,9 +203,8 @@ def bench_batch(
 
     try:
         results = run_batch_bench(opts, progress=None if json_out else progress)
-    except ValueError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+    except ValueError as exc:  # the options' own checks (prompt lengths against the preset's context)
+        _usage(err, str(exc))
     if not _save(results, out, json_out):
         _print_batch_table(results)
 
@@ -267,7 +285,7 @@ def bench_residency(
     from mlora.bench.residency import ResidencyBenchOptions, run_residency_bench
 
     err = Console(stderr=True)
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     opts = ResidencyBenchOptions(preset=preset, adapters=adapters, rank=rank,
                                  targets=tuple(t.strip() for t in targets.split(",") if t.strip()), rows=rows, zipf=zipf,
                                  prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens, slots=slots,
@@ -370,7 +388,7 @@ def bench_bundle(
         err.print(f"[red]error:[/red] --runs: unknown run(s) {', '.join(unknown)}; choose from "
                   f"{', '.join(BUNDLE_RUNS)} or none")
         raise typer.Exit(2)
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     opts = BundleBenchOptions(preset=preset, adapters=adapters, rank=rank,
                               targets=tuple(t.strip() for t in targets.split(",") if t.strip()), shared_rank=shared_rank,
                               noise=noise, method=method, bundle_rank=bundle_rank, clusters=clusters,
@@ -425,7 +443,7 @@ def bench_peft(
     from mlora.bench.peft import run_peft_baseline
 
     err = Console(stderr=True)
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     opts = BatchBenchOptions(preset=preset, rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
                              max_new_tokens=max_new_tokens, device=device, dtype=dtype, seed=seed)
     def progress(done, total, tokens, seconds, setup, running):  # stderr, also with --json: a stopped run keeps its rate
@@ -458,7 +476,7 @@ def bench_startup(
     from mlora.bench.startup import run_startup_bench
 
     err = Console(stderr=True)
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     if base is None:
         base = workdir / "base"
         if not (base / "config.json").exists():
@@ -497,7 +515,7 @@ def bench_gpus(
     from mlora.bench.gpus import GpusBenchOptions, run_gpus_bench
 
     err = Console(stderr=True)
-    _require_cuda(err, device)
+    _check_options(err, device, preset, dtype)
     opts = GpusBenchOptions(preset=preset, gpus=gpus, num_workers=num_workers, adapters=adapters, rows=rows, rank=rank,
                             prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens,
                             max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,

@@ -80,6 +80,10 @@ def fit(
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     opts = CompressOptions(method=method, rank=rank, clusters=k, normalize=normalize, iters=iters, tol=tol,
                            max_error=max_error, seed=seed, device=dev)
+    try:  # option values out of range are usage errors, refused before any adapter is read
+        opts.check()
+    except CompressError as exc:
+        _fail(err, exc.code, exc.message, EXIT_USAGE)
     show = not quiet  # progress goes to stderr, so --json (stdout) keeps it
     try:
         started = time.perf_counter()

@@ -14,7 +14,8 @@ from mlora.cli.render import fail as _fail
 
 EXIT_USAGE = 2
 
-release_app = typer.Typer(help="Immutable merged releases.", no_args_is_help=True)
+release_app = typer.Typer(help="Immutable merged releases.", no_args_is_help=True,
+                          rich_markup_mode=None)  # plain help, as the app's (mlora.cli.app)
 
 
 def merge(
@@ -51,8 +52,8 @@ def merge(
             man = do_merge(str(base), pairs, str(output), dtype=dtype, compute_dtype=compute_dtype, safe=safe,
                            allow_base_mismatch=allow_base_mismatch,
                            progress=lambda name, nbytes: bar.advance(task, nbytes))
-    except ReleaseError as exc:
-        _fail(err, exc.code, exc.message)
+    except ReleaseError as exc:  # E_MERGE_USAGE: options that do not go together (exit 2)
+        _fail(err, exc.code, exc.message, EXIT_USAGE if exc.code.endswith("_USAGE") else 1)
     _warn(err, man)
     _report(man, str(output), json_out)
 

@@ -37,14 +37,20 @@ def _collapse(findings, keep: int = 3):
 def validation(console: Console, reports: list[AdapterReport], base: BaseIdentity | None) -> None:
     """One summary row per adapter, then every finding grouped by adapter."""
     title = "Adapters" + (f" against base {base.base_sha256[:12]}" if base else "")
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
-    # "ranks" reads rank x module count: "16x28" = 28 modules at rank 16
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1),
+                  collapse_padding=True, pad_edge=False)
+    # "ranks" reads rank x module count: "16x28" = 28 modules at rank 16; it wraps between entries
+    # and never narrower than its longest entry, the adapter name folds (80 columns hold the rest)
+    ranks_of = {id(r): [f"{k}x{v}" for k, v in r.manifest["stats"]["rank_histogram"].items()] or ["-"]
+                for r in reports}
+    widest = max((len(x) for entries in ranks_of.values() for x in entries), default=1)
     for col in ("adapter", "modules", "ranks", "params", "bytes", "artifact", "valid", "servable"):
         table.add_column(col, justify="right" if col in ("modules", "params", "bytes") else "left",
-                         no_wrap=col != "ranks")
+                         no_wrap=col not in ("adapter", "ranks"), overflow="fold",
+                         min_width=max(len(col), widest) if col == "ranks" else len(col))
     for r in reports:
         m = r.manifest
-        ranks = " ".join(f"{k}x{v}" for k, v in m["stats"]["rank_histogram"].items()) or "-"
+        ranks = " ".join(ranks_of[id(r)])
         table.add_row(
             m["name"],
             str(m["stats"]["modules"]),
@@ -76,6 +82,7 @@ def validation(console: Console, reports: list[AdapterReport], base: BaseIdentit
 
 
 def fail(err: Console, code: str, message: str, exit_code: int = 1):
-    """Print ``Error: CODE: message`` on stderr (no markup: messages quote paths and lists) and exit."""
-    err.print(f"Error: {code}: {message}", markup=False, highlight=False)
+    """Print ``Error: CODE: message`` on stderr and exit: no markup (messages quote paths and
+    lists), one line (the terminal wraps it; a log keeps paths and values whole)."""
+    err.print(f"Error: {code}: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code)

@@ -68,6 +68,7 @@ LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp."
 MANIFEST_SCHEMA_VERSION = 1
 DEFAULT_SHARD_ROWS = 10000
+MISMATCH_FIELDS_SHOWN = 8  # differing fingerprint fields an E_RESUME_MISMATCH message lists, each whole
 
 _SHARD_RE = re.compile(r"^part-\d{5,}\.parquet$")
 
@@ -89,8 +90,8 @@ OUTPUT_COLUMNS: tuple[str, ...] = ("id",) + tuple(f.name for f in RESULT_FIELDS)
 class JobOutputError(CodedError, ValueError):
     """OUTPUT cannot be used as asked. ``code`` is stable; the message says what to do.
 
-    Codes: E_OUTPUT_EXISTS, E_OUTPUT_LOCKED, E_OUTPUT_CORRUPT, E_OUTPUT_EMPTY
-    (:func:`read_output` before any shard), E_RESUME_NO_MANIFEST,
+    Codes: E_OUTPUT_EXISTS, E_OUTPUT_LOCKED, E_OUTPUT_NOT_WRITABLE, E_OUTPUT_CORRUPT,
+    E_OUTPUT_EMPTY (:func:`read_output` before any shard), E_RESUME_NO_MANIFEST,
     E_RESUME_MISMATCH."""
 
 
@@ -144,9 +145,26 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _whole(value: Any) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+_ABSENT = object()  # a key one side of a fingerprint comparison lacks
+
+
+def differing_fields(old: Any, new: Any, path: str = "") -> list[str]:
+    """Every leaf where two fingerprint parts differ, as ``path: old (stored) vs new (now)`` with
+    both values whole (lists of unequal length are one leaf)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new), key=str)
+                for line in differing_fields(old.get(key, _ABSENT), new.get(key, _ABSENT),
+                                             f"{path}.{key}" if path else str(key))]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [line for i, (a, b) in enumerate(zip(old, new)) for line in differing_fields(a, b, f"{path}[{i}]")]
+    if old is not _ABSENT and new is not _ABSENT and (
+            canonical_json(canonicalize_floats(old)) == canonical_json(canonicalize_floats(new))):
+        return []
+    return [f"{path}: {_whole(old)} (stored) vs {_whole(new)} (now)"]
 
 
 # -- the output directory ----------------------------------------------------
@@ -171,6 +189,15 @@ class JobOutput:
 
     @classmethod
     def open(cls, out_dir: str, fingerprint_parts: dict, resume: bool, shard_rows: int = DEFAULT_SHARD_ROWS) -> "JobOutput":
+        """OUTPUT opened fresh or resumed; an OS error creating, locking or cleaning it is
+        E_OUTPUT_NOT_WRITABLE (a rerun cannot fix it: another OUTPUT or its permissions can)."""
+        try:
+            return cls._open(out_dir, fingerprint_parts, resume, shard_rows)
+        except OSError as exc:
+            raise _not_writable(os.path.abspath(out_dir), exc.strerror or str(exc)) from None
+
+    @classmethod
+    def _open(cls, out_dir: str, fingerprint_parts: dict, resume: bool, shard_rows: int) -> "JobOutput":
         if shard_rows < 1:
             raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
         out_dir = os.path.abspath(out_dir)
@@ -296,6 +323,22 @@ def _has_entries(out_dir: str) -> bool:
     return any(e.name != LOCK_NAME and not e.name.startswith(TMP_PREFIX) for e in os.scandir(out_dir))
 
 
+def check_writable(out_dir: str) -> None:
+    """Refuse (E_OUTPUT_NOT_WRITABLE) an OUTPUT this process may not create or write into: the
+    nearest existing directory on its path must let it add and remove entries. Creates nothing;
+    :meth:`JobOutput.open` maps the errors of its real writes the same way."""
+    path = os.path.abspath(out_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        raise _not_writable(os.path.abspath(out_dir), f"{path} is not writable by this user")
+
+
+def _not_writable(out_dir: str, why: str) -> JobOutputError:
+    return JobOutputError("E_OUTPUT_NOT_WRITABLE", f"cannot write OUTPUT {out_dir} ({why}); choose an OUTPUT in a "
+                          "directory you may write to, or change that directory's permissions")
+
+
 def _exists(out_dir: str) -> JobOutputError:
     return JobOutputError(
         "E_OUTPUT_EXISTS",
@@ -348,13 +391,11 @@ def _check_fingerprint(out_dir: str, manifest: dict, digest: str, parts: dict) -
     old_digest = manifest["fingerprint"]["sha256"]
     if old_digest == digest:
         return
-    old_parts = manifest["fingerprint"]["parts"]
-    differing = [
-        f"{key}: {_short(old_parts.get(key))} (stored) vs {_short(parts.get(key))} (now)"
-        for key in sorted(set(old_parts) | set(parts))
-        if canonical_json(canonicalize_floats(old_parts.get(key))) != canonical_json(canonicalize_floats(parts.get(key)))
-    ]
-    detail = "; ".join(differing) if differing else f"stored digest {old_digest} does not match its parts"
+    differing = differing_fields(manifest["fingerprint"]["parts"], parts)
+    shown = differing[:MISMATCH_FIELDS_SHOWN]
+    if len(differing) > len(shown):
+        shown.append(f"and {len(differing) - len(shown)} more field(s)")
+    detail = "; ".join(shown) if shown else f"stored digest {old_digest} does not match its parts"
     raise JobOutputError(
         "E_RESUME_MISMATCH",
         f"{out_dir} holds a different job (fingerprint {old_digest[:12]} vs {digest[:12]}): {detail}. "

@@ -16,7 +16,7 @@ Row outcomes (``error_code``; ``finish_reason`` is ``error``):
     E_PROMPT_TOO_LONG    the prompt does not fit the context (or prompt + max_new_tokens the KV cache)
     E_PROMPT_TOKEN_RANGE a prompt token id is outside the vocabulary
     E_MAX_NEW_TOKENS     the row's max_new_tokens is < 1
-    E_ADAPTER_UNKNOWN    the adapter id is not in the catalog
+    E_ADAPTER_UNKNOWN    the adapter id is not in the catalog (or no --adapters / --catalog was given)
     other E_...          the adapter failed validation at job start (its ``mlora validate`` code)
 
 A row's problem fails only that row; a job-wide one (no chat template for
@@ -36,16 +36,17 @@ import pyarrow.dataset as pads
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from mlora.batch.adapters.catalog import BASE_ID, load_catalog
+from mlora.batch.adapters.catalog import BASE_ID, PinnedAdapter, load_catalog
 from mlora.batch.config import JobConfig, resolve_dtype
 from mlora.batch.errors import JobError
 from mlora.batch.job.chat import load_chat_template
 from mlora.batch.job.input import InputSpec, open_input
-from mlora.batch.job.output import JobOutput, ResultSink, output_schema
+from mlora.batch.job.output import JobOutput, ResultSink, check_writable, output_schema
 from mlora.batch.model.decoder import load_config
 from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
 BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
+NO_SOURCE = "no adapter source was given: pass --adapters DIR or --catalog FILE to serve the adapters the input names"
 
 
 @dataclass
@@ -58,7 +59,9 @@ class JobSummary:
     prompt_tokens: int = 0
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
-    adapters: int = 0
+    adapters: int = 0  # served: pinned and servable
+    unknown_adapters: list = field(default_factory=list)  # named by the input, in no adapter source
+    unservable_adapters: dict = field(default_factory=dict)  # named and found, refused: id -> code
     device: str = ""
     errors_by_code: dict = field(default_factory=dict)
     finish_reasons: dict = field(default_factory=dict)
@@ -67,6 +70,7 @@ class JobSummary:
     output: str = ""
     resumed_from_row: int = 0
     workers: list = field(default_factory=list)  # one dict per worker process or actor (empty: one process)
+    already_complete: bool = False  # --resume of a finished job: nothing ran
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -142,10 +146,15 @@ class PreparedJob:
     t0: float
 
 
-def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
+def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) -> PreparedJob:
     """``opts`` validated: pin identities, fingerprint the job and open OUTPUT (fresh or resumed) for engines on ``device``.
-    Raises JobError / the I/O and catalog errors (with codes)."""
+    ``phase(text, rows_total, rows_done)`` names each start-up step (``rows_total`` None until the
+    input is read); ``note(text)`` gets a line worth showing. Raises JobError / the I/O and
+    catalog errors (with codes)."""
     t0 = time.perf_counter()
+    phase = phase or (lambda text, rows_total, rows_done: None)
+    check_writable(opts.output)  # before any hashing: a job that cannot write its rows must not start
+    phase("reading the input", None, 0)
     config = load_config(opts.base)
     dtype = resolve_dtype(opts.dtype, config.dtype, device)
     spec = InputSpec(
@@ -158,20 +167,26 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
                                                                          or opts.stop) else None
 
     # identities: base, then every adapter the input names, pinned by digest now
+    phase("hashing the base", source.num_rows, 0)
     try:
         base_id = base_identity(load_base(opts.base), opts.workers)
     except BaseLoadError as exc:
         raise JobError(exc.finding.code, exc.finding.message) from None
     names = distinct_adapters(source.files, opts.adapter_column)
     if opts.adapters_dir or opts.catalog_file:
+        phase(f"validating {len(names)} adapter(s)", source.num_rows, 0)
         catalog = load_catalog(opts.adapters_dir, opts.catalog_file)
         pinned = (catalog.pin(names, opts.base, workers=opts.workers, base_identity=base_id,
                               allow_pickle=opts.allow_pickle) if names else {})
-    else:  # no catalog: every adapter the input names is unknown (error rows, or --strict fails)
-        pinned = {}
-    unknown = sorted(names - set(pinned))
-    if opts.strict and unknown:
-        raise JobError("E_ADAPTER_UNKNOWN", f"--strict: adapter(s) not in the catalog: {', '.join(unknown[:10])}")
+    else:  # no adapter source: every adapter the input names gives error rows that say so
+        if opts.strict and names:
+            raise JobError("E_ADAPTER_UNKNOWN", f"--strict: the input names {len(names)} adapter(s) "
+                           f"({', '.join(sorted(names)[:10])}) but no adapter source was given; pass "
+                           "--adapters DIR or --catalog FILE")
+        pinned = {a: PinnedAdapter(a, None, False, "E_ADAPTER_UNKNOWN", NO_SOURCE) for a in sorted(names)}
+        if names and note:
+            note(f"no --adapters or --catalog given: the rows of the {len(names)} adapter(s) the input names "
+                 "become error rows (E_ADAPTER_UNKNOWN)")
     bad = {a: p for a, p in pinned.items() if not p.ok}
     if opts.strict and bad:
         listing = "; ".join(f"{a}: {p.error_code}" for a, p in sorted(bad.items()))
@@ -196,11 +211,14 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
         parts["chat_template_sha256"] = tokenizer.chat_template.sha256
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
-    summary = JobSummary(rows=source.num_rows, adapters=len(names), device=str(device), output=opts.output,
-                         resumed_from_row=start_row)
+    unknown = sorted(a for a, p in bad.items() if p.error_code == "E_ADAPTER_UNKNOWN")
+    summary = JobSummary(rows=source.num_rows, adapters=len(pinned) - len(bad), unknown_adapters=unknown,
+                         unservable_adapters={a: p.error_code for a, p in sorted(bad.items()) if a not in unknown},
+                         device=str(device), output=opts.output, resumed_from_row=start_row)
     sink = None
     if out.complete:  # --resume of a finished job: nothing to do, its metrics stay as they were
         out.close()
+        summary.already_complete = True
     else:
         sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
     return PreparedJob(opts, device, dtype, config, source, tokenizer, pinned, start_row, summary, sink, t0)

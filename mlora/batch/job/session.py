@@ -108,7 +108,7 @@ class EngineSession:
         opts, device, dtype, model = self.opts, self.device, self.dtype, self.model
         layers = model.config.num_layers
         max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
-        host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb else None
+        host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb is not None else None  # 0: no cache
         # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
         # slots and no k slice: a load then copies no zeros for k)
         slices = held_slices({m.role for p in good.values() for m in p.modules})
