@@ -87,6 +87,8 @@ class JobConfig(EngineConfig):
     strict: bool = False
     resume: bool = False
     shard_rows: int = 10000
+    commit_interval: float = 60.0  # seconds: a shard is also committed when this has passed since the last one
+    allow_duplicate_ids: bool = False  # run rows whose ids repeat (each row once; resume goes by row position)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
     # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
     gpus: str | None = None  # "0,1" or "all": one worker process per GPU
@@ -104,6 +106,12 @@ class JobConfig(EngineConfig):
         super().validate()
         if self.max_new_tokens < 1:
             raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
+        if "" in self.stop:
+            raise JobError("E_STOP_EMPTY", "--stop \"\" would end every row after its first token; give "
+                           "non-empty stop strings (or no --stop)", 2)
+        if not self.commit_interval > 0:
+            raise JobError("E_COMMIT_INTERVAL", f"--commit-interval must be a number of seconds > 0, not "
+                           f"{self.commit_interval}", 2)
 
 
 def resolve_device(name: str) -> torch.device:

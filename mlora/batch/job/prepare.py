@@ -40,6 +40,8 @@ from mlora.batch.model.decoder import load_config
 from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
 BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
+# the stderr note of a job whose base has no tokenizer.json (docs/batch.md, Output columns)
+NO_TOKENIZER_NOTE = "the base has no tokenizer.json: completion is null, completion_token_ids holds each row's tokens"
 
 
 @dataclass
@@ -88,6 +90,14 @@ class Tokenizer:
             raise JobError("E_TOKENIZER", f"{path} not found: the base needs a tokenizer.json "
                            "(or give --prompt-ids-column with token ids)")
         self._tok = HFTokenizer.from_file(path)
+
+    @classmethod
+    def of_base(cls, base_dir: str, required: bool) -> Tokenizer | None:
+        """The base's tokenizer when it has one (completions are decoded with it); None when it has
+        none and ``required`` is false (a job on token ids: its completions are null), else E_TOKENIZER."""
+        if required or os.path.exists(os.path.join(base_dir, "tokenizer.json")):
+            return cls(base_dir)
+        return None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -140,7 +150,9 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
         keep_columns=tuple(opts.keep_columns),
     )
     source = open_input(opts.input, spec)
-    tokenizer = Tokenizer(opts.base) if (opts.prompt_column or opts.stop) else None
+    if not opts.allow_duplicate_ids:
+        source.check_unique_ids()
+    tokenizer = Tokenizer.of_base(opts.base, required=bool(opts.prompt_column or opts.stop))
 
     # identities: base, then every adapter the input names, pinned by digest now
     try:
@@ -174,6 +186,7 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
                      "top_k": opts.top_k, "seed": opts.seed, "max_new_tokens": opts.max_new_tokens,
                      "stop": list(opts.stop)},
         "dtype": str(dtype).replace("torch.", ""),
+        "id_type": str(source.id_type),  # the output's id type: every shard of OUTPUT has the same schema
     }
     out = JobOutput.open(opts.output, parts, opts.resume, opts.shard_rows)
     start_row = out.next_row
@@ -183,7 +196,8 @@ def prepare_job(opts: JobConfig, device: torch.device) -> PreparedJob:
     if out.complete:  # --resume of a finished job: nothing to do, its metrics stay as they were
         out.close()
     else:
-        sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
+        sink = ResultSink(out, output_schema(source.kept_schema, source.id_type), opts.shard_rows,
+                          total_rows=source.num_rows, commit_interval=opts.commit_interval)
     return PreparedJob(opts, device, dtype, config, source, tokenizer, pinned, start_row, summary, sink, t0)
 
 
