@@ -38,8 +38,8 @@ Rules:
   (``iter_batches``, about one row group held at a time); only the needed
   columns are read. Batches never span files. A single huge row group is
   still read whole: write inputs with row groups of a sane size. The
-  duplicate check holds the whole id column once (8 bytes an integer id,
-  its bytes plus 8 a string id).
+  duplicate check holds the whole id column once, in Arrow form (about 8
+  bytes an int64 id, its length plus 4 a string id).
 """
 
 from __future__ import annotations
