@@ -24,12 +24,13 @@ DEMO_MAX_NEW_TOKENS = 40  # the scale-out tests' reference job (demo_job_options
 def demo_job_options(out, **kw):
     """``JobConfig`` of the demo job on the CPU in float32 (40 new tokens, 7-row shards, the
     prompt column kept), written to ``out``: the configuration the scale-out tests (worker
-    processes, Ray) compare with one process; ``kw`` overrides any field."""
+    processes, Ray) compare with one process; ``kw`` overrides any field. Shards are cut by
+    rows alone (a commit interval of an hour), so their bytes compare even on a slow host."""
     from mlora.batch.config import JobConfig
 
     base = dict(input=os.path.join(DEMO, "prompts.parquet"), output=str(out), base=os.path.join(DEMO, "base"),
                 adapters_dir=os.path.join(DEMO, "adapters"), max_new_tokens=DEMO_MAX_NEW_TOKENS, device="cpu",
-                dtype="float32", shard_rows=7, keep_columns=("prompt",))
+                dtype="float32", shard_rows=7, commit_interval=3600.0, keep_columns=("prompt",))
     base.update(kw)
     return JobConfig(**base)
 

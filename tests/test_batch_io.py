@@ -178,9 +178,82 @@ def test_generated_ids_from_row_position(tmp_path):
     assert collect(src, start_row=5, batch_rows=1)[0] == ["5", "6"]
 
 
-def test_integer_ids_become_strings(tmp_path):
-    path = write(tmp_path / "in.parquet", rows_table(0, 3).set_column(0, "id", pa.array([7, -1, 2**40])))
-    assert collect(open_input(path, InputSpec()))[0] == ["7", "-1", str(2**40)]
+ID_TYPES = {  # an id column's Arrow type -> its values
+    "int64": pa.array([7, -1, 2**40], pa.int64()),
+    "int32": pa.array([7, -1, 2**30], pa.int32()),
+    "uint64": pa.array([7, 0, 2**63], pa.uint64()),
+    "string": pa.array(["7", "-1", "b"], pa.string()),
+    "large_string": pa.array(["7", "-1", "b"], pa.large_string()),
+    "dictionary": pa.array(["7", "-1", "b"]).dictionary_encode(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ID_TYPES))
+def test_ids_keep_their_arrow_type(tmp_path, kind):
+    """Ids pass through as the input's values in its type (a user joins output to input on them)."""
+    ids = ID_TYPES[kind]
+    d = tmp_path / "in"
+    write(d / "a.parquet", rows_table(0, 2).set_column(0, "id", ids.slice(0, 2)))
+    write(d / "b.parquet", rows_table(2, 1).set_column(0, "id", ids.slice(2)))
+    src = open_input(str(d), InputSpec())
+    assert src.id_type == ids.type and not src.generated_ids
+    assert collect(src)[0] == ids.to_pylist()
+    assert output_schema(src.kept_schema, src.id_type).field("id").type == ids.type
+    src.check_unique_ids()  # unique across the two files
+    # generated ids (no id column) stay strings
+    write(tmp_path / "gen.parquet", rows_table(0, 2).drop_columns(["id"]))
+    assert open_input(str(tmp_path / "gen.parquet"), InputSpec()).id_type == pa.string()
+
+
+@pytest.mark.parametrize("first, second", [(pa.int64(), pa.int32()), (pa.string(), pa.large_string()),
+                                           (pa.string(), pa.int64())])
+def test_id_type_must_agree_between_files(tmp_path, first, second):
+    d = tmp_path / "in"
+    write(d / "a.parquet", rows_table(0, 2).set_column(0, "id", pa.array([1, 2]).cast(first)))
+    write(d / "b.parquet", rows_table(2, 2).set_column(0, "id", pa.array([3, 4]).cast(second)))
+    with pytest.raises(JobInputError) as e:
+        open_input(str(d), InputSpec())
+    assert code_of(e) == "E_INPUT_SCHEMA_MISMATCH"
+    assert f"is {first} in a.parquet but {second} in b.parquet" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["int64", "string", "dictionary"])
+def test_duplicate_ids_are_found_across_files_reading_ids_only(tmp_path, kind, monkeypatch):
+    values = {"int64": [10, 11, 12, 13, 14, 11], "string": ["a", "b", "c", "d", "e", "b"]}
+    ids = pa.array(values.get(kind, values["string"]))
+    if kind == "dictionary":
+        ids = ids.dictionary_encode()
+    d = tmp_path / "in"
+    write(d / "a.parquet", rows_table(0, 4).set_column(0, "id", ids.slice(0, 4)))
+    write(d / "b.parquet", rows_table(4, 2).set_column(0, "id", ids.slice(4)))
+    src = open_input(str(d), InputSpec(keep_columns=("score",)))
+    read = []
+    real_read = pq.ParquetFile.read
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda self, columns=None, **kw: read.append(columns)
+                        or real_read(self, columns=columns, **kw))
+    with pytest.raises(JobInputError) as e:
+        src.check_unique_ids()
+    assert code_of(e) == "E_INPUT_DUPLICATE_ID"
+    dup = ids.to_pylist()[1]
+    assert f"id {dup!r} of row 5 (b.parquet, row 1) repeats row 1 (a.parquet, row 1)" in str(e.value), str(e.value)
+    assert "--allow-duplicate-ids" in str(e.value)
+    assert read == [["id"], ["id"]]  # the id column of each file, nothing else
+
+
+def test_duplicate_check_refuses_null_ids_without_statistics(tmp_path):
+    path = write(tmp_path / "in.parquet", pa.table({"id": ["a", "b", None], "prompt": ["x", "y", "z"],
+                                                    "adapter": [None, None, None]}), write_statistics=False)
+    src = open_input(path, InputSpec())  # no statistics: not found up front
+    with pytest.raises(JobInputError) as e:
+        src.check_unique_ids()
+    assert code_of(e) == "E_INPUT_NULL_ID" and "row 2" in str(e.value)
+
+
+def test_generated_ids_need_no_duplicate_check(tmp_path, monkeypatch):
+    path = write(tmp_path / "in.parquet", rows_table(0, 3).drop_columns(["id"]))
+    src = open_input(path, InputSpec())
+    monkeypatch.setattr(pq, "ParquetFile", None)  # nothing is read
+    src.check_unique_ids()
 
 
 def test_named_id_column_must_exist(tmp_path):
@@ -408,6 +481,31 @@ def test_out_of_order_rows_commit_in_input_order(tmp_path):
     assert sorted(os.listdir(out_dir)) == [".lock", "_SUCCESS", "_manifest.json"] + [f"part-{i:05d}.parquet" for i in range(5)]
 
 
+def test_a_shard_commits_when_the_commit_interval_has_passed(tmp_path):
+    """Far below --shard-rows, the contiguous run so far is committed once a row is added
+    ``commit_interval`` seconds after the last commit; rows behind a gap wait for it."""
+    now = [0.0]
+    out = JobOutput.open(str(tmp_path / "out"), PARTS, resume=False, shard_rows=100)
+    sink = ResultSink(out, SCHEMA, total_rows=8, commit_interval=60.0, clock=lambda: now[0])
+    for r in (0, 1, 2):
+        sink.add(r, record(r))
+    assert out.next_row == 0  # within the interval
+    now[0] = 61.0
+    sink.add(4, record(4))  # row 3 still runs: rows 0..2 are the contiguous run
+    assert [(s["first_row"], s["last_row"]) for s in out.shards] == [(0, 3)] and sink.pending == 1
+    now[0] = 100.0
+    sink.add(3, record(3))
+    assert out.next_row == 3  # 39 s since the last commit
+    now[0] = 121.0
+    sink.add(6, record(6))
+    assert [(s["first_row"], s["last_row"]) for s in out.shards] == [(0, 3), (3, 5)]
+    sink.add(5, record(5))
+    sink.add(7, record(7))
+    sink.close(final=True)
+    assert [s["rows"] for s in out.shards] == [3, 2, 3]
+    assert read_output(str(tmp_path / "out")).equals(expected_table(8))
+
+
 def test_nothing_commits_before_the_first_row(tmp_path):
     out = JobOutput.open(str(tmp_path / "out"), PARTS, resume=False, shard_rows=4)
     sink = ResultSink(out, SCHEMA)
@@ -514,6 +612,47 @@ def test_crash_and_resume_equals_uninterrupted_run(tmp_path):
     # resuming a finished job is a no-op success
     done = JobOutput.open(str(out_dir), PARTS, resume=True)
     assert done.complete and done.next_row == 55
+
+
+@pytest.mark.parametrize("kind", ["int64", "int32", "large_string"])
+def test_crash_and_resume_with_typed_ids_and_a_commit_interval(tmp_path, kind):
+    """Ids over two files keep their type in every shard, also across a crash and resume;
+    shards cut by the commit interval resume exactly like shards of --shard-rows."""
+    ids = pa.array(range(100, 123)).cast({"int64": pa.int64(), "int32": pa.int32(),
+                                          "large_string": pa.large_string()}[kind])
+    d = tmp_path / "in"
+    write(d / "a.parquet", rows_table(0, 13).set_column(0, "id", ids.slice(0, 13)), row_group_size=4)
+    write(d / "b.parquet", rows_table(13, 10).set_column(0, "id", ids.slice(13)), row_group_size=4)
+    src = open_input(str(d), InputSpec(keep_columns=("score",)))
+    schema = output_schema(src.kept_schema, src.id_type)
+    tick = iter(range(10**6))
+
+    def run(out_dir, resume, stop_after=None):
+        out = JobOutput.open(str(out_dir), PARTS, resume=resume, shard_rows=1000)
+        sink = ResultSink(out, schema, total_rows=src.num_rows, commit_interval=5, clock=lambda: next(tick))
+        done = 0
+        for batch in src.batches(out.next_row, 6):
+            order = list(range(len(batch)))
+            random.Random(batch.first_row).shuffle(order)
+            for i in order:
+                if done == stop_after:
+                    return out  # "killed"
+                sink.add(batch.first_row + i, {**record(batch.first_row + i, batch.kept_rows()[i]), "id": batch.ids[i]})
+                done += 1
+        sink.close(final=True)
+        return out
+
+    run(tmp_path / "clean", resume=False)
+    clean = read_output(str(tmp_path / "clean"))
+    assert clean.schema.field("id").type == ids.type and clean.column("id").to_pylist() == ids.to_pylist()
+    crashed = run(tmp_path / "crashed", resume=False, stop_after=15)
+    assert 0 < crashed.next_row < 15  # the interval committed some rows, far below shard_rows
+    del crashed
+    gc.collect()
+    run(tmp_path / "crashed", resume=True)
+    assert read_output(str(tmp_path / "crashed")).equals(clean)
+    for shard in JobOutput.open(str(tmp_path / "crashed"), PARTS, resume=True).shards:
+        assert pq.read_schema(tmp_path / "crashed" / shard["file"]).field("id").type == ids.type
 
 
 def test_resume_refuses_a_different_job(tmp_path):

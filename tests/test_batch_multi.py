@@ -152,6 +152,28 @@ def test_no_worker_left_stops_with_exit_3_and_resume_completes(tmp_path, single_
     _same_output(tmp_path / "out", single_process_output, same_shards=False)
 
 
+def test_workers_keep_integer_ids_and_commit_by_interval(tmp_path):
+    """int64 ids over two files, shards committed by a tiny --commit-interval far below
+    --shard-rows: two workers write the one-process rows, every shard with the int64 id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    demo = pq.read_table(os.path.join(DEMO, "prompts.parquet")).slice(0, 16)
+    demo = demo.set_column(0, "id", pa.array(range(900, 916), pa.int64()))
+    os.makedirs(tmp_path / "in")
+    pq.write_table(demo.slice(0, 9), tmp_path / "in" / "a.parquet")
+    pq.write_table(demo.slice(9), tmp_path / "in" / "b.parquet")
+    kw = dict(input=str(tmp_path / "in"), max_new_tokens=8, shard_rows=10000, commit_interval=1e-6, max_num_seqs=2)
+    run_job(_opts(tmp_path / "one", **kw))
+    run_job(_opts(tmp_path / "two", num_workers=2, **kw))
+    table = read_output(str(tmp_path / "two"))
+    assert table.schema.field("id").type == pa.int64() and table.column("id").to_pylist() == list(range(900, 916))
+    assert table.equals(read_output(str(tmp_path / "one")))
+    shards = json.loads((tmp_path / "two" / "_manifest.json").read_text())["shards"]
+    assert len(shards) > 1  # committed by time, not by --shard-rows
+    assert {pq.read_schema(tmp_path / "two" / s["file"]).field("id").type for s in shards} == {pa.int64()}
+
+
 @pytest.mark.parametrize("extra, code", [
     (["--gpus", "7"], "E_GPUS_NO_CUDA"),  # the CI host has no CUDA at all
     (["--gpus", "0,x"], "E_GPUS_INVALID"),

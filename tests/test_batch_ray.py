@@ -78,6 +78,24 @@ def test_an_interrupted_ray_job_resumes_to_the_same_output(tmp_path, single_proc
     assert read_output(str(out)).equals(read_output(str(single_process_output)))
 
 
+@needs_ray
+def test_a_ray_job_keeps_integer_ids(tmp_path, local_ray):
+    """int32 ids over two files: the Ray job's output equals one process's, ids in their type."""
+    import pyarrow.parquet as pq
+
+    demo = pq.read_table(os.path.join(DEMO, "prompts.parquet")).slice(0, 12)
+    demo = demo.set_column(0, "id", pa.array(range(500, 512), pa.int32()))
+    os.makedirs(tmp_path / "in")
+    pq.write_table(demo.slice(0, 5), tmp_path / "in" / "a.parquet")
+    pq.write_table(demo.slice(5), tmp_path / "in" / "b.parquet")
+    kw = dict(input=str(tmp_path / "in"), max_new_tokens=8, commit_interval=0.01)
+    run_job(_opts(tmp_path / "one", **kw))
+    run_job(_opts(tmp_path / "ray", engine="ray", num_workers=2, schedule_window=4, **kw))
+    table = read_output(str(tmp_path / "ray"))
+    assert table.schema.field("id").type == pa.int32() and table.column("id").to_pylist() == list(range(500, 512))
+    assert table.equals(read_output(str(tmp_path / "one")))
+
+
 def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     monkeypatch.setitem(sys.modules, "ray.data", None)
@@ -104,7 +122,8 @@ def test_predictor_called_directly_gives_the_demo_answers():
     out = p(table)
     assert out.column_names[:2] == ["prompt", "note"] and out.column_names[2] == "id"
     rows = out.to_pylist()
-    assert [r["id"] for r in rows] == ["1", "2", "3", "4"] and [r["note"] for r in rows] == ["a", "b", "c", "d"]
+    assert out.schema.field("id").type == pa.int64()  # the batch's id type, for joins on id
+    assert [r["id"] for r in rows] == [1, 2, 3, 4] and [r["note"] for r in rows] == ["a", "b", "c", "d"]
     assert [r["completion"] for r in rows] == [*expected["outputs"]["upper"][:2], expected["outputs"]["reverse"][0],
                                                expected["outputs"]["__base__"][1]]
     assert rows[0]["adapter_sha256"] == pinned["upper"].semantic_sha256 and rows[3]["adapter_sha256"] is None

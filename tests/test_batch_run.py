@@ -166,6 +166,101 @@ def test_row_outcomes(env, tmp_path):
         "unknown": "E_ADAPTER_UNKNOWN", "long": "E_PROMPT_TOO_LONG", "empty": "E_PROMPT_EMPTY",
         "null": "E_PROMPT_NULL", "range": "E_PROMPT_TOKEN_RANGE"}
     assert all(rows[k]["finish_reason"] == "error" and rows[k]["error_message"] for k in rows if k != "ok")
+    # the env base has no tokenizer.json: no text, only tokens
+    assert rows["ok"]["completion"] is None and rows["ok"]["completion_token_ids"]
+
+
+def _typed_input(env, path, ids, files=2):
+    """The env job's rows (repeated to ``len(ids)``) with ``ids`` as the id column, over ``files`` files."""
+    n = len(ids)
+    table = pa.table({
+        "id": ids,
+        "prompt_ids": pa.array([env["prompts"][i % len(ROW_ADAPTERS)] for i in range(n)], pa.list_(pa.int64())),
+        "adapter": pa.array([ROW_ADAPTERS[i % len(ROW_ADAPTERS)] for i in range(n)], pa.string()),
+        "note": [f"n{i}" for i in range(n)],
+    })
+    os.makedirs(path, exist_ok=True)
+    step = -(-n // files)
+    for k in range(files):
+        pq.write_table(table.slice(k * step, step), os.path.join(path, f"part{k}.parquet"))
+    return str(path)
+
+
+@pytest.mark.parametrize("id_type", [pa.int64(), pa.int32(), pa.large_string()])
+def test_ids_keep_their_arrow_type_in_the_output(env, tmp_path, id_type):
+    """An int64 (int32, large_string) id column over two files comes back in its own type, so
+    the output joins to the input on id; the rows are those of string ids."""
+    n = len(ROW_ADAPTERS)
+    ids = pa.array([1000 + i for i in range(n)]).cast(id_type)
+    inp = _typed_input(env, tmp_path / "in", ids)
+    _run(env, tmp_path / "out", input=inp)
+    from mlora.batch.job.output import read_output
+
+    table = read_output(str(tmp_path / "out"))
+    assert table.schema.field("id").type == id_type and table.column("id").equals(pa.chunked_array([ids]))
+    joined = pq.read_table(inp, columns=["id", "note"]).join(table.select(["id", "num_prompt_tokens"]), "id")
+    assert sorted(joined.select(["note", "num_prompt_tokens"]).to_pylist(), key=lambda r: int(r["note"][1:])) == [
+        {"note": f"n{k}", "num_prompt_tokens": len(env["prompts"][k])} for k in range(n)]  # every row matched
+    assert table.column("completion_token_ids").to_pylist() == [env["expected"][f"r{k}"] for k in range(n)]
+
+
+def test_duplicate_ids_are_refused_before_any_work_unless_allowed(env, tmp_path, run_cli):
+    n = len(ROW_ADAPTERS)
+    inp = _typed_input(env, tmp_path / "in", pa.array([100 + i for i in range(n - 1)] + [104]))
+    args = ["batch-run", inp, tmp_path / "out", "--base", env["base"], "--adapters", env["adapters"],
+            "--prompt-ids-column", "prompt_ids", "--device", "cpu", "--quiet"]
+    code, _, err = run_cli(*args)
+    err = " ".join(err.split())
+    assert code == 1 and "E_INPUT_DUPLICATE_ID" in err, err
+    assert "id 104 of row 13 (part1.parquet, row 6) repeats row 4 (part0.parquet, row 4)" in err, err
+    assert not (tmp_path / "out").exists()
+    # allowed: every row runs once, in input order, and equals the row under a unique id, with
+    # the joint ledger too (rows in flight under one id keep their own KV pages)
+    from mlora.batch.job.output import read_output
+
+    n = 3 * len(ROW_ADAPTERS)
+    kw = dict(memory_ledger="joint", max_num_seqs=6, max_new_tokens=24)
+    _run(env, tmp_path / "unique", input=_typed_input(env, tmp_path / "u", pa.array(range(n), pa.int64())), **kw)
+    same = _typed_input(env, tmp_path / "same", pa.array([7] * n, pa.int64()))  # every row has the same id
+    _run(env, tmp_path / "joint", input=same, allow_duplicate_ids=True, **kw)
+    rows, want = read_output(str(tmp_path / "joint")).to_pylist(), read_output(str(tmp_path / "unique")).to_pylist()
+    assert [r["id"] for r in rows] == [7] * n and [r["note"] for r in rows] == [f"n{k}" for k in range(n)]
+    assert [r["completion_token_ids"] for r in rows] == [r["completion_token_ids"] for r in want]
+
+
+@pytest.mark.parametrize("option, code", [(["--stop", ""], "E_STOP_EMPTY"), (["--stop", "x", "--stop", ""], "E_STOP_EMPTY"),
+                                          (["--commit-interval", "0"], "E_OPTION_RANGE"),
+                                          (["--commit-interval", "-5"], "E_OPTION_RANGE"),
+                                          (["--commit-interval", "nan"], "E_OPTION_RANGE")])
+def test_empty_stop_strings_and_bad_commit_intervals_are_usage_errors(env, tmp_path, run_cli, option, code):
+    rc, _, err = run_cli("batch-run", env["input"], tmp_path / "out", "--base", env["base"], "--adapters",
+                         env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu", "--quiet", *option)
+    assert rc == 2 and code in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_prompt_ids_completions_are_decoded_with_the_bases_tokenizer(tmp_path):
+    """--prompt-ids-column on a base with a tokenizer.json: the completion text is the same as
+    the text prompt's; a base without one (the env job's) gives a null completion."""
+    from tokenizers import Tokenizer
+
+    from mlora.batch.config import JobConfig
+    from mlora.batch.job.output import read_output
+    from mlora.batch.runner import run_job
+
+    tok = Tokenizer.from_file(os.path.join(DEMO, "base", "tokenizer.json"))
+    demo = pq.read_table(os.path.join(DEMO, "prompts.parquet")).slice(0, 8)
+    ids = pa.array([tok.encode(p).ids for p in demo.column("prompt").to_pylist()], pa.list_(pa.int64()))
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(demo.append_column("prompt_ids", ids), inp)
+    common = dict(input=inp, base=os.path.join(DEMO, "base"), adapters_dir=os.path.join(DEMO, "adapters"),
+                  max_new_tokens=12, device="cpu")
+    run_job(JobConfig(output=str(tmp_path / "text"), **common))
+    run_job(JobConfig(output=str(tmp_path / "ids"), prompt_column=None, prompt_ids_column="prompt_ids", **common))
+    text, by_ids = read_output(str(tmp_path / "text")), read_output(str(tmp_path / "ids"))
+    assert by_ids.column("completion_token_ids").equals(text.column("completion_token_ids"))
+    assert by_ids.column("completion").to_pylist() == text.column("completion").to_pylist()
+    assert all(text.column("completion").to_pylist())  # non-empty text to compare
 
 
 def _a1_rows_under(env, tmp_path, ids: list[str]) -> str:
@@ -280,6 +375,44 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
     assert sorted(rows) == sorted(env["expected"])
     for rid, want in env["expected"].items():
         assert rows[rid]["completion_token_ids"] == want
+
+
+def test_commit_interval_keeps_the_work_of_a_killed_job_and_resume_is_exact(env, tmp_path):
+    """28 rows, far below the default --shard-rows: with --commit-interval 0.05 shards are
+    committed as rows finish, kill -9 keeps them, and --resume with another interval (not part
+    of the fingerprint) writes the uninterrupted output. The ids are int64 over two files with
+    one repeated (--allow-duplicate-ids: resume goes by row position)."""
+    from mlora.batch.job.output import read_output
+
+    n = 2 * len(ROW_ADAPTERS)
+    ids = pa.array([1000 + i for i in range(n - 1)] + [1003], pa.int64())
+    inp = _typed_input(env, tmp_path / "in", ids)
+    _run(env, tmp_path / "ref", input=inp, max_new_tokens=40, allow_duplicate_ids=True)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mlora", "batch-run", inp, str(out), "--base", env["base"],
+           "--adapters", env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu",
+           "--max-new-tokens", "40", "--max-num-seqs", "1", "--keep-columns", "note", "--allow-duplicate-ids",
+           "--quiet"]
+    envv = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(cmd + ["--commit-interval", "0.05"], env=envv, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads((out / "_manifest.json").read_text())["rows_committed"]:
+                proc.send_signal(signal.SIGKILL)
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err
+    committed = json.loads((out / "_manifest.json").read_text())["rows_committed"]
+    assert 0 < committed < n and not (out / "_SUCCESS").exists()
+    r = subprocess.run(cmd + ["--resume", "--commit-interval", "60", "--json"], env=envv, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed_from_row"] == committed
+    assert read_output(str(out)).equals(read_output(str(tmp_path / "ref")))
 
 
 def _demo_job_gives_the_expected_rows(tmp_path, device="cpu", **options):

@@ -94,6 +94,8 @@ class JobConfig(EngineConfig):
     strict: bool = False
     resume: bool = False
     shard_rows: int = 10000
+    commit_interval: float = 60.0  # seconds: a shard is also committed when this has passed since the last one
+    allow_duplicate_ids: bool = False  # run rows whose ids repeat (each row once; resume goes by row position)
     workers: int | None = None  # hashing threads for pinning the base and adapters (default: all cores)
     # scale-out (docs/scaleout.md; none of these is part of the job fingerprint)
     gpus: str | None = None  # "0,1" or "all": one worker process per GPU
@@ -111,6 +113,9 @@ class JobConfig(EngineConfig):
         super().validate()
         if self.max_new_tokens < 1:
             raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
+        if "" in self.stop:
+            raise JobError("E_STOP_EMPTY", "--stop \"\" would end every row after its first token; give "
+                           "non-empty stop strings (or no --stop)", 2)
         check_ranges(self, JOB_RANGES)
 
 
@@ -163,6 +168,7 @@ JOB_RANGES = {
     "top_p": Range("--top-p", 0.0, 1.0, low_open=True),
     "top_k": Range("--top-k", 0, hint="0 turns top-k off"),
     "shard_rows": Range("--shard-rows", 1),
+    "commit_interval": Range("--commit-interval", 0.0, low_open=True, hint="seconds between shard commits"),
     "workers": Range("workers", 1, optional=True, hint="leave it out to hash on every core"),
 }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Result
-from mlora.batch.job.prepare import JobSummary, PreparedJob, RowWriter, finish_job, prepare_job
+from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, JobSummary, PreparedJob, RowWriter, finish_job, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.job.sizing import release_device_memory
 from mlora.batch.scaleout.coordinator import run_workers
@@ -39,6 +39,8 @@ def run_job(opts: JobConfig, progress=None, note=None, phase=None) -> JobSummary
     prep = prepare_job(opts, plan.device, phase, note)
     if prep.sink is None:
         return prep.summary
+    if prep.tokenizer is None and note:
+        note(NO_TOKENIZER_NOTE)
     try:
         if plan.places:
             phase(f"starting {len(plan.places)} workers", prep.summary.rows, prep.start_row)

@@ -84,6 +84,7 @@ class LedgerBlocks:
 
 
 def owner_name(owner) -> str:
-    """The ledger's KV owner of a sequence (its request id: unique in a job, and a preempted
-    sequence gives its pages back before it is admitted again)."""
-    return f"kv {owner.req.id}"
+    """The ledger's KV owner of a sequence: its input row position (unique among the rows in
+    flight, where ids may repeat; a preempted sequence gives its pages back before it is
+    admitted again)."""
+    return f"kv row {owner.req.row}"

@@ -14,19 +14,20 @@ Rules:
 * Rows are numbered by their global position: files in order, rows in file
   order. Row position is the identity used by resume; ids are only copied.
 * Column types, checked in every file before any row is read: id string or
-  integer (integers become their decimal string); prompt string; prompt_ids
-  list of integers; adapter string; max_new_tokens integer; kept columns any
-  type, but the same type in every file; messages a list of structs with
-  string ``role`` and ``content`` fields (other fields allowed: they reach
-  the chat template as they are). Strings may also be dictionary
-  encoded; a column whose type is ``null`` (all values null) is accepted
-  where nulls are. Only kept columns must agree exactly between files: role
-  columns are converted to Python values, so ``string`` in one file and
-  ``large_string`` in another is fine.
+  integer; prompt string; prompt_ids list of integers; adapter string;
+  max_new_tokens integer; kept columns any type; messages a list of structs
+  with string ``role`` and ``content`` fields (other fields allowed: they
+  reach the chat template as they are). Strings may also be
+  dictionary encoded; a column whose type is ``null`` (all values null) is
+  accepted where nulls are. The id and the kept columns pass through to the
+  output in their input type, so their type must be the same in every file;
+  the other role columns are converted to Python values, so ``string`` in
+  one file and ``large_string`` in another is fine there.
 * ids: when the id column is absent and has its default name ``id``, the id
   of a row is ``str(position)``. A null id is refused (``E_INPUT_NULL_ID``):
   up front where Parquet statistics carry null counts, else when the row is
-  read.
+  read. :meth:`InputSource.check_unique_ids` refuses a repeated id
+  (``E_INPUT_DUPLICATE_ID``) by reading the id column alone.
 * The file fingerprint is (relative path, size, mtime_ns, num_rows,
   footer_sha256), where footer_sha256 hashes the Parquet footer (the
   serialized metadata with its length and magic): it changes with the schema,
@@ -38,7 +39,9 @@ Rules:
 * Memory: one file open at a time, read without pre-buffering
   (``iter_batches``, about one row group held at a time); only the needed
   columns are read. Batches never span files. A single huge row group is
-  still read whole: write inputs with row groups of a sane size.
+  still read whole: write inputs with row groups of a sane size. The
+  duplicate check holds the whole id column once, in Arrow form (about 8
+  bytes an int64 id, its length plus 4 a string id).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mlora.batch.errors import CodedError
@@ -73,7 +77,7 @@ class JobInputError(CodedError, ValueError):
 
     Codes: E_INPUT_USAGE (contradictory column options), E_INPUT_NOT_FOUND,
     E_INPUT_NOT_PARQUET, E_INPUT_COLUMN_MISSING, E_INPUT_COLUMN_TYPE,
-    E_INPUT_SCHEMA_MISMATCH, E_INPUT_NULL_ID, E_INPUT_CHANGED."""
+    E_INPUT_SCHEMA_MISMATCH, E_INPUT_NULL_ID, E_INPUT_DUPLICATE_ID, E_INPUT_CHANGED."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ class InputBatch:
     """Rows ``first_row .. first_row + len(ids) - 1`` of the input, as Python values."""
 
     first_row: int
-    ids: list[str]
+    ids: list[str | int]  # the id column's values (generated ids: str(position))
     prompts: list[str | None] | None
     prompt_ids: list[list[int] | None] | None
     adapters: list[str | None]
@@ -241,6 +245,7 @@ class _File:
     row_group_rows: list[int]
     footer_sha256: str
     has_id: bool
+    id_type: pa.DataType | None  # the id column's Arrow type (None without one)
 
 
 def _null_count_from_stats(meta: pq.FileMetaData, column: str) -> int | None:
@@ -271,6 +276,8 @@ class InputSource:
         self.kept_schema = kept_schema
         # ids come from the row position when the default id column is absent
         self.generated_ids = not files[0].has_id
+        # the output's id type: the input's (the same in every file), string for generated ids
+        self.id_type = pa.string() if self.generated_ids else files[0].id_type
 
     def fingerprint(self) -> list[dict]:
         return [
@@ -299,11 +306,42 @@ class InputSource:
                 break
             yield from self._file_batches(f, columns, start_row, batch_rows, end_row)
 
+    def check_unique_ids(self) -> None:
+        """Refuse a repeated id (``E_INPUT_DUPLICATE_ID``, naming its first repetition and where
+        the id occurs first) or a null one (``E_INPUT_NULL_ID``), across every file, reading
+        only the id column. Generated ids are unique by construction and read nothing."""
+        if self.generated_ids:
+            return
+        column, chunks = self.spec.id_column, []
+        value_type = self.id_type.value_type if pa.types.is_dictionary(self.id_type) else self.id_type
+        for f in self._files:
+            _check_unchanged(f)
+            with pq.ParquetFile(f.path, pre_buffer=False) as pf:
+                ids = pf.read(columns=[column], use_threads=False).column(column)
+            if ids.null_count:
+                row = ids.to_pylist().index(None)
+                raise JobInputError("E_INPUT_NULL_ID", f"row {f.first_row + row} ({f.rel}, row {row}) has a null "
+                                    f"id in column {column!r}; fill in every id")
+            chunks.append(ids.cast(value_type))
+        every = pa.chunked_array([a for c in chunks for a in c.chunks], value_type)
+        if pc.count_distinct(every).as_py() == len(every):
+            return
+        first: dict = {}  # only on the way to the error: where each id occurs first
+        for f, ids in zip(self._files, chunks):
+            for i, value in enumerate(ids.to_pylist()):
+                if value in first:
+                    row, rel, local = first[value]
+                    raise JobInputError(
+                        "E_INPUT_DUPLICATE_ID",
+                        f"id {value!r} of row {f.first_row + i} ({f.rel}, row {i}) repeats row {row} ({rel}, row "
+                        f"{local}); make the ids in column {column!r} unique, or pass --allow-duplicate-ids to run "
+                        "every row as it is (resume goes by row position)",
+                    )
+                first[value] = (f.first_row + i, f.rel, i)
+
     def _file_batches(self, f: _File, columns: list[str], start_row: int, batch_rows: int,
                       end_row: int) -> Iterator[InputBatch]:
-        stat = os.stat(f.path)
-        if (stat.st_size, stat.st_mtime_ns) != (f.size, f.mtime_ns):
-            raise JobInputError("E_INPUT_CHANGED", f"{f.path} changed after the job started; rerun the job on a stable input")
+        _check_unchanged(f)
         # first row group that holds start_row, and how many of its rows to skip
         row, group = f.first_row, 0
         while row + f.row_group_rows[group] <= start_row:
@@ -338,7 +376,7 @@ class InputSource:
             if None in raw:
                 row = first_row + raw.index(None)
                 raise JobInputError("E_INPUT_NULL_ID", f"row {row} ({f.rel}) has a null id in column {spec.id_column!r}; fill in every id")
-            ids = [v if isinstance(v, str) else str(v) for v in raw]
+            ids = raw
         prompts = rb.column(spec.prompt_column).to_pylist() if spec.prompt_column is not None else None
         prompt_ids = rb.column(spec.prompt_ids_column).to_pylist() if spec.prompt_ids_column is not None else None
         messages = rb.column(spec.messages_column).to_pylist() if spec.messages_column is not None else None
@@ -352,6 +390,12 @@ class InputSource:
         else:  # no columns, but still n rows
             kept = pa.Table.from_batches([rb.select([])])
         return InputBatch(first_row, ids, prompts, prompt_ids, adapters, max_new_tokens, kept, messages)
+
+
+def _check_unchanged(f: _File) -> None:
+    stat = os.stat(f.path)
+    if (stat.st_size, stat.st_mtime_ns) != (f.size, f.mtime_ns):
+        raise JobInputError("E_INPUT_CHANGED", f"{f.path} changed after the job started; rerun the job on a stable input")
 
 
 def _missing(role: str, column: str, path: str, schema: pa.Schema) -> JobInputError:
@@ -406,6 +450,13 @@ def open_input(path: str, spec: InputSpec) -> InputSource:
                 f"id column {spec.id_column!r} is in {present} but not in {absent}; every input file needs the same columns",
             )
         _check_roles(spec, rel, schema, has_id)
+        id_type = schema.field(spec.id_column).type if has_id else None
+        if files and id_type != files[0].id_type:
+            raise JobInputError(
+                "E_INPUT_SCHEMA_MISMATCH",
+                f"id column {spec.id_column!r} is {files[0].id_type} in {first_rel} but {id_type} in {rel}; the ids "
+                "keep their type in the output, so make it the same in every input file",
+            )
         for column in spec.keep_columns:
             if column not in schema.names:
                 if files:
@@ -431,7 +482,7 @@ def open_input(path: str, spec: InputSpec) -> InputSource:
         if has_id and _null_count_from_stats(meta, spec.id_column):
             raise JobInputError("E_INPUT_NULL_ID", f"{rel} has null ids in column {spec.id_column!r}; fill in every id")
         groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        files.append(_File(p, rel, stat.st_size, stat.st_mtime_ns, meta.num_rows, first_row, groups, footer, has_id))
+        files.append(_File(p, rel, stat.st_size, stat.st_mtime_ns, meta.num_rows, first_row, groups, footer, has_id, id_type))
         first_row += meta.num_rows
     return InputSource(spec, files, kept_schema)
 

@@ -14,11 +14,15 @@ Commit protocol (docs/design.md, Shard and manifest):
 * A shard is committed by writing the shard file first and then the manifest
   that names it. A ``part-*.parquet`` file that the manifest does not name was
   never committed: resume deletes it, together with stale ``.tmp.*`` files.
-* Shards hold contiguous ranges of input rows in input order, ``shard_rows``
-  rows each except the last; the manifest records each shard's
-  ``[first_row, last_row)`` and sha256, and ``rows_committed``. Resume
-  continues at ``next_row = rows_committed``: rows that were finished but not
-  yet committed are generated again, never written twice.
+* Shards hold contiguous ranges of input rows in input order. A shard is
+  committed when the contiguous run of finished rows reaches ``shard_rows``,
+  or, with a commit interval, when a row is added at least that many seconds
+  after the last commit (then the run so far, however short): an interrupted
+  job loses at most the rows finished within one interval. The manifest
+  records each shard's ``[first_row, last_row)`` and sha256, and
+  ``rows_committed``. Resume continues at ``next_row = rows_committed``: rows
+  that were finished but not yet committed are generated again, never
+  written twice. Shard boundaries depend on timing; the rows do not.
 * ``_SUCCESS`` is written last (after ``_metrics.json``), only when every row
   was committed.
 
@@ -46,6 +50,7 @@ import datetime
 import json
 import os
 import re
+import time
 import uuid
 from typing import Any
 
@@ -95,12 +100,13 @@ class JobOutputError(CodedError, ValueError):
     E_RESUME_MISMATCH."""
 
 
-def output_schema(kept_schema: pa.Schema) -> pa.Schema:
-    """``id``, the kept input columns in their input types, then :data:`RESULT_FIELDS`."""
+def output_schema(kept_schema: pa.Schema, id_type: pa.DataType = pa.string()) -> pa.Schema:
+    """``id`` (in the input's type, ``id_type``), the kept input columns in their input types,
+    then :data:`RESULT_FIELDS`."""
     clash = [name for name in kept_schema.names if name in OUTPUT_COLUMNS]
     if clash:
         raise ValueError(f"kept columns {clash} clash with output columns {list(OUTPUT_COLUMNS)}")
-    return pa.schema([pa.field("id", pa.string()), *kept_schema, *RESULT_FIELDS])
+    return pa.schema([pa.field("id", id_type), *kept_schema, *RESULT_FIELDS])
 
 
 def job_fingerprint(parts: dict) -> str:
@@ -455,7 +461,9 @@ class ResultSink:
     ``add(row, record)`` takes the input row position and a dict with exactly
     the columns of ``schema``. Whenever the contiguous run of rows starting at
     ``output.next_row`` reaches ``shard_rows``, that run is committed as the
-    next shard.
+    next shard; with ``commit_interval`` (seconds of ``clock``), so is the
+    run so far when a row is added that long after the last commit (or the
+    sink's start).
 
     Memory: the sink holds rows that are finished but not committed, i.e. at
     most ``shard_rows - 1`` rows of the contiguous prefix plus every row
@@ -467,11 +475,15 @@ class ResultSink:
     outside the input are refused and ``close(final=True)`` checks that all
     of them were committed."""
 
-    def __init__(self, output: JobOutput, schema: pa.Schema, shard_rows: int | None = None, total_rows: int | None = None):
+    def __init__(self, output: JobOutput, schema: pa.Schema, shard_rows: int | None = None, total_rows: int | None = None,
+                 commit_interval: float | None = None, clock=time.monotonic):
         self.output = output
         self.schema = schema
         self.shard_rows = shard_rows or output.shard_rows
         self.total_rows = total_rows
+        self.commit_interval = commit_interval
+        self._clock = clock
+        self._last_commit = clock()
         self._names = frozenset(schema.names)
         self._buffer: dict[int, dict] = {}
         self._contiguous_end = output.next_row  # rows [next_row, end) are all buffered
@@ -499,6 +511,9 @@ class ResultSink:
             self._contiguous_end += 1
         while self._contiguous_end - self.output.next_row >= self.shard_rows:
             self._commit(self.shard_rows)
+        if (self.commit_interval is not None and self._contiguous_end > self.output.next_row
+                and self._clock() - self._last_commit >= self.commit_interval):
+            self._commit(self._contiguous_end - self.output.next_row)
 
     def close(self, final: bool) -> None:
         """Commit the contiguous prefix still buffered. With ``final``, the
@@ -546,6 +561,7 @@ class ResultSink:
         first = self.output.next_row
         records = [self._buffer.pop(r) for r in range(first, first + n)]
         self.output.commit_shard(pa.Table.from_pylist(records, schema=self.schema), first)
+        self._last_commit = self._clock()
 
 
 def read_output(out_dir: str) -> pa.Table:

@@ -32,6 +32,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
+import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -47,6 +48,8 @@ from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
 BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
 NO_SOURCE = "no adapter source was given: pass --adapters DIR or --catalog FILE to serve the adapters the input names"
+# the stderr note of a job whose base has no tokenizer.json (docs/batch.md, Output columns)
+NO_TOKENIZER_NOTE = "the base has no tokenizer.json: completion is null, completion_token_ids holds each row's tokens"
 
 
 @dataclass
@@ -100,6 +103,14 @@ class Tokenizer:
                            "(or give --prompt-ids-column with token ids)")
         self._tok = HFTokenizer.from_file(path)
         self.chat_template = load_chat_template(base_dir) if chat else None
+
+    @classmethod
+    def of_base(cls, base_dir: str, required: bool, chat: bool = False) -> Tokenizer | None:
+        """The base's tokenizer when it has one (completions are decoded with it); None when it has
+        none and ``required`` is false (a job on token ids: its completions are null), else E_TOKENIZER."""
+        if required or os.path.exists(os.path.join(base_dir, "tokenizer.json")):
+            return cls(base_dir, chat)
+        return None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -163,8 +174,10 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
         keep_columns=tuple(opts.keep_columns), messages_column=opts.messages_column,
     )
     source = open_input(opts.input, spec)
-    tokenizer = Tokenizer(opts.base, chat=bool(opts.messages_column)) if (opts.prompt_column or opts.messages_column
-                                                                         or opts.stop) else None
+    if not opts.allow_duplicate_ids:
+        source.check_unique_ids()
+    tokenizer = Tokenizer.of_base(opts.base, required=bool(opts.prompt_column or opts.messages_column or opts.stop),
+                                  chat=bool(opts.messages_column))
 
     # identities: base, then every adapter the input names, pinned by digest now
     phase("hashing the base", source.num_rows, 0)
@@ -206,6 +219,8 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
                      "stop": list(opts.stop)},
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if source.id_type != pa.string():  # every shard of OUTPUT has one schema; string ids keep the older form
+        parts["id_type"] = str(source.id_type)
     if opts.messages_column:  # the template makes the prompts: a changed template is a different job
         parts["columns"]["messages"] = opts.messages_column  # absent otherwise: earlier outputs still resume
         parts["chat_template_sha256"] = tokenizer.chat_template.sha256
@@ -220,7 +235,8 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
         out.close()
         summary.already_complete = True
     else:
-        sink = ResultSink(out, output_schema(source.kept_schema), opts.shard_rows, total_rows=source.num_rows)
+        sink = ResultSink(out, output_schema(source.kept_schema, source.id_type), opts.shard_rows,
+                          total_rows=source.num_rows, commit_interval=opts.commit_interval)
     return PreparedJob(opts, device, dtype, config, source, tokenizer, pinned, start_row, summary, sink, t0)
 
 

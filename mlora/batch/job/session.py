@@ -52,8 +52,8 @@ class EngineSession:
 
     def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
-        self.tokenizer = Tokenizer(opts.base, chat=bool(opts.messages_column)) if (
-            opts.prompt_column or opts.messages_column or opts.stop) else None
+        self.tokenizer = Tokenizer.of_base(opts.base, required=bool(opts.prompt_column or opts.messages_column
+                                                                    or opts.stop), chat=bool(opts.messages_column))
         self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         self.arena = None  # the joint memory ledger's page arena
         self._switch = None  # the GIL switch interval to restore at close
@@ -234,9 +234,10 @@ def served_bundle(opts: JobConfig, good: dict[str, PinnedAdapter]):
 
 
 def result_record(res: Result, pinned: dict[str, PinnedAdapter], tokenizer: Tokenizer | None) -> dict:
-    """``id`` and :data:`~mlora.batch.job.output.RESULT_FIELDS` of one finished (or refused) row."""
+    """``id`` and :data:`~mlora.batch.job.output.RESULT_FIELDS` of one finished (or refused) row.
+    Without a tokenizer (a base without tokenizer.json) ``completion`` is null: no text exists."""
     p = pinned.get(res.adapter) if res.adapter is not None else None
-    text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else "")
+    text = res.text if res.text is not None else (tokenizer.decode(res.token_ids) if tokenizer else None)
     return {
         "id": res.id,
         "adapter": res.adapter,

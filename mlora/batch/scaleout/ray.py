@@ -64,7 +64,7 @@ from mlora.batch.errors import JobError
 from mlora.batch.job.input import InputBatch, InputSpec, JobInputError, open_input
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
-from mlora.batch.job.prepare import RowWriter, finish_job, prepare_job
+from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
 
@@ -82,7 +82,7 @@ MESSAGES = "_messages"
 # JobConfig fields a predictor takes as keyword options (the rest are about files and the job)
 PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
     "input", "output", "base", "adapters_dir", "catalog_file", "keep_columns", "strict", "resume", "shard_rows",
-    "workers", "gpus", "num_workers", "engine", "ray_address"}
+    "commit_interval", "allow_duplicate_ids", "workers", "gpus", "num_workers", "engine", "ray_address"}
 
 
 def pin_adapters(base: str, adapters: str | None = None, catalog: str | None = None,
@@ -119,7 +119,7 @@ class MloraPredictor:
     with the id, prompt (or prompt ids) and adapter columns (null, empty or
     ``__base__``: the base model). Returns the batch's ``keep_columns``
     unchanged (default: every column but the id and adapter columns), then
-    ``id`` (as a string) and mlora's output columns (``adapter``,
+    ``id`` (in the id column's type) and mlora's output columns (``adapter``,
     ``adapter_sha256``, ``completion``, ``completion_token_ids``,
     ``finish_reason``, ``num_prompt_tokens``, ``num_completion_tokens``,
     ``error_code``, ``error_message``), one row per input row in the same
@@ -172,7 +172,7 @@ class MloraPredictor:
             raise ValueError(f"E_INPUT_USAGE: batch column(s) {clash} would clash with mlora's output columns; "
                              "rename them or leave them out with keep_columns=")
         col = lambda name: table.column(name).to_pylist() if name else None  # noqa: E731
-        ids = [None if v is None else (v if isinstance(v, str) else str(v)) for v in col(o.id_column)]
+        ids = col(o.id_column)
         if None in ids:
             raise ValueError(f"E_INPUT_NULL_ID: row {ids.index(None)} of the batch has a null id; fill in every id")
         n = table.num_rows
@@ -183,7 +183,8 @@ class MloraPredictor:
         records = [None] * n
         for r in results:
             records[r.row] = s.record(r)
-        out = pa.Table.from_pylist(records, schema=pa.schema([pa.field("id", pa.string()), *RESULT_FIELDS]))
+        id_field = pa.field("id", table.schema.field(o.id_column).type)
+        out = pa.Table.from_pylist(records, schema=pa.schema([id_field, *RESULT_FIELDS]))
         for name in reversed(passthrough):
             out = out.add_column(0, table.schema.field(name), table.column(name))
         return out.to_pandas() if as_pandas else out
@@ -228,7 +229,7 @@ def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int
             kept.append(b.kept)
         order = sorted(range(len(rows)), key=lambda k: rows[k][:2])  # adapter, then input order
         cols = {ROW: pa.array([rows[k][1] for k in order], pa.int64()),
-                ID: pa.array([rows[k][2] for k in order], pa.string()),
+                ID: pa.array([rows[k][2] for k in order], source.id_type),
                 ADAPTER: pa.array([rows[k][5] for k in order], pa.string()),
                 MAX_NEW: pa.array([rows[k][6] for k in order], pa.int64())}
         if opts.prompt_ids_column:
@@ -283,6 +284,8 @@ def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
         prep = prepare_job(opts, torch.device("cuda" if on_gpu else "cpu"))
         if prep.sink is None:
             return prep.summary
+        if prep.tokenizer is None and note:
+            note(NO_TOKENIZER_NOTE)
         prep.summary.device = f"ray: {'cuda' if on_gpu else 'cpu'} x{n}"
         try:
             return _drive(ray, prep, n, on_gpu, cpus, progress)
