@@ -119,7 +119,8 @@ def refusal(req: Request, pinned: dict, *, max_context: int, block_size: int, ma
                 f"{max_row_blocks} (shorten the prompt, lower --max-new-tokens or give the cache more memory)")
     if req.adapter is not None:
         p = pinned.get(req.adapter)
-        unknown = f"adapter {req.adapter!r} is not in the catalog"
+        unknown = (f"adapter {req.adapter!r} was not pinned for this job: it is not in the catalog, or no adapter "
+                   "source (--adapters / --catalog) was given")
         if p is None:
             return "E_ADAPTER_UNKNOWN", unknown
         if not p.ok:
