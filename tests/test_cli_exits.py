@@ -18,6 +18,7 @@ from conftest import DEMO, REPO
 from typer.testing import CliRunner
 
 from mlora.cli.app import app
+from mlora.lora_tools.release import MergeAdapter, merge
 
 BASE, ADAPTERS = os.path.join(DEMO, "base"), os.path.join(DEMO, "adapters")
 UPPER, ROT13 = os.path.join(ADAPTERS, "upper"), os.path.join(ADAPTERS, "rot13")
@@ -67,6 +68,7 @@ def ws(tmp_path_factory):
     inp = root / "in.parquet"
     pq.write_table(pa.table({"id": ["b", "u"], "prompt": ["<|bos|>hi="] * 2, "adapter": [None, "upper"]}), inp)
     (root / "catalog.json").write_text(json.dumps({"upper": UPPER}))
+    merge(BASE, [MergeAdapter(UPPER)], str(root / "release"))  # for unmerge and verify, whatever runs first
     return dict(root=root, bad=str(bad), input=str(inp), catalog=str(root / "catalog.json"))
 
 
@@ -75,7 +77,8 @@ def _job(ws, out, *extra):
             "--max-new-tokens", "2", "--device", "cpu", "--quiet", *extra]
 
 
-# command row -> [(case, args(ws), expected exit code)], run in order (later cases may use earlier outputs)
+# command row -> [(case, args(ws), expected exit code)], run in order (a later case may use an earlier
+# case's output of the same command; commands share only the fixture's files)
 CASES = {
     "validate": [
         ("valid", lambda w: ["validate", UPPER, "--base", BASE], 0),
@@ -113,13 +116,13 @@ CASES = {
         ("no --adapter", lambda w: ["merge", "--base", BASE, "-o", str(w["root"] / "r3")], 2),
     ],
     "unmerge": [
-        ("release", lambda w: ["unmerge", "--release", str(w["root"] / "rel"), "-o", str(w["root"] / "un")], 0),
+        ("release", lambda w: ["unmerge", "--release", str(w["root"] / "release"), "-o", str(w["root"] / "un")], 0),
         ("not a release", lambda w: ["unmerge", "--release", BASE, "-o", str(w["root"] / "un2")], 1),
         ("missing --release", lambda w: ["unmerge", "--release", str(w["root"] / "absent"), "-o",
                                          str(w["root"] / "un2")], 2),
     ],
     "release verify": [
-        ("intact", lambda w: ["release", "verify", str(w["root"] / "rel")], 0),
+        ("intact", lambda w: ["release", "verify", str(w["root"] / "release")], 0),
         ("not a release", lambda w: ["release", "verify", BASE], 1),
         ("missing RELEASE", lambda w: ["release", "verify", str(w["root"] / "absent")], 2),
     ],
