@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mlora.bench.hash import run_hash_bench
+from mlora.cli.render import fail
 
 bench_app = typer.Typer(help="Benchmarks (results belong in BENCHMARKS.md).", no_args_is_help=True,
                         rich_markup_mode=None)  # plain help, as the app's (mlora.cli.app)
@@ -101,8 +102,7 @@ def _save(results: dict, out: Optional[Path], json_out: bool, indent: int | None
 
 def _usage(err: Console, message: str):
     """A usage error: ``Error: E_USAGE: message`` on stderr, exit 2 (README, Exit codes)."""
-    err.print(f"Error: E_USAGE: {message}", markup=False, highlight=False)
-    raise typer.Exit(2)
+    fail(err, "E_USAGE", message, 2)
 
 
 def _check_options(err: Console, device: str, preset: str | None = None, dtype: str | None = None) -> None:

@@ -105,11 +105,13 @@ class Tokenizer:
         self.chat_template = load_chat_template(base_dir) if chat else None
 
     @classmethod
-    def of_base(cls, base_dir: str, required: bool, chat: bool = False) -> Tokenizer | None:
-        """The base's tokenizer when it has one (completions are decoded with it); None when it has
-        none and ``required`` is false (a job on token ids: its completions are null), else E_TOKENIZER."""
-        if required or os.path.exists(os.path.join(base_dir, "tokenizer.json")):
-            return cls(base_dir, chat)
+    def for_job(cls, opts: JobConfig) -> Tokenizer | None:
+        """The job's tokenizer: the base's when it has one (completions are decoded with it), with the
+        chat template for ``--messages-column``. Text prompts, messages and stop strings need it
+        (E_TOKENIZER without one); a job on token ids without one gets None (its completions are null)."""
+        required = bool(opts.prompt_column or opts.messages_column or opts.stop)
+        if required or os.path.exists(os.path.join(opts.base, "tokenizer.json")):
+            return cls(opts.base, chat=bool(opts.messages_column))
         return None
 
     def encode(self, text: str) -> list[int]:
@@ -157,6 +159,15 @@ class PreparedJob:
     t0: float
 
 
+def input_spec(opts: JobConfig) -> InputSpec:
+    """The roles of the input columns a job names (the driver's and every Ray reader's alike)."""
+    return InputSpec(
+        id_column=opts.id_column, prompt_column=opts.prompt_column, prompt_ids_column=opts.prompt_ids_column,
+        adapter_column=opts.adapter_column, max_new_tokens_column=opts.max_new_tokens_column,
+        keep_columns=tuple(opts.keep_columns), messages_column=opts.messages_column,
+    )
+
+
 def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) -> PreparedJob:
     """``opts`` validated: pin identities, fingerprint the job and open OUTPUT (fresh or resumed) for engines on ``device``.
     ``phase(text, rows_total, rows_done)`` names each start-up step (``rows_total`` None until the
@@ -168,16 +179,10 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
     phase("reading the input", None, 0)
     config = load_config(opts.base)
     dtype = resolve_dtype(opts.dtype, config.dtype, device)
-    spec = InputSpec(
-        id_column=opts.id_column, prompt_column=opts.prompt_column, prompt_ids_column=opts.prompt_ids_column,
-        adapter_column=opts.adapter_column, max_new_tokens_column=opts.max_new_tokens_column,
-        keep_columns=tuple(opts.keep_columns), messages_column=opts.messages_column,
-    )
-    source = open_input(opts.input, spec)
+    source = open_input(opts.input, input_spec(opts))
     if not opts.allow_duplicate_ids:
         source.check_unique_ids()
-    tokenizer = Tokenizer.of_base(opts.base, required=bool(opts.prompt_column or opts.messages_column or opts.stop),
-                                  chat=bool(opts.messages_column))
+    tokenizer = Tokenizer.for_job(opts)
 
     # identities: base, then every adapter the input names, pinned by digest now
     phase("hashing the base", source.num_rows, 0)

@@ -52,8 +52,7 @@ class EngineSession:
 
     def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
-        self.tokenizer = Tokenizer.of_base(opts.base, required=bool(opts.prompt_column or opts.messages_column
-                                                                    or opts.stop), chat=bool(opts.messages_column))
+        self.tokenizer = Tokenizer.for_job(opts)
         self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         self.arena = None  # the joint memory ledger's page arena
         self._switch = None  # the GIL switch interval to restore at close

@@ -61,10 +61,10 @@ import torch
 from mlora.batch.adapters.catalog import load_catalog
 from mlora.batch.config import JobConfig, resolve_device, resolve_dtype
 from mlora.batch.errors import JobError
-from mlora.batch.job.input import InputBatch, InputSpec, JobInputError, open_input
+from mlora.batch.job.input import InputBatch, JobInputError, open_input
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
-from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, prepare_job
+from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, input_spec, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
 
@@ -209,11 +209,7 @@ def _to_table(batch) -> pa.Table:
 def read_window(items: dict, opts: JobConfig, fingerprint: list, batch_rows: int):
     """Ray Data UDF: rows ``[lo, hi)`` of each window item, sorted by adapter then
     position, yielded as tables of at most ``batch_rows`` rows (the module docstring)."""
-    spec = InputSpec(id_column=opts.id_column, prompt_column=opts.prompt_column,
-                     prompt_ids_column=opts.prompt_ids_column, adapter_column=opts.adapter_column,
-                     max_new_tokens_column=opts.max_new_tokens_column, keep_columns=tuple(opts.keep_columns),
-                     messages_column=opts.messages_column)
-    source = open_input(opts.input, spec)
+    source = open_input(opts.input, input_spec(opts))
     if source.fingerprint() != fingerprint:
         raise JobInputError("E_INPUT_CHANGED", f"{opts.input} changed after the job started; rerun the job on a "
                             "stable input")
