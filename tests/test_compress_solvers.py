@@ -297,11 +297,14 @@ def test_independent_random_adapters_error_reported_honestly():
 # ---------------------------------------------------------------- agreement with TensorLy
 
 
-def _tensorly():
+@pytest.fixture
+def tensorly_numpy():
+    """TensorLy on its NumPy backend, whatever another test in this process set."""
     tl = pytest.importorskip("tensorly")
     from tensorly.decomposition import parafac, partial_tucker
 
-    return tl, parafac, partial_tucker
+    with tl.backend_context("numpy"):
+        yield tl, parafac, partial_tucker
 
 
 # (n, d_out, d_in, ranks, R): the second and fourth take the reduced path (sum r_i < d)
@@ -315,8 +318,8 @@ PROBLEMS = [
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("problem", PROBLEMS)
-def test_jd_full_matches_tensorly_partial_tucker(problem, normalize):
-    tl, _, partial_tucker = _tensorly()
+def test_jd_full_matches_tensorly_partial_tucker(problem, normalize, tensorly_numpy):
+    tl, _, partial_tucker = tensorly_numpy
     n, d_out, d_in, ranks, R = problem
     facs = random_adapters(torch.Generator().manual_seed(n * d_out + R), n, d_out, d_in, ranks)
     T = stacked(facs, normalize).numpy()
@@ -330,8 +333,8 @@ def test_jd_full_matches_tensorly_partial_tucker(problem, normalize):
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("problem", PROBLEMS)
-def test_jd_diag_no_worse_than_tensorly_parafac(problem, normalize):
-    tl, parafac, _ = _tensorly()
+def test_jd_diag_no_worse_than_tensorly_parafac(problem, normalize, tensorly_numpy):
+    tl, parafac, _ = tensorly_numpy
     n, d_out, d_in, ranks, R = problem
     facs = random_adapters(torch.Generator().manual_seed(n * d_in + R), n, d_out, d_in, ranks)
     T = stacked(facs, normalize).numpy()
@@ -540,8 +543,8 @@ def gap_collection(gen, n=10, d_out=60, d_in=50, true_rank=4, noise=1e-3):
     return facs
 
 
-def test_krylov_eigensolver_reaches_the_eigh_optimum():
-    tl, _, partial_tucker = _tensorly()
+def test_krylov_eigensolver_reaches_the_eigh_optimum(tensorly_numpy):
+    tl, _, partial_tucker = tensorly_numpy
     facs = gap_collection(torch.Generator().manual_seed(19))
     exact = jd_full(facs, 4, iters=200, tol=1e-13, eigensolver="eigh")
     krylov = jd_full(facs, 4, iters=200, tol=1e-13, eigensolver="krylov")

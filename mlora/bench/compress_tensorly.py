@@ -108,11 +108,11 @@ def _dense(factors, dtype: torch.dtype) -> torch.Tensor:
 
 def fit_tensorly(factors, method: str, R: int, iters: int, tol: float, dtype: torch.dtype):
     """TensorLy's fit of the normalised dense stack: (U, V, cores in original units, sweeps)."""
-    tl.set_backend("pytorch")
     T = _dense(factors, dtype)
     scale = torch.linalg.vector_norm(T, dim=(1, 2))
     T.div_(scale[:, None, None])
-    with warnings.catch_warnings():
+    # the backend is set for this fit only: TensorLy's backend is process-wide state
+    with tl.backend_context("pytorch"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # R above a mode's size: TensorLy pads its SVD start
         if method == "jd-full":
             (core, (U, V)), errors = partial_tucker(T, [R, R], modes=[1, 2], n_iter_max=iters, tol=tol, init="svd")
