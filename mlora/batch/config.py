@@ -23,6 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # three-stage-triton: the three-stage operator on the segmented Triton kernels (CUDA only)
 BUNDLE_OPERATORS = ("auto", "three-stage", "materialized", "three-stage-triton")
 MEMORY_LEDGERS = ("split", "joint")
+ALORA_WITHOUT_INVOCATION = ("error", "base")  # an aLoRA row whose prompt lacks the invocation: error row, or the base
 ENGINES = ("local", "ray")
 
 
@@ -52,6 +53,10 @@ class EngineConfig:
     # split: KV cache and adapter slots sized once from one budget; joint: both carved from one
     # arena of pages, KV growth may evict idle adapters (docs/sizing.md)
     memory_ledger: str = "split"
+    # full KV blocks shared between rows by content: a row computes only what no row computed
+    # before it (docs/batch.md, Prefix cache); with the joint memory ledger it is off
+    prefix_cache: bool = True
+    alora_without_invocation: str = "error"  # ALORA_WITHOUT_INVOCATION (changes outputs: in the job fingerprint)
 
     def validate(self) -> None:
         """Raise JobError (exit 2) for a value outside its domain."""
@@ -65,6 +70,9 @@ class EngineConfig:
         if self.bundle_operator not in BUNDLE_OPERATORS:
             raise JobError("E_BUNDLE_OPERATOR", f"--bundle-operator must be one of {', '.join(BUNDLE_OPERATORS)}, "
                            f"not {self.bundle_operator!r}", 2)
+        if self.alora_without_invocation not in ALORA_WITHOUT_INVOCATION:
+            raise JobError("E_OPTION_RANGE", "--alora-without-invocation must be error or base, not "
+                           f"{self.alora_without_invocation!r}", 2)
         check_ranges(self, ENGINE_RANGES)
 
 

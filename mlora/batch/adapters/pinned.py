@@ -91,6 +91,9 @@ class PinnedAdapter:
     findings: tuple[Finding, ...] = ()
     bundle: str | None = None  # a collection bundle member (``mlora.batch.adapters.bundles``): the bundle directory
     bundle_member: str | None = None  # ... and the member's id in that bundle
+    # activated LoRA (aLoRA): the invocation token ids; the adapter applies from the start of their
+    # last occurrence in the prompt on (model/prefix.alora_activation_start); None: from position 0
+    invocation_tokens: tuple[int, ...] | None = None
 
 
 def unsupported_module(name: str, kind: str, role: str, layer: int | None) -> str | None:
