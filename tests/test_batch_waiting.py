@@ -8,17 +8,17 @@ from mlora.batch.engine.waiting import WaitingQueue
 
 
 def _row(adapter, arrival=0):
-    return SimpleNamespace(req=SimpleNamespace(adapter=adapter), arrival=arrival)
+    return SimpleNamespace(adapter=adapter, arrival=arrival)
 
 
 def _check(q: WaitingQueue, rows: list):
     assert list(q) == rows and len(q) == len(rows) and bool(q) == bool(rows)
-    want = Counter(r.req.adapter for r in rows if r.req.adapter is not None)
+    want = Counter(r.adapter for r in rows if r.adapter is not None)
     assert q.counts == want and set(q.adapters()) == set(want)
     assert all(n > 0 for n in q.counts.values())  # an adapter with no row has no entry
-    assert q.base_rows == sum(r.req.adapter is None for r in rows)
+    assert q.base_rows == sum(r.adapter is None for r in rows)
     for a in {None, *want}:  # each adapter's rows, in queue order, any prefix
-        mine = [r for r in rows if r.req.adapter == a]
+        mine = [r for r in rows if r.adapter == a]
         assert q.rows_of(a, len(rows) + 1) == mine and q.rows_of(a, 2) == mine[:2]
     assert [q.position(r) for r in rows] == sorted(q.position(r) for r in rows)
     if rows:
@@ -54,9 +54,9 @@ def test_counts_follow_every_operation_on_random_sequences():
             out += gone
         else:
             a = rng.choice([None, "a", "b"])
-            taken = q.take_if(lambda s: s.req.adapter == a)
-            assert taken == [r for r in rows if r.req.adapter == a]
-            rows = [r for r in rows if r.req.adapter != a]
+            taken = q.take_if(lambda s: s.adapter == a)
+            assert taken == [r for r in rows if r.adapter == a]
+            rows = [r for r in rows if r.adapter != a]
             out += taken
         _check(q, rows)
     assert q._dead <= max(64, len(q)) + 40  # dead entries are compacted away, not kept forever

@@ -82,7 +82,9 @@ def test_invariants_hold_under_random_operations():
             c.publish(f"k{rng.randrange(20)}", rng.choice(row))
         elif op < 0.75:
             keys = [f"k{rng.randrange(20)}" for _ in range(rng.randint(1, 3))]
+            run = c.cached_run(keys)
             got = c.match(keys)
+            assert len(got) == run, step
             if got:
                 rows.append(got)
         elif rows:
@@ -96,4 +98,5 @@ def test_invariants_hold_under_random_operations():
         assert free | cached | set(refs) == set(range(n)), step
         assert cached <= set(c._key_of) and {c._block_of[k] for k in c._block_of} == set(c._key_of), step
         assert c.num_free == len(free) + len(cached), step
+        assert c.num_shared == sum(1 for b, r in refs.items() if r > 1 and b in c._key_of), step
     assert c.stats.evictions > 0 and c.stats.hit_blocks > 0

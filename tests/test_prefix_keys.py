@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mlora.batch.model.prefix import Execution, alora_activation_start, block_keys, shared_blocks
+from mlora.batch.model.prefix import Execution, alora_activation_start, block_keys, extend_block_keys, shared_blocks
 
 BASE, A, B = "b" * 64, "a" * 64, "c" * 64
 
@@ -89,7 +89,18 @@ def test_partial_blocks_have_no_key_and_keys_have_a_known_form():
     assert len(block_keys(list(range(9)), 4, Execution(BASE))) == 2
     # pinned: a change of the key's byte form must change KEY_SCHEMA (cached keys would otherwise lie)
     assert block_keys([1, 2], 2, Execution(BASE, A, 0)) == [
-        "57e4b3c69d772d431d1861f46e957c94fa82f99c78db96de7123744206bc4b7a"]
+        "56f5a5788dd7db4a8e69a3c6c4880a547afacc76b8de6a44256bcd936eb32805"]
+
+
+def test_keys_extended_block_by_block_equal_keys_computed_at_once():
+    rng = random.Random(5)
+    for _ in range(50):
+        tokens = [rng.randrange(50) for _ in range(rng.randint(0, 40))]
+        ex = Execution(BASE, A, rng.choice([None, rng.randint(0, 40)]))
+        keys: list[str] = []
+        for end in sorted(rng.sample(range(len(tokens) + 1), min(4, len(tokens) + 1))) + [len(tokens)]:
+            extend_block_keys(keys, tokens[:end], 4, ex)
+        assert keys == block_keys(tokens, 4, ex)
 
 
 def test_bad_executions_are_refused():

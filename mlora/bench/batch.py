@@ -344,13 +344,13 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
                 continue
             if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
                 seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
-                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.req.adapter is not None)
-                distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.adapter is not None)
+                distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
                 f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
                 mixed.append(dict(seconds=seconds, **f))
                 continue
             ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
-            distinct = len({s.req.adapter for s in plan.seqs if s.req.adapter is not None})
+            distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
             f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
             decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, t0=t0, **f))  # f['rows']: running rows
         _sync(dev)

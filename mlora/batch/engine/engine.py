@@ -26,6 +26,8 @@ from mlora.batch.engine.loads import AdapterLoads, stored_adapter_bytes
 from mlora.batch.engine.sampling import row_key
 from mlora.batch.engine.scheduler import IterationPlan, Scheduler
 from mlora.batch.engine.sequence import Decoding, Request, Result, Sequence, error_result, refusal
+from mlora.batch.model.prefix import alora_activation_start
+from mlora.batch.model.prefixcache import PrefixCache
 
 __all__ = ["Decoding", "Engine", "IterationPlan", "Request", "Result", "Sequence", "stored_adapter_bytes"]
 
@@ -56,6 +58,11 @@ class Engine:
         # with CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V
         self.kv, self.allocator, self.max_row_blocks = kv_memory(model, bank, arena, num_blocks, config.block_size,
                                                                  config.cuda_graphs)
+        # the prefix cache gives out the blocks (not with the joint ledger, whose pages have one owner each)
+        self.prefix = PrefixCache(self.allocator) if config.prefix_cache and not self.joint else None
+        if self.prefix is not None:
+            self.allocator = self.prefix
+        self.alora_without_invocation = config.alora_without_invocation
         graphs = None
         if config.cuda_graphs:
             graphs = DecodeGraphs(model, self.kv, bank, config.max_num_seqs, scratch_slot=num_blocks * config.block_size)
@@ -72,7 +79,9 @@ class Engine:
         self.async_loads = async_loads and bool(self.prefetch_gpu)
         self.loads = AdapterLoads(bank, pinned, metrics)
         self.scheduler = Scheduler(config, self.allocator, bank, pinned, self.loads, num_slots=self.num_slots,
-                                   joint=self.joint, async_loads=self.async_loads, metrics=metrics)
+                                   joint=self.joint, async_loads=self.async_loads, metrics=metrics, prefix=self.prefix)
+        self._reported = (0, 0, 0, 0)  # the prefix cache's counters last handed to the metrics
+        self._shared_peak = 0
         self.lookahead = config.lookahead
         # not with the joint memory ledger: a row that finishes while the chained iteration runs
         # frees KV pages the ledger may hand to an adapter load on another stream at once
@@ -89,7 +98,20 @@ class Engine:
                       max_row_blocks=self.max_row_blocks)
         if err:
             return error_result(req, *err)
-        self.scheduler.enqueue(req, row_key(self.decoding.sampling.seed, req.id))
+        adapter, activation = req.adapter, None
+        invocation = self.pinned[adapter].invocation_tokens if adapter is not None else None
+        if invocation:  # aLoRA: the adapter runs from its invocation's last occurrence on
+            activation = alora_activation_start(req.prompt_ids, invocation)
+            if activation is None:
+                if self.alora_without_invocation != "base":
+                    return error_result(req, "E_ALORA_NO_INVOCATION", (
+                        f"the prompt does not hold adapter {adapter!r}'s invocation token ids {list(invocation)} "
+                        "(an activated LoRA runs from them on): add the invocation to the prompt, or pass "
+                        "--alora-without-invocation base to run such rows on the base model as PEFT does"))
+                adapter = None  # the base model, as PEFT runs it
+                if self.metrics:
+                    self.metrics.alora_without_invocation()
+        self.scheduler.enqueue(req, row_key(self.decoding.sampling.seed, req.id), adapter, activation)
         return None
 
     def has_work(self) -> bool:
@@ -128,9 +150,19 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        x = self.executor
+        x, sc = self.executor, self.scheduler
         return dict(iterations=x.iterations, prefill_tokens=x.prefill_tokens, decode_tokens=x.decode_tokens,
-                    generated_tokens=self.generated_tokens, preemptions=self.scheduler.preemptions)
+                    generated_tokens=self.generated_tokens, preemptions=sc.preemptions,
+                    prefill_tokens_computed=sc.prompt_computed, prefill_tokens_reused=sc.prompt_reused)
+
+    @property
+    def prefix_stats(self) -> dict | None:
+        """The prefix cache's job totals (None when it is off)."""
+        if self.prefix is None:
+            return None
+        st = self.prefix.stats
+        return dict(hit_blocks=st.hit_blocks, looked_up_blocks=st.looked_up_blocks, evictions=st.evictions,
+                    published=st.published, shared_blocks_peak=self._shared_peak)
 
     # ---- one iteration ---------------------------------------------------------------
 
@@ -170,7 +202,21 @@ class Engine:
         done = self._advance(plan, logits)
         if record is not None:
             self.metrics.iteration(*record, time.perf_counter() - t0)
+        if self.prefix is not None:
+            self._prefix_report()
         return done
+
+    def _prefix_report(self) -> None:
+        """The shared-block peak, and the prefix cache's counters since the last report to the metrics."""
+        shared = self.prefix.num_shared
+        self._shared_peak = max(self._shared_peak, shared)
+        if self.metrics:
+            st = self.prefix.stats
+            now = (st.looked_up_blocks, st.hit_blocks, st.evictions, st.published)
+            if now != self._reported or shared:
+                d = [a - b for a, b in zip(now, self._reported)]
+                self.metrics.prefix_cache(looked_up=d[0], hit=d[1], evicted=d[2], published=d[3], shared=shared)
+                self._reported = now
 
     def _plan(self) -> tuple[IterationPlan | None, Lookahead | None]:
         """(the plan of the iteration to launch now, or None; its inputs if they were built
@@ -204,6 +250,7 @@ class Engine:
         for seq, n in zip(plan.seqs, plan.new_tokens):
             if seq.is_running:
                 seq.num_computed += n
+                self.scheduler.publish(seq)
         done: list[Result] = []
         for seq, tok in zip(sampled, toks):
             if not seq.is_running:
@@ -222,7 +269,7 @@ class Engine:
         true = padded = 0
         distinct = set()
         for seq, n in zip(plan.seqs, plan.new_tokens):
-            a = seq.req.adapter
+            a = seq.adapter
             if a is None:
                 continue
             distinct.add(a)

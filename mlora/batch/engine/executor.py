@@ -106,12 +106,14 @@ class Executor:
                 x.ids.append(seq.tokens[p0])
                 x.positions.append(p0)
                 x.slots.append(blocks[p0 // bs] * bs + p0 % bs)
-                x.adapters.append(seq.req.adapter)
+                x.adapters.append(seq.adapter_at(p0))
             else:
                 x.ids += seq.tokens[p0 : p0 + n]
                 x.positions += range(p0, p0 + n)
                 x.slots += [blocks[p // bs] * bs + p % bs for p in range(p0, p0 + n)]
-                x.adapters += [seq.req.adapter] * n
+                # aLoRA: the positions before its activation run on the base (slot -1)
+                base = min(max(seq.active_from - p0, 0), n) if seq.adapter is not None else n
+                x.adapters += [None] * base + [seq.adapter] * (n - base)
             end += n
             x.starts.append(end)
             x.context_lens.append(p0 + n)
@@ -132,12 +134,13 @@ class Executor:
         packed inputs (a decode graph when the iteration is decode-only and fits one)."""
         dev = self.device
         slot_list = None
-        distinct = sorted({a for a in x.adapters if a is not None})
+        # every row's adapter has its slot, also an aLoRA row whose positions here all precede its activation
+        distinct = sorted({s.adapter for s in plan.seqs if s.adapter is not None})
         if distinct:
             slot_of = self.loads.ensure(distinct)
             for seq in plan.seqs:  # a running row's adapter stays resident between iterations
-                if seq.req.adapter is not None and seq.lease is None:
-                    self.bank.acquire(f"row{seq.req.row}", seq.req.adapter, self.pinned)
+                if seq.adapter is not None and seq.lease is None:
+                    self.bank.acquire(f"row{seq.req.row}", seq.adapter, self.pinned)
                     seq.lease = f"row{seq.req.row}"
             slot_list = [slot_of[a] if a is not None else -1 for a in x.adapters]
         self.count(plan)
@@ -166,7 +169,7 @@ class Executor:
             slots_map.append(seq.blocks[p // bs] * bs + p % bs)
             ctx.append(p + 1)
             tables.append(seq.blocks)
-            row_adapters.append(seq.req.adapter)
+            row_adapters.append(seq.adapter_at(p))
         ahead = Lookahead(list(plan.seqs), p0, positions, slots_map, ctx, tables, row_adapters)
         if self.graphs is not None and self.graphs.fits(len(plan.seqs), max(len(t) for t in tables)):
             # queued on the compute stream behind this iteration: the graph reads them next time

@@ -32,6 +32,10 @@ from mlora.batch.engine.loads import AdapterLoads
 from mlora.batch.engine.sequence import Request, Sequence
 from mlora.batch.engine.waiting import WaitingQueue
 from mlora.batch.model.kvcache import KVCacheFull
+from mlora.batch.model.prefix import Execution, extend_block_keys
+from mlora.batch.model.prefixcache import PrefixCache
+
+BASE_EXECUTION = "base"  # the base part of a block key: an engine serves one base, its cache is its own
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Scheduler:
     published)."""
 
     def __init__(self, config: EngineConfig, allocator, bank, pinned: dict, loads: AdapterLoads, *,
-                 num_slots: int, joint: bool, async_loads: bool, metrics=None):
+                 num_slots: int, joint: bool, async_loads: bool, metrics=None, prefix: PrefixCache | None = None):
         self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
         self.max_batch_tokens = config.max_batch_tokens
         self.max_wait = config.schedule_window  # later rows that may be admitted before a waiting row blocks admission
@@ -102,11 +106,33 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.admissions = 0
         self.preemptions = 0
+        # the prefix cache (``allocator`` itself when on): full blocks shared by content
+        self.prefix = prefix
+        self._computing: dict[str, Sequence] = {}  # key -> the running row that computes that block now
+        self._groups: dict[str, list[int]] = {}  # first-block key -> [its rank, rows not yet admitted]
+        self._group_count = 0
+        self.prompt_reused = self.prompt_computed = 0  # prompt tokens at first admission: cached / to compute
 
     # ---- the queue -------------------------------------------------------------------
 
-    def enqueue(self, req: Request, key: int) -> None:
-        self.waiting.append(Sequence(req, key, list(req.prompt_ids), arrival=self.admissions))
+    def enqueue(self, req: Request, key: int, adapter: str | None = None, activation: int | None = None) -> None:
+        """Queue ``req`` to run with ``adapter`` (None: the base), from position ``activation`` on
+        for an aLoRA adapter (None: from position 0)."""
+        seq = Sequence(req, key, list(req.prompt_ids), arrival=self.admissions, adapter=adapter,
+                       active_from=activation or 0)
+        if self.prefix is not None:
+            sha = self.pinned[adapter].semantic_sha256 if adapter is not None else None
+            seq.execution = Execution(BASE_EXECUTION, sha, activation)
+            extend_block_keys(seq.keys, seq.tokens, self.block_size, seq.execution)
+            group = self._groups.get(seq.keys[0]) if seq.keys else None
+            if group is None:
+                self._group_count += 1
+                group = [self._group_count, 0]
+                if seq.keys:
+                    self._groups[seq.keys[0]] = group
+            group[1] += 1
+            seq.group = group[0]
+        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,16 +149,21 @@ class Scheduler:
             seq.lease = None
         self.running.remove(seq)
         seq.is_running = False
+        if self.prefix is not None:
+            for key in seq.keys[seq.published:]:  # blocks it was to compute: another row may now
+                if self._computing.get(key) is seq:
+                    del self._computing[key]
+            seq.published = 0
         self.allocator.free(seq.blocks, seq)
         seq.blocks = []
 
     def remove_adapter(self, adapter_id: str) -> list[Sequence]:
         """Every running and waiting row naming ``adapter_id``, taken out of the engine."""
         out = []
-        for seq in [s for s in self.running if s.req.adapter == adapter_id]:
+        for seq in [s for s in self.running if s.adapter == adapter_id]:
             self.drop(seq)
             out.append(seq)
-        return out + self.waiting.take_if(lambda s: s.req.adapter == adapter_id)
+        return out + self.waiting.take_if(lambda s: s.adapter == adapter_id)
 
     # ---- the plan --------------------------------------------------------------------
 
@@ -208,20 +239,23 @@ class Scheduler:
                 if p.aged and p.now - seq.arrival >= self.max_wait:  # an aged row that waits: nobody overtakes it
                     break
                 continue
+            if self.prefix is not None and not seq.blocks and not self._match(seq):
+                continue  # a running row computes its next block now: it waits to share it
             n = min(seq.pending, budget)
             if not self._seat(seq, n):
+                self._unmatch(seq)
                 break
             chosen.append((seq, n))
             budget -= n
             admitted.append(seq)
-            if seq.req.adapter is not None:
-                p.active.add(seq.req.adapter)
-                p.busy.add(seq.req.adapter)
+            if seq.adapter is not None:
+                p.active.add(seq.adapter)
+                p.busy.add(seq.adapter)
         self.waiting.discard(admitted)
         return budget
 
     def _open_pass(self) -> _Pass:
-        active = {s.req.adapter for s in self.running if s.req.adapter is not None}
+        active = {s.adapter for s in self.running if s.adapter is not None}
         busy = set(active)
         if self.async_loads:  # adapters loaded for waiting rows (asynchronous loads) hold their slots: run them
             active |= self._resident_waiting_adapters()
@@ -244,13 +278,13 @@ class Scheduler:
         for a in admissible:
             candidates += self.waiting.rows_of(a, seats)
         position = self.waiting.position
-        candidates.sort(key=lambda s: (order(s), position(s)))
+        candidates.sort(key=lambda s: (order(s), s.group, position(s)))
         return candidates
 
     def _ready(self, seq: Sequence, p: _Pass, anything_chosen: bool) -> bool:
         """Whether ``seq`` may take a seat in this pass: its adapter (if any) has a slot or gets
         one, and is published or loads inside ``ensure``."""
-        a = seq.req.adapter
+        a = seq.adapter
         if a is None:
             return True
         if a in p.loading:
@@ -295,7 +329,7 @@ class Scheduler:
         """Admit ``seq`` with ``n`` rows: its KV blocks and (joint ledger) the lease that keeps
         its published adapter from being evicted by later rows' KV. False, nothing taken, when
         the blocks are not there."""
-        a = seq.req.adapter
+        a = seq.adapter
         blocks = self.blocks_needed(seq, n)
         lease = None
         if self.joint and a is not None and seq.lease is None and self._published(a):
@@ -306,13 +340,68 @@ class Scheduler:
             if lease is not None:
                 self.bank.release(lease)
             return False
+        if seq.admitted == 0:
+            self._first_admission(seq)
         self.admissions += 1
         seq.admitted = self.admissions
         self.running.append(seq)
         seq.is_running = True
         seq.lease = seq.lease or lease
         seq.blocks += self.allocator.allocate(blocks, seq)
+        for key in seq.keys[seq.published:len(seq.tokens) // self.block_size]:
+            self._computing.setdefault(key, seq)  # rows that would share these blocks wait for them
         return True
+
+    def _first_admission(self, seq: Sequence) -> None:
+        """Count a row's prompt tokens, taken from the prefix cache or to compute, and leave its
+        first-block group."""
+        reused = seq.num_computed
+        computed = len(seq.req.prompt_ids) - reused
+        self.prompt_reused += reused
+        self.prompt_computed += computed
+        if self.metrics:
+            self.metrics.prefix_admission(reused, computed)
+        group = self._groups.get(seq.keys[0]) if seq.keys else None
+        if group is not None and group[0] == seq.group:
+            group[1] -= 1
+            if group[1] == 0:
+                del self._groups[seq.keys[0]]
+
+    # ---- the prefix cache ------------------------------------------------------------
+
+    def _match(self, seq: Sequence) -> bool:
+        """Give a row that holds no block the longest chain of cached blocks of its tokens (at
+        least one token is left to compute: its logits). False, nothing taken, when the first
+        block it would compute is being computed by a running row: it then waits to share it."""
+        limit = (len(seq.tokens) - 1) // self.block_size
+        keys = seq.keys[:limit]
+        run = self.prefix.cached_run(keys)
+        if run < limit and self._computing.get(keys[run], seq) is not seq:
+            return False
+        seq.blocks = self.prefix.match(keys)
+        seq.published = len(seq.blocks)
+        seq.num_computed = seq.published * self.block_size
+        return True
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Give back the chain :meth:`_match` took for a row that could not be seated."""
+        if self.prefix is not None and seq.blocks and not seq.is_running:
+            self.prefix.unmatch(seq.blocks, (len(seq.tokens) - 1) // self.block_size)
+            seq.blocks, seq.published, seq.num_computed = [], 0, 0
+
+    def publish(self, seq: Sequence) -> None:
+        """Enter the row's newly computed full blocks into the prefix cache (read-only from now
+        on; a block whose key another row published first stays the row's own)."""
+        done = seq.num_computed // self.block_size
+        if self.prefix is None or done <= seq.published:
+            return
+        extend_block_keys(seq.keys, seq.tokens, self.block_size, seq.execution)
+        for i in range(seq.published, done):
+            key = seq.keys[i]
+            self.prefix.publish(key, seq.blocks[i])
+            if self._computing.get(key) is seq:
+                del self._computing[key]
+        seq.published = done
 
     def _published(self, adapter: str) -> bool:
         """Whether the bank has a published generation of ``adapter`` now (joint memory ledger)."""
@@ -365,13 +454,13 @@ class Scheduler:
         key_of = {a: (0, waiting_rows[a]) for a in small}
         key_of.update((a, (2, -waiting_rows[a])) for a in big)
         # base rows and active adapters: (1, 0); second: the adapters a row may be admitted with
-        return (lambda seq: key_of.get(seq.req.adapter, (1, 0))), active.union(small, big)
+        return (lambda seq: key_of.get(seq.adapter, (1, 0))), active.union(small, big)
 
     def prefetch_plan(self, depth: int) -> tuple[list[str], set[str]]:
         """(the next ``depth`` cold adapters among the waiting rows, in the order admission will
         bring them in: small, big, then the rest; the small and big ones, which the next
         admission gives slots to)."""
-        active = {s.req.adapter for s in self.running if s.req.adapter is not None}
+        active = {s.adapter for s in self.running if s.adapter is not None}
         resident = set(self.bank.resident)
         _, small, big, rest = self.slot_plan(active)
         cold: list[str] = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mlora.batch.engine.sampling import SamplingParams
+from mlora.batch.model.prefix import Execution
 
 
 @dataclass
@@ -55,6 +56,21 @@ class Sequence:
     lease: str | None = None  # the bank lease on its adapter while running (docs/design.md, Lease)
     is_running: bool = False  # in the scheduler's running list (kept in step with it: O(1) membership)
     text: str | None = None
+    # what computes it: the adapter it runs with (None: the base; an aLoRA row whose prompt lacks the
+    # invocation may run on the base) and, for an aLoRA row, its first adapted position
+    adapter: str | None = None
+    active_from: int = 0
+    # the prefix cache (docs/batch.md, Prefix cache): the row's execution identity, the keys of its
+    # full blocks known so far, its leading blocks that are in the cache's index (matched or published,
+    # read-only), and its first-block group (admission keeps a group's rows together)
+    execution: Execution | None = None
+    keys: list[str] = field(default_factory=list)
+    published: int = 0
+    group: int = 0
+
+    def adapter_at(self, position: int) -> str | None:
+        """The adapter that computes ``position`` (None: the base)."""
+        return self.adapter if position >= self.active_from else None
 
     @property
     def generated(self) -> list[int]:

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 
 class WaitingQueue:
-    """Rows (``Sequence``: ``req.adapter`` and ``arrival``) in queue order: arrivals at the
+    """Rows (``Sequence``: ``adapter`` and ``arrival``) in queue order: arrivals at the
     back, preempted rows at the front. ``counts[a]`` is the number of queued rows whose
-    ``req.adapter`` is ``a`` (no entry for ``None``: base rows are ``base_rows``); an
+    ``adapter`` is ``a`` (no entry for ``None``: base rows are ``base_rows``); an
     adapter with no queued row has no entry. A row is in the queue at most once."""
 
     def __init__(self) -> None:
@@ -131,7 +131,7 @@ class WaitingQueue:
             raise ValueError("a row is queued at most once")
         self._pos[id(seq)] = pos
         entry = (pos, seq)
-        by = self._by.setdefault(seq.req.adapter, deque())
+        by = self._by.setdefault(seq.adapter, deque())
         if left:
             self._rows.appendleft(entry)
             by.appendleft(entry)
@@ -139,7 +139,7 @@ class WaitingQueue:
             self._rows.append(entry)
             by.append(entry)
         heapq.heappush(self._arrivals, (seq.arrival, pos, id(seq), seq))
-        a = seq.req.adapter
+        a = seq.adapter
         if a is None:
             self.base_rows += 1
         else:
@@ -148,7 +148,7 @@ class WaitingQueue:
     def _leave(self, seq) -> None:
         del self._pos[id(seq)]
         self._dead += 1
-        a = seq.req.adapter
+        a = seq.adapter
         if a is None:
             self.base_rows -= 1
             return
@@ -163,7 +163,7 @@ class WaitingQueue:
         self._rows = deque(self._live_entries(self._rows))
         self._by = {}
         for entry in self._rows:
-            self._by.setdefault(entry[1].req.adapter, deque()).append(entry)
+            self._by.setdefault(entry[1].adapter, deque()).append(entry)
         self._arrivals = [(s.arrival, p, id(s), s) for p, s in self._rows]
         heapq.heapify(self._arrivals)
         self._dead = 0

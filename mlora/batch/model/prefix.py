@@ -22,12 +22,17 @@ Knows no tensors and no engine: plain ints and strings in, hex digests out.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from mlora.lora_tools.canonical import digest
 
-KEY_SCHEMA = "mlora-kv-block-v1"  # a change of the key's form must change this
+KEY_SCHEMA = "mlora-kv-block-v2"  # a change of the key's form must change this
+_ROOT = "0" * 64  # the parent of a row's first block
+_LITTLE = array("q", [1]).tobytes()[0] == 1
 
 
 def alora_activation_start(prompt_ids: Sequence[int], invocation_ids: Sequence[int]) -> int | None:
@@ -67,18 +72,47 @@ class Execution:
             return {"base": self.base_sha256}
         return {"base": self.base_sha256, "adapter": self.adapter_sha256, "activation": self.activation_start}
 
+    @cached_property
+    def _prefixes(self) -> tuple[bytes, bytes]:
+        """The hashed head of a key under the base identity and under this execution's own."""
+        def head(identity: dict) -> bytes:
+            return f"{KEY_SCHEMA}\n{digest(identity)}\n".encode("ascii")
+
+        own = {"base": self.base_sha256, "adapter": self.adapter_sha256, "activation": self.activation_start}
+        return head({"base": self.base_sha256}), head(own) if self.adapter_sha256 is not None else b""
+
+    def head(self, end: int) -> bytes:
+        """:meth:`of_block`'s identity of a block ending at ``end``, as the key's hashed head."""
+        base, own = self._prefixes
+        return base if self.adapter_sha256 is None or (
+            self.activation_start is not None and end <= self.activation_start) else own
+
+
+def block_key(parent: str | None, tokens: Sequence[int], head: bytes) -> str:
+    """The key of one full block: its execution head, its parent's key and its token ids
+    (signed 64-bit, little-endian), hashed with SHA-256."""
+    h = hashlib.sha256(head)
+    h.update((parent or _ROOT).encode("ascii"))
+    ids = array("q", tokens)
+    if not _LITTLE:
+        ids.byteswap()
+    h.update(ids.tobytes())
+    return h.hexdigest()
+
+
+def extend_block_keys(keys: list[str], token_ids: Sequence[int], block_size: int, execution: Execution) -> list[str]:
+    """``keys`` (the keys of the leading full blocks of ``token_ids``, maybe none) with the key of
+    every further full block appended, in place; a trailing partial block has none."""
+    if block_size < 1:
+        raise ValueError(f"block size {block_size} must be >= 1")
+    for end in range((len(keys) + 1) * block_size, len(token_ids) + 1, block_size):
+        keys.append(block_key(keys[-1] if keys else None, token_ids[end - block_size:end], execution.head(end)))
+    return keys
+
 
 def block_keys(token_ids: Sequence[int], block_size: int, execution: Execution) -> list[str]:
     """The key of every full block of ``token_ids`` (a trailing partial block has none)."""
-    if block_size < 1:
-        raise ValueError(f"block size {block_size} must be >= 1")
-    keys: list[str] = []
-    parent = None
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        parent = digest({"schema": KEY_SCHEMA, "parent": parent, "execution": execution.of_block(end),
-                         "tokens": [int(t) for t in token_ids[end - block_size:end]]})
-        keys.append(parent)
-    return keys
+    return extend_block_keys([], token_ids, block_size, execution)
 
 
 def shared_blocks(a: Sequence[str], b: Sequence[str]) -> int:

@@ -45,6 +45,7 @@ class PrefixCache:
         self._key_of: dict[int, str] = {}
         self._refs: dict[int, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # published, unreferenced: oldest first
+        self._shared = 0  # published blocks with more than one reference
         self.stats = PrefixStats()
 
     @property
@@ -59,7 +60,7 @@ class PrefixCache:
     @property
     def num_shared(self) -> int:
         """Published blocks held by more than one row."""
-        return sum(1 for b in self._key_of if self._refs.get(b, 0) > 1)
+        return self._shared
 
     def has(self, n: int) -> bool:
         return n <= self.num_free
@@ -85,6 +86,16 @@ class PrefixCache:
         self.allocator.free([block])
         self.stats.evictions += 1
 
+    def cached_run(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` :meth:`match` would find now (no reference taken, nothing counted)."""
+        seen: set[int] = set()
+        for n, key in enumerate(keys):
+            block = self._block_of.get(key)
+            if block is None or block in seen:
+                return n
+            seen.add(block)
+        return len(keys)
+
     def match(self, keys: Sequence[str], limit: int | None = None) -> list[int]:
         """The blocks of the longest leading run of ``keys`` that is cached or referenced (at most
         ``limit``), each with one more reference taken for the caller. A row holds a block once: the run
@@ -104,10 +115,19 @@ class PrefixCache:
         self.stats.hit_blocks += len(blocks)
         return blocks
 
+    def unmatch(self, blocks: Sequence[int], looked_up: int) -> None:
+        """Give back what :meth:`match` returned for ``looked_up`` keys, unused (the row was not
+        admitted): its references dropped and the lookup not counted."""
+        self.free(blocks)
+        self.stats.looked_up_blocks -= looked_up
+        self.stats.hit_blocks -= len(blocks)
+
     def _take(self, block: int) -> None:
         refs = self._refs.get(block, 0)
         if refs == 0:
             self._cached.pop(block)
+        elif refs == 1:  # matched blocks are published: a second holder shares it
+            self._shared += 1
         self._refs[block] = refs + 1
 
     def publish(self, key: str, block: int) -> bool:
@@ -137,6 +157,8 @@ class PrefixCache:
         private = []
         for b in blocks:
             self._refs[b] -= 1
+            if self._refs[b] == 1 and b in self._key_of:
+                self._shared -= 1
             if self._refs[b] == 0:
                 del self._refs[b]
                 if b in self._key_of:

@@ -95,7 +95,7 @@ def _serve(index: int, conn, threads: int | None, payload: bytes) -> None:
             if engine.has_work():
                 finished += engine.step()
             if finished:
-                active = len({s.req.adapter for s in engine.running if s.req.adapter is not None})
+                active = len({s.adapter for s in engine.running if s.adapter is not None})
                 status = (len(engine.running), active, engine.stats["generated_tokens"])
                 conn.send(("done", [(r.row, session.record(r)) for r in finished], status))
                 sent += len(finished)
