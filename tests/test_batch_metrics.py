@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 
 import prometheus_client
 import pytest
@@ -55,6 +56,13 @@ def scripted(clock: Clock) -> JobMetrics:
     m.prefetch(4, 2)
     m.preemption()
     m.preemption()
+    m.prefix_admission(reused=0, computed=14)  # the first row: nothing cached yet
+    m.prefix_admission(reused=32, computed=6)
+    m.prefix_cache(looked_up=3, hit=0, evicted=0, published=3, shared=0)
+    m.prefix_cache(looked_up=5, hit=2, evicted=1, published=1, shared=2)
+    m.prefix_cache(looked_up=0, hit=0, evicted=2, published=0, shared=1)  # the peak stays 2
+    m.alora_without_invocation()
+    m.row_finished("error", "E_ALORA_NO_INVOCATION")
     clock.now += 4.0
     return m
 
@@ -71,9 +79,9 @@ def prom_samples(text: bytes) -> dict:
 def test_scripted_sequence_counts_and_derived_figures():
     s = scripted(Clock(100.0)).snapshot()
     assert s["elapsed_s"] == 4.0
-    assert s["rows_finished"] == 6
-    assert s["finish_reasons"] == {"stop": 2, "length": 1, "error": 3}
-    assert s["errors_by_code"] == {"E_ADAPTER_LOAD": 1, "E_PROMPT_NULL": 1, "other": 1}
+    assert s["rows_finished"] == 7
+    assert s["finish_reasons"] == {"stop": 2, "length": 1, "error": 4}
+    assert s["errors_by_code"] == {"E_ADAPTER_LOAD": 1, "E_ALORA_NO_INVOCATION": 1, "E_PROMPT_NULL": 1, "other": 1}
     assert (s["prompt_tokens"], s["completion_tokens"]) == (20, 20)
     assert s["tokens_per_s"] == 5.0  # 20 completion tokens / 4 s
     assert (s["iterations"], s["iteration_seconds"], s["prefill_tokens"], s["decode_tokens"]) == (3, 1.0, 20, 8)
@@ -91,6 +99,10 @@ def test_scripted_sequence_counts_and_derived_figures():
     assert s["residency_states"] == {state: {"idle": 3, "host_ready": 4}.get(state, 0) for state in RESIDENCY_STATES}
     assert (s["prefetch_issued"], s["prefetch_used"], s["prefetch_precision"]) == (8, 5, 0.625)
     assert s["preemptions"] == 2
+    assert (s["prefill_tokens_computed"], s["prefill_tokens_reused"]) == (20, 32)
+    assert s["prefix_cache"] == {"hit_rate": 0.25, "hit_blocks": 2, "looked_up_blocks": 8, "evictions": 3,
+                                 "published_blocks": 4, "shared_blocks_peak": 2}
+    assert s["alora_rows_without_invocation"] == 1
 
     distinct = s["histograms"]["adapter_distinct_per_iteration"]
     assert (distinct["count"], distinct["sum"]) == (3, 6)
@@ -113,6 +125,8 @@ def test_undefined_ratios_are_null_in_json_and_nan_in_prometheus():
                 "prefetch_precision"):
         assert s[key] is None, key
     assert set(s["cache_hit_rate"].values()) == {None}
+    assert s["prefix_cache"]["hit_rate"] is None  # nothing looked up
+    assert (s["prefill_tokens_computed"], s["prefill_tokens_reused"], s["alora_rows_without_invocation"]) == (0, 0, 0)
     prom = prom_samples(m.prometheus_text())
     for name in ("mlora_adapter_load_amplification_ratio", "mlora_adapter_prefetch_precision_ratio",
                  "mlora_adapter_rank_padding_ratio", "mlora_completion_tokens_per_second"):
@@ -138,7 +152,8 @@ def test_prometheus_text_parses_back_to_the_snapshot(tmp_path):
     assert value("mlora_adapter_rank_padding_ratio") == 1.375
     assert value("mlora_completion_tokens_per_second") == 5.0
     assert value("mlora_job_elapsed_seconds") == 4.0
-    assert value("mlora_rows_finished_total", finish_reason="error") == 3
+    assert value("mlora_rows_finished_total", finish_reason="error") == 4
+    assert value("mlora_row_errors_total", error_code="E_ALORA_NO_INVOCATION") == 1
     assert value("mlora_row_errors_total", error_code="other") == 1
     assert value("mlora_adapter_h2d_bytes_total") == 10000
     assert value("mlora_adapter_load_failures_total", tier="disk") == 1
@@ -147,6 +162,14 @@ def test_prometheus_text_parses_back_to_the_snapshot(tmp_path):
     assert value("mlora_adapter_residency_state_count", state="published") == 0
     assert value("mlora_iteration_tokens_total", phase="decode") == 8
     assert value("mlora_preemptions_total") == 2
+    assert value("mlora_prefill_tokens_computed_total") == 20
+    assert value("mlora_prefill_tokens_reused_total") == 32
+    assert value("mlora_prefix_cache_lookup_blocks_total") == 8
+    assert value("mlora_prefix_cache_hit_blocks_total") == 2
+    assert value("mlora_prefix_cache_evictions_total") == 3
+    assert value("mlora_prefix_cache_published_blocks_total") == 4
+    assert value("mlora_prefix_cache_shared_blocks_peak") == 2
+    assert value("mlora_alora_rows_without_invocation_total") == 1
     for le, n in s["histograms"]["adapter_distinct_per_iteration"]["buckets"].items():
         assert value("mlora_adapter_distinct_per_iteration_bucket", le=le) == n
     assert value("mlora_adapter_load_latency_seconds_count", tier="host") == 2
@@ -206,7 +229,7 @@ def test_two_jobs_do_not_share_state():
     b = JobMetrics(clock=clock)
     fresh = JobMetrics(clock=clock)
     b.row_finished("stop", completion_tokens=1)
-    assert a.snapshot()["rows_finished"] == 6 and b.snapshot()["rows_finished"] == 1
+    assert a.snapshot()["rows_finished"] == 7 and b.snapshot()["rows_finished"] == 1
     assert fresh.snapshot()["rows_finished"] == 0 and fresh.snapshot()["h2d_bytes"] == 0
     assert a.registry is not b.registry
     assert a.prometheus_text() != b.prometheus_text()
@@ -259,3 +282,36 @@ def test_absorbing_two_engines_adds_engine_counters_but_not_rows_or_unique_bytes
         k: 2 * v for k, v in h1["adapter_distinct_per_iteration"]["buckets"].items()}
     assert h["adapter_load_latency_seconds"]["disk"]["sum"] == 2 * h1["adapter_load_latency_seconds"]["disk"]["sum"]
     assert s["preemptions"] == 4 and s["prefetch_issued"] == 16
+    assert s["prefill_tokens_reused"] == 2 * one["prefill_tokens_reused"] and s["alora_rows_without_invocation"] == 2
+    assert s["prefix_cache"] == {"hit_rate": 0.25, "hit_blocks": 4, "looked_up_blocks": 16, "evictions": 6,
+                                 "published_blocks": 8, "shared_blocks_peak": 2}  # the peak: max, not sum
+
+
+def test_absorbing_two_engines_adds_prefix_counters_and_keeps_the_larger_shared_peak():
+    """Each engine has its own prefix cache: its counters add into the job's, the job's
+    shared-blocks peak is the larger engine peak (no block is shared across engines), and
+    the hit rate is recomputed from the summed blocks."""
+    clock = Clock(0.0)
+    a, b = JobMetrics(clock=clock), JobMetrics(clock=clock)
+    a.prefix_admission(reused=48, computed=16)
+    a.prefix_cache(looked_up=4, hit=3, evicted=0, published=1, shared=3)
+    a.prefix_cache(looked_up=0, hit=0, evicted=0, published=0, shared=1)
+    b.prefix_admission(reused=0, computed=40)
+    b.prefix_cache(looked_up=6, hit=0, evicted=2, published=5, shared=2)
+    b.alora_without_invocation()
+    b.alora_without_invocation()
+    job = JobMetrics(clock=clock)
+    job.prefix_cache(looked_up=0, hit=0, evicted=0, published=0, shared=0)
+    job.absorb(a.engine_state())
+    job.absorb(b.engine_state())
+    s = job.snapshot()
+    assert (s["prefill_tokens_computed"], s["prefill_tokens_reused"]) == (56, 48)
+    assert s["prefix_cache"] == {"hit_rate": 0.3, "hit_blocks": 3, "looked_up_blocks": 10, "evictions": 2,
+                                 "published_blocks": 6, "shared_blocks_peak": 3}
+    assert s["alora_rows_without_invocation"] == 2
+    prom = prom_samples(job.prometheus_text())
+    assert prom[("mlora_prefix_cache_shared_blocks_peak", frozenset())] == 3
+    assert prom[("mlora_prefill_tokens_reused_total", frozenset())] == 48
+    assert prom[("mlora_alora_rows_without_invocation_total", frozenset())] == 2
+    # the engine state is plain picklable values: what a worker process sends back
+    assert pickle.loads(pickle.dumps(a.engine_state())) == a.engine_state()

@@ -6,16 +6,21 @@ import json
 import math
 import os
 import stat
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import DEMO
 
+from mlora.batch import runner
 from mlora.batch.config import JobConfig
 from mlora.batch.errors import JobError
+from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.output import JobOutput, JobOutputError
+from mlora.batch.job.prepare import JobSummary, finish_job
 from mlora.batch.runner import run_job
+from mlora.cli.batch_run import _print_summary
 
 BASE, ADAPTERS = os.path.join(DEMO, "base"), os.path.join(DEMO, "adapters")
 ROW_ADAPTERS = [None, "upper", "rot13", "nope"]
@@ -89,6 +94,27 @@ def test_the_cli_refuses_an_out_of_range_option_before_any_work(run_cli, tiny_in
     code, _, err = run_cli(*_cli_args(tiny_input, tmp_path / "out"), option, value)
     assert code == 2 and "E_OPTION_RANGE" in err and option in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_prefix_cache_and_alora_options_reach_the_job_config(run_cli, tiny_input, tmp_path, monkeypatch):
+    """--prefix-cache/--no-prefix-cache and --alora-without-invocation become the JobConfig
+    fields the engine reads (defaults: on, error)."""
+    seen = []
+    monkeypatch.setattr(runner, "run_job", lambda opts, **kw: seen.append(opts) or JobSummary())
+    for extra in ((), ("--no-prefix-cache", "--alora-without-invocation", "base"), ("--prefix-cache",)):
+        code, _, err = run_cli(*_cli_args(tiny_input, tmp_path / "out"), *extra)
+        assert code == 0, err
+    assert [(o.prefix_cache, o.alora_without_invocation) for o in seen] == [(True, "error"), (False, "base"),
+                                                                            (True, "error")]
+
+
+def test_an_unknown_alora_without_invocation_value_is_a_usage_error(run_cli, tiny_input, tmp_path):
+    code, _, err = run_cli(*_cli_args(tiny_input, tmp_path / "out"), "--alora-without-invocation", "skip")
+    assert code == 2 and "E_OPTION_RANGE" in err and "--alora-without-invocation" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(JobError) as info:  # the Python API alike
+        run_job(_opts(tiny_input, tmp_path / "out", alora_without_invocation="skip"))
+    assert (info.value.code, info.value.exit_code) == ("E_OPTION_RANGE", 2)
 
 
 def test_host_cache_zero_means_no_host_cache(tiny_input, tmp_path, monkeypatch):
@@ -179,6 +205,68 @@ def test_resuming_a_finished_job_says_it_is_complete(run_cli, served_job, tiny_i
     assert "already complete" in stdout and "nothing to do" in stdout
     code, stdout, err = run_cli(*_cli_args(tiny_input, out), "--resume", "--json")
     assert code == 0 and json.loads(stdout)["already_complete"] is True
+
+
+def test_resume_keeps_to_the_alora_policy_but_not_to_the_prefix_cache(run_cli, served_job, tiny_input, tmp_path):
+    """The prefix cache does not change a row's tokens: a job resumes with it off. Running aLoRA
+    rows without their invocation on the base does: resuming with the other policy is refused,
+    naming the field (absent from the fingerprint of an "error" job, so earlier outputs resume)."""
+    _, _, out = served_job
+    code, stdout, err = run_cli(*_cli_args(tiny_input, out), "--resume", "--no-prefix-cache")
+    assert code == 0 and "already complete" in stdout, err
+    code, _, err = run_cli(*_cli_args(tiny_input, out), "--resume", "--alora-without-invocation", "base")
+    assert code == 1 and "E_RESUME_MISMATCH" in err, err
+    assert 'alora_without_invocation: absent (stored) vs "base" (now)' in " ".join(err.split())
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert "alora_without_invocation" not in manifest["fingerprint"]["parts"]
+    on_base = tmp_path / "on-base"
+    code, _, err = run_cli(*_cli_args(tiny_input, on_base), "--alora-without-invocation", "base")
+    assert code == 0, err
+    code, _, err = run_cli(*_cli_args(tiny_input, on_base), "--resume")
+    assert code == 1 and "E_RESUME_MISMATCH" in err and "alora_without_invocation" in err, err
+    code, stdout, err = run_cli(*_cli_args(tiny_input, on_base), "--resume", "--alora-without-invocation", "base",
+                                "--no-prefix-cache")
+    assert code == 0 and "already complete" in stdout, err
+
+
+# -- the prefix cache in the summary --------------------------------------------------------------------
+
+class _Sink:
+    def finish(self, data):
+        self.data = data
+
+
+def test_the_summary_and_metrics_file_carry_the_prefix_cache_figures(tmp_path):
+    """finish_job copies the prompt tokens computed / reused and the block hit rate of the job's
+    metrics into the summary (top level of _metrics.json and --json) beside the full metrics."""
+    metrics = JobMetrics()
+    metrics.prefix_admission(reused=0, computed=40)
+    metrics.prefix_admission(reused=32, computed=8)
+    metrics.prefix_cache(looked_up=4, hit=2, evicted=1, published=3, shared=2)
+    prep = SimpleNamespace(summary=JobSummary(), t0=0.0, opts=SimpleNamespace(output=str(tmp_path)), sink=_Sink())
+    summary = finish_job(prep, metrics)
+    assert (summary.prefill_tokens_computed, summary.prefill_tokens_reused, summary.prefix_cache_hit_rate) == (48, 32, 0.5)
+    written = prep.sink.data
+    assert (written["prefill_tokens_computed"], written["prefill_tokens_reused"]) == (48, 32)
+    assert written["metrics"]["prefix_cache"] == {"hit_rate": 0.5, "hit_blocks": 2, "looked_up_blocks": 4,
+                                                  "evictions": 1, "published_blocks": 3, "shared_blocks_peak": 2}
+    assert "mlora_prefill_tokens_reused_total 32.0" in (tmp_path / "_metrics.prom").read_text()
+
+
+@pytest.mark.parametrize("figures, line", [
+    ((48, 32, 0.5), "prompt tokens computed 48, reused 32; prefix cache hit rate 50.0%"),
+    ((1200, 0, 0.0), "prompt tokens computed 1,200, reused 0; prefix cache hit rate 0.0%"),  # looked up, none found
+    ((1200, 0, None), None),  # nothing looked up: the cache did nothing, no line
+])
+def test_the_printed_summary_has_a_prefix_line_only_when_the_cache_was_used(capsys, tmp_path, figures, line):
+    computed, reused, rate = figures
+    _print_summary(JobSummary(rows=3, prefill_tokens_computed=computed, prefill_tokens_reused=reused,
+                              prefix_cache_hit_rate=rate), tmp_path)
+    text = " ".join(capsys.readouterr().out.split())
+    if line is None:
+        assert "prompt tokens computed" not in text and "hit rate" not in text, text
+    else:
+        assert line in text, text
 
 
 # -- adapters: no source, served and unknown counts ----------------------------------------------------

@@ -81,6 +81,10 @@ def batch_run(
                                      help="Replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: eager, for debugging)."),
     lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead",
                                    help="Build the next decode iteration's inputs while the device runs the current one (same outputs; --no-lookahead: strictly serial, for debugging)."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
+                                      help="Rows share the KV of identical prompt prefixes, computed once. Same outputs either way: --no-prefix-cache to compare."),
+    alora_without_invocation: str = typer.Option("error", "--alora-without-invocation",
+                                                  help="error | base: an aLoRA row whose prompt lacks the adapter's invocation tokens is an error row (E_ALORA_NO_INVOCATION) or, with base, runs on the base model as PEFT does (counted in _metrics.json)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers",
                                               help="--engine local: N >= 1 worker processes on the CPU (--device cpu); --engine ray: N actors."),
@@ -120,6 +124,7 @@ def batch_run(
         schedule_window=schedule_window, cuda_graphs=cuda_graphs, lookahead=lookahead,
         prefetch_adapters=prefetch_adapters, prefetch_gpu_adapters=prefetch_gpu_adapters,
         preload_adapters=preload_adapters, bundle_operator=bundle_operator, memory_ledger=memory_ledger,
+        prefix_cache=prefix_cache, alora_without_invocation=alora_without_invocation,
         gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
     )
     show = not quiet and err.is_terminal
@@ -188,6 +193,10 @@ def _print_summary(summary, output: Path) -> None:
         con.print(f"unservable adapters ({len(summary.unservable_adapters)}, not served): "
                   + ", ".join(f"{a} {c}" for a, c in list(summary.unservable_adapters.items())[:20])
                   + (" ..." if len(summary.unservable_adapters) > 20 else ""), markup=False, highlight=False)
+    if summary.prefill_tokens_reused or summary.prefix_cache_hit_rate is not None:
+        rate = "-" if summary.prefix_cache_hit_rate is None else f"{summary.prefix_cache_hit_rate:.1%}"
+        con.print(f"prompt tokens computed {summary.prefill_tokens_computed:,}, reused "
+                  f"{summary.prefill_tokens_reused:,}; prefix cache hit rate {rate}", markup=False, highlight=False)
     if summary.errors_by_code:
         con.print("error rows by code: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())))
 

@@ -23,6 +23,12 @@ event has happened, not when it is planned::
     prefetch(issued, used)       host-tier prefetch builds started / prefetched images a load later used
     unique_adapter_bytes(n)      ``n`` more adapter bytes used for the first time in this job
     preemption()                 one sequence preempted (its KV freed, recomputed later)
+    prefix_admission(reused, computed)
+        a row's prompt tokens at its first admission: taken from the prefix cache / left to compute
+    prefix_cache(looked_up, hit, evicted, published, shared)
+        the prefix cache's block counters since the last call (blocks looked up, blocks found,
+        evictions, publications) and ``shared``, the blocks more than one row holds now (the peak is kept)
+    alora_without_invocation()   one aLoRA row without its invocation run on the base (``base`` policy)
 
 Calls are cheap (integer adds under one lock, a bisect for histograms) and take
 plain numbers. Vocabularies are fixed: an unknown ``finish_reason``, ``tier``,
@@ -70,6 +76,14 @@ Prometheus metrics (units in the name; counters end in ``_total``)::
     mlora_adapter_prefetch_used_total                  of those, images a load later used
     mlora_adapter_prefetch_precision_ratio             gauge: used / issued
     mlora_preemptions_total                            sequences preempted for KV space
+    mlora_prefill_tokens_computed_total                prompt tokens admitted rows left to compute
+    mlora_prefill_tokens_reused_total                  prompt tokens admitted rows took from the prefix cache
+    mlora_prefix_cache_lookup_blocks_total             KV blocks looked up in the prefix cache
+    mlora_prefix_cache_hit_blocks_total                of those, blocks found
+    mlora_prefix_cache_evictions_total                 cached blocks evicted (unreferenced, oldest first)
+    mlora_prefix_cache_published_blocks_total          full blocks published into the prefix cache
+    mlora_prefix_cache_shared_blocks_peak              gauge: most blocks held by more than one row at once
+    mlora_alora_rows_without_invocation_total          aLoRA rows without their invocation, run on the base
 
 Formulas (denominators over the whole job; a ratio with a zero denominator is
 undefined: ``null`` in JSON, ``NaN`` in the Prometheus file)::
@@ -80,6 +94,7 @@ undefined: ``null`` in JSON, ``NaN`` in the Prometheus file)::
     load_amplification     = h2d_bytes / unique_adapter_bytes        (failed and prefetch copies count)
     prefetch_precision     = prefetch_used / prefetch_issued
     cache_hit_rate[tier]   = cache_hits[tier] / (cache_hits[tier] + cache_misses[tier])
+    prefix_cache.hit_rate  = prefix_cache.hit_blocks / prefix_cache.looked_up_blocks
 
 ``snapshot()`` keys (stable; ``schema_version`` changes if one changes meaning)::
 
@@ -91,6 +106,9 @@ undefined: ``null`` in JSON, ``NaN`` in the Prometheus file)::
     adapter_loads{tier}, adapter_load_failures{tier}, h2d_bytes, unique_adapter_bytes, load_amplification,
     cache_hits{tier}, cache_misses{tier}, cache_hit_rate{tier}, evictions{tier}, residency_states{state},
     prefetch_issued, prefetch_used, prefetch_precision, preemptions,
+    prefill_tokens_computed, prefill_tokens_reused (their sum: the prompt tokens of the rows admitted),
+    prefix_cache{hit_rate, hit_blocks, looked_up_blocks, evictions, published_blocks, shared_blocks_peak},
+    alora_rows_without_invocation,
     histograms{iteration_seconds, adapter_distinct_per_iteration, adapter_load_latency_seconds{tier}}
 
 A histogram is ``{"buckets": {le: cumulative count}, "count": n, "sum": s}``
@@ -129,6 +147,7 @@ SCHEMA_VERSION = 1
 
 FINISH_REASONS = ("stop", "length", "error")
 PHASES = ("prefill", "decode")
+PREFIX_COUNTERS = ("looked_up_blocks", "hit_blocks", "evictions", "published_blocks")
 TIERS = ("disk", "host", "device")
 RESIDENCY_STATES = ("absent", "host_ready", "reserved", "loading", "validated", "published", "active", "idle",
                     "retiring")
@@ -140,6 +159,7 @@ ROW_ERROR_CODES = (
     "E_PROMPT_MESSAGES", "E_PROMPT_TEMPLATE",
     "E_ADAPTER_UNKNOWN", "E_ADAPTER_INVALID", "E_ADAPTER_CHANGED", "E_ADAPTER_DIGEST_MISMATCH",
     "E_ADAPTER_MODULE_UNSUPPORTED", "E_ADAPTER_LOAD", "E_BANK_RANK_EXCEEDS_R", "E_BANK_SHAPE", "E_ENGINE_STUCK",
+    "E_ALORA_NO_INVOCATION",
 )
 ERROR_CODES = frozenset(ROW_ERROR_CODES) | frozenset(CODES)
 LABEL_VALUES: dict[str, frozenset[str]] = {  # every label this module emits, with every value it may take
@@ -235,6 +255,11 @@ class JobMetrics:
         self.prefetch_issued = 0
         self.prefetch_used = 0
         self.preemptions = 0
+        self.prefill_computed = 0
+        self.prefill_reused = 0
+        self.prefix = dict.fromkeys(PREFIX_COUNTERS, 0)
+        self.prefix_shared_peak = 0
+        self.alora_base_rows = 0
         self.hist_iteration = _Histogram(ITERATION_SECONDS_BUCKETS)
         self.hist_distinct = _Histogram(DISTINCT_ADAPTER_BUCKETS)
         self.hist_load = {t: _Histogram(LOAD_SECONDS_BUCKETS) for t in TIERS}
@@ -307,12 +332,28 @@ class JobMetrics:
         with self._lock:
             self.preemptions += 1
 
+    def prefix_admission(self, reused: int, computed: int) -> None:
+        with self._lock:
+            self.prefill_reused += reused
+            self.prefill_computed += computed
+
+    def prefix_cache(self, looked_up: int, hit: int, evicted: int, published: int, shared: int) -> None:
+        with self._lock:
+            for key, n in zip(PREFIX_COUNTERS, (looked_up, hit, evicted, published)):
+                self.prefix[key] += n
+            self.prefix_shared_peak = max(self.prefix_shared_peak, shared)
+
+    def alora_without_invocation(self) -> None:
+        with self._lock:
+            self.alora_base_rows += 1
+
     # -- several engines, one job --------------------------------------------
 
     def engine_state(self) -> dict:
         """This engine's counters as plain, picklable values, for :meth:`absorb` in the job's
         process: iterations, tokens per phase, rank rows, loads, H2D bytes, cache, evictions,
-        residency states, prefetch, preemptions and the histograms. Row counters and unique
+        residency states, prefetch, preemptions, prefix cache and prefill reuse, aLoRA rows run on
+        the base, and the histograms. Row counters and unique
         adapter bytes are left out (see :meth:`absorb`)."""
         with self._lock:
             return {
@@ -324,6 +365,9 @@ class JobMetrics:
                 "evictions": dict(self.evictions), "states": dict(self.states),
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "preemptions": self.preemptions,
+                "prefill_computed": self.prefill_computed, "prefill_reused": self.prefill_reused,
+                "prefix": dict(self.prefix), "prefix_shared_peak": self.prefix_shared_peak,
+                "alora_base_rows": self.alora_base_rows,
                 "hist_iteration": (list(self.hist_iteration.counts), self.hist_iteration.sum),
                 "hist_distinct": (list(self.hist_distinct.counts), self.hist_distinct.sum),
                 "hist_load": {t: (list(h.counts), h.sum) for t, h in self.hist_load.items()},
@@ -332,7 +376,8 @@ class JobMetrics:
     def absorb(self, state: dict) -> None:
         """Add one engine's :meth:`engine_state` to this (the job's) metrics: counters and
         histogram buckets add, residency state counts add (adapters per state over all
-        engines). Rows are counted by the job where it writes them (``row_finished``) and
+        engines), the shared-blocks peak is the largest engine's (each engine has its own
+        cache, so no block is shared across engines). Rows are counted by the job where it writes them (``row_finished``) and
         unique adapter bytes once per adapter for the whole job (``unique_adapter_bytes``),
         so load amplification is job-wide: an adapter loaded by two engines counts twice
         in ``h2d_bytes`` and once in the denominator. ``iteration_seconds`` sums engine
@@ -362,6 +407,11 @@ class JobMetrics:
             self.prefetch_issued += state["prefetch_issued"]
             self.prefetch_used += state["prefetch_used"]
             self.preemptions += state["preemptions"]
+            self.prefill_computed += state["prefill_computed"]
+            self.prefill_reused += state["prefill_reused"]
+            add(self.prefix, state["prefix"])
+            self.prefix_shared_peak = max(self.prefix_shared_peak, state["prefix_shared_peak"])
+            self.alora_base_rows += state["alora_base_rows"]
             add_hist(self.hist_iteration, state["hist_iteration"])
             add_hist(self.hist_distinct, state["hist_distinct"])
             for t, cs in state["hist_load"].items():
@@ -406,6 +456,11 @@ class JobMetrics:
                 "prefetch_used": self.prefetch_used,
                 "prefetch_precision": _ratio(self.prefetch_used, self.prefetch_issued),
                 "preemptions": self.preemptions,
+                "prefill_tokens_computed": self.prefill_computed,
+                "prefill_tokens_reused": self.prefill_reused,
+                "prefix_cache": {"hit_rate": _ratio(self.prefix["hit_blocks"], self.prefix["looked_up_blocks"]),
+                                 **self.prefix, "shared_blocks_peak": self.prefix_shared_peak},
+                "alora_rows_without_invocation": self.alora_base_rows,
                 "histograms": {
                     "iteration_seconds": self.hist_iteration.to_json(),
                     "adapter_distinct_per_iteration": self.hist_distinct.to_json(),
@@ -513,3 +568,20 @@ class _Collector:
         yield gauge("mlora_adapter_prefetch_precision_ratio", "Prefetches used / prefetches issued.",
                     s["prefetch_precision"])
         yield counter("mlora_preemptions_total", "Sequences preempted for KV space.", s["preemptions"])
+        p = s["prefix_cache"]
+        yield counter("mlora_prefill_tokens_computed_total", "Prompt tokens admitted rows left to compute.",
+                      s["prefill_tokens_computed"])
+        yield counter("mlora_prefill_tokens_reused_total", "Prompt tokens admitted rows took from the prefix cache.",
+                      s["prefill_tokens_reused"])
+        yield counter("mlora_prefix_cache_lookup_blocks_total", "KV blocks looked up in the prefix cache.",
+                      p["looked_up_blocks"])
+        yield counter("mlora_prefix_cache_hit_blocks_total", "KV blocks the prefix cache had.", p["hit_blocks"])
+        yield counter("mlora_prefix_cache_evictions_total", "Cached KV blocks evicted from the prefix cache.",
+                      p["evictions"])
+        yield counter("mlora_prefix_cache_published_blocks_total", "Full KV blocks published into the prefix cache.",
+                      p["published_blocks"])
+        yield gauge("mlora_prefix_cache_shared_blocks_peak", "Most KV blocks held by more than one row at once.",
+                    p["shared_blocks_peak"])
+        yield counter("mlora_alora_rows_without_invocation_total",
+                      "aLoRA rows whose prompt lacks the invocation, run on the base.",
+                      s["alora_rows_without_invocation"])

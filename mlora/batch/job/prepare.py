@@ -73,6 +73,11 @@ class JobSummary:
     output: str = ""
     resumed_from_row: int = 0
     workers: list = field(default_factory=list)  # one dict per worker process or actor (empty: one process)
+    # the prefix cache's effect, from the job's metrics (docs/batch.md, Metrics): prompt tokens the
+    # admitted rows computed / took from the cache, and blocks found / looked up (None: none looked up)
+    prefill_tokens_computed: int = 0
+    prefill_tokens_reused: int = 0
+    prefix_cache_hit_rate: float | None = None
     already_complete: bool = False  # --resume of a finished job: nothing ran
 
     def to_json(self) -> dict:
@@ -210,7 +215,8 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
         listing = "; ".join(f"{a}: {p.error_code}" for a, p in sorted(bad.items()))
         raise JobError("E_ADAPTER_INVALID", f"--strict: {len(bad)} adapter(s) cannot be served ({listing})")
 
-    # how the job runs (workers, Ray) is not part of it: a job may resume with other workers
+    # how the job runs (workers, Ray, the prefix cache: same outputs) is not part of it: a job may resume
+    # with other workers or the prefix cache off
     parts = {
         "kind": "mlora-batch-run",
         "base_sha256": base_id.base_sha256,
@@ -226,6 +232,8 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
     }
     if source.id_type != pa.string():  # every shard of OUTPUT has one schema; string ids keep the older form
         parts["id_type"] = str(source.id_type)
+    if opts.alora_without_invocation != "error":  # aLoRA rows without invocation run on the base: other outputs
+        parts["alora_without_invocation"] = opts.alora_without_invocation  # absent by default: earlier outputs resume
     if opts.messages_column:  # the template makes the prompts: a changed template is a different job
         parts["columns"]["messages"] = opts.messages_column  # absent otherwise: earlier outputs still resume
         parts["chat_template_sha256"] = tokenizer.chat_template.sha256
@@ -282,5 +290,9 @@ def finish_job(prep: PreparedJob, metrics) -> JobSummary:
     summary.wall_s = time.perf_counter() - prep.t0
     summary.tokens_per_s = summary.generated_tokens / summary.wall_s if summary.wall_s else 0.0
     metrics.write_prometheus(prep.opts.output)
-    prep.sink.finish({**summary.to_json(), "metrics": metrics.snapshot()})
+    snap = metrics.snapshot()
+    summary.prefill_tokens_computed = snap["prefill_tokens_computed"]
+    summary.prefill_tokens_reused = snap["prefill_tokens_reused"]
+    summary.prefix_cache_hit_rate = snap["prefix_cache"]["hit_rate"]
+    prep.sink.finish({**summary.to_json(), "metrics": snap})
     return summary
