@@ -29,7 +29,7 @@ ADAPTERS = {
     "a1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=21),
     "a2": dict(r=4, lora_alpha=8, seed=22,
                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "al": dict(r=4, lora_alpha=8, seed=23, alora_invocation_tokens=INVOCATION,
+    "al": dict(r=4, lora_alpha=8, seed=23, alora_invocation_tokens=INVOCATION, task_type="CAUSAL_LM",
                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 
