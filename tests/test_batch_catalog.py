@@ -8,6 +8,7 @@ saved state dict, ``scaling * (x @ A.T) @ B.T`` with PEFT's resolved
 import dataclasses
 import json
 import os
+import pickle
 import struct
 
 import pytest
@@ -222,6 +223,21 @@ def test_invalid_and_unservable_adapters_keep_their_step1_codes(ws, tmp_path):
     with pytest.raises(AdapterError) as e:
         load_factors(got["nan"], torch.float32, "cpu")
     assert e.value.code == "E_NON_FINITE"
+
+
+def test_an_alora_adapter_pins_its_invocation_tokens(ws, pinned, tmp_path):
+    """PEFT's aLoRA adapter is servable: pinned ok, with its invocation; the record survives the
+    pickle that carries it to worker processes and Ray actors, and the engine's dataclasses.replace."""
+    path = str(tmp_path / "d" / "act")
+    make_adapter(path, seed=3, r=2, lora_alpha=4, task_type="CAUSAL_LM", alora_invocation_tokens=[7, 8, 9])
+    got = load_catalog(str(tmp_path / "d"), None).pin({"act"}, ws["base"])["act"]
+    [report], _ = inspect_paths([path], ws["base"])
+    assert got.ok and got.error_code is None and got.invocation_tokens == (7, 8, 9)
+    assert got.semantic_sha256 == report.manifest["semantic_sha256"]
+    assert [f.code for f in got.findings] == ["I_ALORA"]
+    assert pickle.loads(pickle.dumps(got)) == got
+    assert dataclasses.replace(got, ok=False).invocation_tokens == (7, 8, 9)
+    assert all(p.invocation_tokens is None for p in pinned.values())  # ordinary LoRA: always on
 
 
 # ---- verified loading -------------------------------------------------------------

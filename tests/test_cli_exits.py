@@ -65,11 +65,15 @@ def ws(tmp_path_factory):
     bad = root / "bad"
     shutil.copytree(UPPER, bad)
     (bad / "adapter_config.json").write_text("{")
+    alora = root / "alora"  # valid and servable, but neither mergeable nor compressible
+    shutil.copytree(UPPER, alora)
+    config = json.loads((alora / "adapter_config.json").read_text())
+    (alora / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": [5, 6]}))
     inp = root / "in.parquet"
     pq.write_table(pa.table({"id": ["b", "u"], "prompt": ["<|bos|>hi="] * 2, "adapter": [None, "upper"]}), inp)
     (root / "catalog.json").write_text(json.dumps({"upper": UPPER}))
     merge(BASE, [MergeAdapter(UPPER)], str(root / "release"))  # for unmerge and verify, whatever runs first
-    return dict(root=root, bad=str(bad), input=str(inp), catalog=str(root / "catalog.json"))
+    return dict(root=root, bad=str(bad), alora=str(alora), input=str(inp), catalog=str(root / "catalog.json"))
 
 
 def _job(ws, out, *extra):
@@ -82,6 +86,7 @@ def _job(ws, out, *extra):
 CASES = {
     "validate": [
         ("valid", lambda w: ["validate", UPPER, "--base", BASE], 0),
+        ("aLoRA adapter", lambda w: ["validate", w["alora"], "--base", BASE, "--strict"], 0),
         ("broken adapter", lambda w: ["validate", w["bad"]], 1),
         ("missing PATH", lambda w: ["validate", str(w["root"] / "absent")], 2),
         ("--workers 0", lambda w: ["validate", UPPER, "--workers", "0"], 2),
@@ -99,6 +104,7 @@ CASES = {
         ("over --max-error", lambda w: ["compress", "fit", UPPER, ROT13, "--rank", "1", "--max-error", "0.001", "-o",
                                         str(w["root"] / "b2"), "--quiet"], 1),
         ("not a bundle", lambda w: ["compress", "inspect", BASE], 1),
+        ("aLoRA member", lambda w: ["compress", "fit", UPPER, w["alora"], "-o", str(w["root"] / "b4"), "--quiet"], 1),
         ("--rank 0", lambda w: ["compress", "fit", UPPER, "--rank", "0", "-o", str(w["root"] / "b3")], 2),
         ("--clusters abc", lambda w: ["compress", "fit", UPPER, "--clusters", "abc", "-o", str(w["root"] / "b3")], 2),
         ("--clusters 0", lambda w: ["compress", "fit", UPPER, "--clusters", "0", "-o", str(w["root"] / "b3")], 2),
@@ -109,6 +115,8 @@ CASES = {
         ("existing -o", lambda w: ["merge", "--base", BASE, "--adapter", UPPER, "-o", str(w["root"] / "rel"), "-q"], 1),
         ("broken adapter", lambda w: ["merge", "--base", BASE, "--adapter", w["bad"], "-o", str(w["root"] / "r2"),
                                       "-q"], 1),
+        ("aLoRA adapter", lambda w: ["merge", "--base", BASE, "--adapter", w["alora"], "-o", str(w["root"] / "r2"),
+                                     "-q"], 1),
         ("--dtype", lambda w: ["merge", "--base", BASE, "--adapter", UPPER, "-o", str(w["root"] / "r3"), "--dtype",
                                "f8", "-q"], 2),
         ("--weight count", lambda w: ["merge", "--base", BASE, "--adapter", UPPER, "--weight", "1", "--weight", "2",

@@ -66,6 +66,19 @@ def test_a_bad_member_stops_the_load(coll, tmp_path):
     assert exc.value.code == "E_COMPRESS_MEMBER_INVALID" and "bad" in str(exc.value)
 
 
+def test_an_alora_member_is_refused(coll, tmp_path, run_cli):
+    """A bundle core carries no activation rule: an aLoRA member stops the load, by its own code."""
+    root, base, _ = coll
+    alora = str(tmp_path / "act")
+    factory.make_adapter(alora, seed=5, r=2, task_type="CAUSAL_LM", alora_invocation_tokens=[5, 6])
+    with pytest.raises(CompressError) as exc:
+        load_collection([str(root / "adapters" / "m1"), alora], base)
+    assert exc.value.code == "E_COMPRESS_ALORA" and "'act'" in str(exc.value) and "[5, 6]" in str(exc.value)
+    code, _, stderr = run_cli("compress", "fit", str(root / "adapters" / "m1"), alora, "--rank", "2", "-o",
+                              str(tmp_path / "bundle"), "--quiet")
+    assert code == 1 and "Error: E_COMPRESS_ALORA" in stderr and not (tmp_path / "bundle").exists()
+
+
 def test_duplicate_ids_and_mixed_bases_are_refused(coll, tmp_path):
     root, base, _ = coll
     twin = factory.copy_adapter(str(root / "adapters" / "m1"), str(tmp_path / "x" / "m1"))

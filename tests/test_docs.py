@@ -24,5 +24,5 @@ def test_readme_quickstart_has_the_two_commands_first():
 
 def test_every_code_has_a_stable_prefix():
     for code, (severity, advice) in CODES.items():
-        assert code[:2] == {"error": "E_", "unservable": "U_", "warning": "W_"}[severity], code
+        assert code[:2] == {"error": "E_", "unservable": "U_", "warning": "W_", "info": "I_"}[severity], code
         assert advice and not advice.endswith(".")

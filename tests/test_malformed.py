@@ -3,7 +3,7 @@
 Each case starts from a valid PEFT adapter (``adapter_copy``), changes one
 thing, and asserts the exact finding code and the exit code of
 ``mlora validate``. Severity decides the exit code: error and unservable -> 1,
-warning -> 0 (1 with --strict).
+warning -> 0 (1 with --strict), info -> 0.
 """
 
 import json
@@ -85,12 +85,31 @@ def test_config_not_lora(adapter_copy, manifests, peft_type):
         {"r": -1}, {"r": "4"}, {"r": True}, {"lora_alpha": "8"}, {"bias": "some"},
         {"rank_pattern": {"(": 2}}, {"rank_pattern": {"q_proj": 0}}, {"alpha_pattern": {"q_proj": "x"}},
         {"target_modules": 3}, {"target_modules": "(unclosed"}, {"layers_to_transform": ["0"]},
-        {"use_rslora": "yes"}, {"alora_invocation_tokens": ["a"]},
+        {"use_rslora": "yes"},
     ],
 )
 def test_config_bad_field(adapter_copy, manifests, changes):
     set_config(adapter_copy, **changes)
     expect(manifests, adapter_copy, "E_CONFIG_FIELD", 1)
+
+
+@pytest.mark.parametrize("tokens", [[], ["a"], [5, -1], [True], [5, 1.5], "5", 5, {"a": 1}])
+def test_malformed_alora_invocation_tokens(adapter_copy, manifests, tokens):
+    set_config(adapter_copy, alora_invocation_tokens=tokens)
+    m = expect(manifests, adapter_copy, "E_ALORA_INVOCATION", 1)
+    assert not m["valid"] and not m["servable"] and m["activation_policy"] is None
+    assert "must be a non-empty list of non-negative integers" in m["findings"][0]["message"]
+
+
+def test_alora_invocation_tokens_outside_the_base_vocabulary(adapter_copy, base_dir, manifests):
+    set_config(adapter_copy, alora_invocation_tokens=[5, 64])  # factory.tiny_config: 64 token ids
+    expect(manifests, adapter_copy, "I_ALORA", 0)  # no base: the vocabulary is unknown
+    rc, [m] = manifests(adapter_copy, "--base", base_dir)
+    [bad] = [f for f in m["findings"] if f["code"] == "E_ALORA_INVOCATION"]
+    assert rc == 1 and codes(m) == {"E_ALORA_INVOCATION", "I_ALORA"} and not m["valid"]
+    assert "[64]" in bad["message"] and "vocabulary of 64" in bad["message"]
+    set_config(adapter_copy, alora_invocation_tokens=[5, 63])
+    expect(manifests, adapter_copy, "I_ALORA", 0, "--base", base_dir)
 
 
 def test_unknown_field_is_a_warning(adapter_copy, manifests):
@@ -342,7 +361,6 @@ def test_literal_all_linear_config_resolves_on_the_base(tmp_path, manifests, bas
         ({"init_lora_weights": "pissa_niter_4"}, "U_INIT_CHANGES_BASE"),
         ({"init_lora_weights": "olora"}, "U_INIT_CHANGES_BASE"),
         ({"init_lora_weights": "loftq"}, "U_INIT_CHANGES_BASE"),
-        ({"alora_invocation_tokens": [5, 6]}, "U_ALORA"),
         ({"fan_in_fan_out": True}, "U_FAN_IN_FAN_OUT"),
         ({"use_qalora": True}, "U_FEATURE"),
         ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "U_TARGET_PARAMETERS"),
@@ -354,6 +372,21 @@ def test_unservable_config_features(adapter_copy, manifests, changes, code):
     set_config(adapter_copy, **changes)
     m = expect(manifests, adapter_copy, code, 1)
     assert m["valid"] and not m["servable"] and m["artifact_sha256"]
+
+
+def test_alora_is_servable_and_names_its_invocation_tokens(adapter_copy, base_dir, good_adapter, manifests,
+                                                         run_cli):
+    """An info finding, never a failure (not with --strict either); the identity keeps its policy."""
+    set_config(adapter_copy, alora_invocation_tokens=[5, 6])
+    m = expect(manifests, adapter_copy, "I_ALORA", 0, "--base", base_dir, "--strict")
+    assert m["valid"] and m["servable"]
+    assert m["activation_policy"] == {"kind": "alora", "invocation_tokens": [5, 6]}
+    assert m["findings"][0]["severity"] == "info" and "[5, 6]" in m["findings"][0]["message"]
+    plain = manifests(good_adapter, "--base", base_dir)[1][0]
+    assert m["artifact_sha256"] == plain["artifact_sha256"] and m["semantic_sha256"] != plain["semantic_sha256"]
+    rc, out, _ = run_cli("validate", adapter_copy, "--base", base_dir)
+    assert rc == 0 and "I_ALORA" in out and "alora_invocation_tokens is [5, 6]" in " ".join(out.split())
+    assert "1/1 adapter(s) valid and servable." in out
 
 
 @pytest.mark.parametrize("bias", ["lora_only", "all"])

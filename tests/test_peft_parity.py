@@ -30,6 +30,8 @@ CASES = {
     "lora_bias": dict(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True),
     "modules_to_save": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"]),
     "embedding": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    "alora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                  alora_invocation_tokens=[9, 10]),
 }
 
 EXPECTED_UNSERVABLE = {
@@ -79,6 +81,9 @@ def test_llama_parity(tmp_path, manifests, case):
     if case in EXPECTED_UNSERVABLE:
         assert codes(m) == {EXPECTED_UNSERVABLE[case]}, m["findings"]
         assert not m["servable"] and code == 1
+    elif case == "alora":  # servable: an info finding and the identity's policy name the invocation
+        assert codes(m) == {"I_ALORA"} and m["servable"] and code == 0, m["findings"]
+        assert m["activation_policy"] == {"kind": "alora", "invocation_tokens": [9, 10]}
     else:
         assert codes(m) == set() and m["servable"] and code == 0, m["findings"]
 

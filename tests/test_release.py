@@ -321,6 +321,17 @@ def test_unmergeable_adapters_are_refused_by_name(workspace, tmp_path, run_cli):
     assert not (tmp_path / "rel").exists()
 
 
+def test_alora_adapters_are_refused_by_their_own_code(workspace, tmp_path, run_cli):
+    """Servable, yet unmergeable: its activation depends on the prompt."""
+    root, base, _ = workspace
+    alora = factory.copy_adapter(str(root / "adapters" / "plain"), str(tmp_path / "alora"))
+    factory.write_config(alora, {**factory.read_config(alora), "alora_invocation_tokens": [5, 6]})
+    code, _, stderr = run_cli("merge", "--base", base, "--adapter", root / "adapters" / "pattern", "--adapter", alora,
+                              "-o", tmp_path / "rel")
+    assert code == 1 and "E_MERGE_ALORA" in stderr and "[5, 6]" in stderr and "batch-run" in stderr
+    assert "E_MERGE_UNSUPPORTED" not in stderr and not (tmp_path / "rel").exists()
+
+
 def test_live_and_merged_outputs_are_equal_for_a_rank_two_and_a_padded_rank_one_adapter():
     """A rank-two adapter (s = 1/2) and a logical-rank-one adapter in a physical rank-two slot
     (s = 1/4, zero second row of A and column of B) over one small W: live and merged agree."""

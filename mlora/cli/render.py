@@ -9,7 +9,7 @@ from rich.table import Table
 
 from mlora.lora_tools import AdapterReport, BaseIdentity
 
-_SEVERITY_STYLE = {"error": "bold red", "unservable": "yellow", "warning": "magenta"}
+_SEVERITY_STYLE = {"error": "bold red", "unservable": "yellow", "warning": "magenta", "info": "cyan"}
 
 
 def _size(n: int) -> str:

@@ -3,9 +3,10 @@
 Owns the step from adapter directories to ``{module: {member: FactoredDelta}}``
 for ``mlora compress`` (conversion is offline and fails closed).
 Every member is validated as ``mlora validate`` does (``mlora.lora_tools``), against
-the base when one is given; any member that is invalid or not servable, a
-duplicate member id, or members bound to different bases stop the load with a
-named error (no partial collection). Factors are read again when their
+the base when one is given; any member that is invalid or not servable, an
+activated LoRA (aLoRA: a bundle core carries no activation rule), a duplicate
+member id, or members bound to different bases stop the load with a named
+error (no partial collection). Factors are read again when their
 module is fitted (one module at a time) and must hash to the scanned digests
 (``E_COMPRESS_MEMBER_CHANGED`` otherwise), so what is compressed is exactly
 what was validated.
@@ -113,6 +114,11 @@ def load_collection(paths: list[str], base_dir: str | None = None, *, dtype: tor
             what = f"{bad.code}: {bad.message}" if bad else "not valid"
             raise CompressError("E_COMPRESS_MEMBER_INVALID", f"member {art.name!r} cannot be compressed ({what}); "
                                 "fix or drop it (mlora validate shows every finding)")
+        if man["activation_policy"]["kind"] == "alora":
+            raise CompressError("E_COMPRESS_ALORA", f"member {art.name!r} is an activated LoRA (alora_invocation_tokens "
+                                f"{man['activation_policy']['invocation_tokens']}): a bundle core carries no "
+                                "activation rule; drop it from the collection and serve it as a plain adapter "
+                                "directory with `mlora batch-run`")
         bases.add(man["base"]["base_sha256"])
         members.append(Member(art.name, art.path, man["artifact_sha256"], man["semantic_sha256"]))
     if len(bases) > 1:

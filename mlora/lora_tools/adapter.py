@@ -183,6 +183,7 @@ def _read_config(art: AdapterArtifact) -> None:
     art.findings.extend(found)
     if art.spec is not None:
         art.findings.extend(art.spec.unservable_findings())
+        art.findings.extend(art.spec.info_findings())
 
 
 def _read_tensor_table(art: AdapterArtifact, allow_pickle: bool) -> bool:
@@ -408,6 +409,11 @@ def check_against_base(art: AdapterArtifact, base) -> None:
     if spec is None:
         return
     _check_declared_base(art, spec, base)
+    vocab = base.config.get("vocab_size")
+    outside = [t for t in spec.alora_invocation_tokens or () if isinstance(vocab, int) and t >= vocab]
+    if outside:
+        art.add(finding("E_ALORA_INVOCATION", f"alora_invocation_tokens holds {outside}, outside the base's "
+                        f"vocabulary of {vocab} token ids: no prompt can contain them"))
     if spec.target_modules is not None and art.modules:
         expected = {n for n in shapes if module_is_targeted(spec, n, base.linear_modules)}
         actual = {m.name for m in art.modules if m.name in shapes}  # the others are E_TARGET_NOT_IN_BASE

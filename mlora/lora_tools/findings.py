@@ -11,6 +11,7 @@ Severities:
 * ``unservable``: valid PEFT, but it uses a feature mlora cannot serve; mlora
   refuses to serve it rather than serve something else.
 * ``warning``: valid and servable, but suspicious; ``--strict`` makes it fail.
+* ``info``: valid and servable; says how mlora serves it. Never fails, not even with ``--strict``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 ERROR = "error"
 UNSERVABLE = "unservable"
 WARNING = "warning"
+INFO = "info"
 
 # code -> (severity, advice appended to every message of that code)
 CODES: dict[str, tuple[str, str]] = {
@@ -29,6 +31,7 @@ CODES: dict[str, tuple[str, str]] = {
     "E_CONFIG_PARSE": (ERROR, "adapter_config.json must be one JSON object; re-save the adapter with PEFT"),
     "E_CONFIG_TYPE": (ERROR, "mlora reads LoRA adapters only (peft_type \"LORA\")"),
     "E_CONFIG_FIELD": (ERROR, "fix the field in adapter_config.json; PEFT would reject or misread it too"),
+    "E_ALORA_INVOCATION": (ERROR, "set alora_invocation_tokens to the non-empty list of token ids (integers from 0 to the vocabulary size - 1) that the base's tokenizer gives for the invocation string, or remove it for an ordinary LoRA"),
     "E_WEIGHTS_MISSING": (ERROR, "add adapter_model.safetensors written by PEFT's save_pretrained"),
     "E_PICKLE_REFUSED": (ERROR, "convert it to adapter_model.safetensors, or pass --allow-pickle if you trust the file"),
     "E_PICKLE_LOAD": (ERROR, "the pickle could not be read with torch.load(weights_only=True); re-save as safetensors"),
@@ -59,7 +62,6 @@ CODES: dict[str, tuple[str, str]] = {
     "U_LAYER_REPLICATION": (UNSERVABLE, "layer_replication changes the base architecture; mlora does not serve it"),
     "U_INIT_CHANGES_BASE": (UNSERVABLE, "this init (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) changes the base weights; convert it to a plain LoRA with PEFT's path_initial_model_for_weight_conversion"),
     "U_TRAINABLE_TOKENS": (UNSERVABLE, "trainable_token_indices changes embedding rows; mlora does not serve it"),
-    "U_ALORA": (UNSERVABLE, "activated LoRA (alora_invocation_tokens) is identified but not served by mlora yet"),
     "U_FAN_IN_FAN_OUT": (UNSERVABLE, "fan_in_fan_out (Conv1D bases such as GPT-2) is not served by mlora yet"),
     "U_FEATURE": (UNSERVABLE, "this PEFT LoRA variant is not served by mlora"),
     # warnings
@@ -69,6 +71,8 @@ CODES: dict[str, tuple[str, str]] = {
     "W_ZERO_DELTA": (WARNING, "this module changes nothing; was the adapter trained?"),
     "W_BASE_NAME_MISMATCH": (WARNING, "the adapter declares another base; check that it was trained on this one"),
     "W_TARGET_SET_MISMATCH": (WARNING, "the config and the stored factors disagree on which modules are adapted"),
+    # information
+    "I_ALORA": (INFO, "activated LoRA: batch-run applies it from the last occurrence of these tokens in the prompt on and the base before it, as PEFT does (a prompt without them: --alora-without-invocation); mlora merge and mlora compress refuse it"),
 }
 
 
@@ -102,7 +106,7 @@ def findings_doc() -> str:
         "a test keeps the two equal. Codes are stable: never renamed, never reused.",
         "",
         "Severity decides the exit code of `mlora validate`: `error` and `unservable` fail (exit 1),",
-        "`warning` fails only with `--strict`.",
+        "`warning` fails only with `--strict`, `info` never fails.",
         "",
         "| code | severity | what to do |",
         "| --- | --- | --- |",

@@ -119,14 +119,18 @@ class LoraSpec:
             out.append(finding("U_INIT_CHANGES_BASE", f"init_lora_weights is {self.init_lora_weights!r}"))
         elif self.raw.get("lora_ga_config"):
             out.append(finding("U_INIT_CHANGES_BASE", "lora_ga_config is set"))
-        if self.alora_invocation_tokens:
-            out.append(finding("U_ALORA", f"alora_invocation_tokens is {self.alora_invocation_tokens}"))
         if self.fan_in_fan_out:
             out.append(finding("U_FAN_IN_FAN_OUT", "fan_in_fan_out is true"))
         for name in _VARIANT_FIELDS:
             if self.raw.get(name):
                 out.append(finding("U_FEATURE", f"{name} is set"))
         return out
+
+    def info_findings(self) -> list[Finding]:
+        """What the config says about how a servable adapter is served (never a refusal)."""
+        if self.alora_invocation_tokens:
+            return [finding("I_ALORA", f"alora_invocation_tokens is {self.alora_invocation_tokens}")]
+        return []
 
     # ---- identity projections --------------------------------------------------
 
@@ -237,13 +241,28 @@ def _is_str_list(v: Any) -> bool:
 
 
 class _FieldError(Exception):
-    pass
+    def __init__(self, message: str, code: str = "E_CONFIG_FIELD"):
+        super().__init__(message)
+        self.code = code
 
 
 def _field(raw: dict, name: str, default: Any, ok, expect: str) -> Any:
     value = raw.get(name, default)
     if not ok(value):
         raise _FieldError(f"{name} must be {expect}, got {value!r}")
+    return value
+
+
+def _invocation_tokens(raw: dict) -> list[int] | None:
+    """aLoRA's invocation: None (an ordinary LoRA) or a non-empty list of token ids. PEFT takes any
+    list of integers: an empty one silently serves an ordinary LoRA, a negative id never occurs in
+    a prompt; both are refused rather than guessed at."""
+    value = raw.get("alora_invocation_tokens")
+    if value is None:
+        return None
+    if not (isinstance(value, list) and value and all(_is_int(x) and x >= 0 for x in value)):
+        raise _FieldError(f"alora_invocation_tokens must be a non-empty list of non-negative integers, "
+                          f"got {value!r}", "E_ALORA_INVOCATION")
     return value
 
 
@@ -306,9 +325,7 @@ def parse_lora_config(raw: Any) -> tuple[LoraSpec | None, list[Finding]]:
             lora_bias=_field(raw, "lora_bias", False, lambda v: isinstance(v, bool), "true or false"),
             init_lora_weights=_field(raw, "init_lora_weights", True, lambda v: isinstance(v, (bool, str)),
                                      "a boolean or a method name"),
-            alora_invocation_tokens=_field(raw, "alora_invocation_tokens", None,
-                                           none_or(lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
-                                           "a list of token ids"),
+            alora_invocation_tokens=_invocation_tokens(raw),
             target_parameters=_field(raw, "target_parameters", None, none_or(_is_str_list), "a list of names"),
             layer_replication=_field(raw, "layer_replication", None, none_or(lambda v: isinstance(v, list)), "a list"),
             trainable_token_indices=raw.get("trainable_token_indices"),
@@ -318,5 +335,5 @@ def parse_lora_config(raw: Any) -> tuple[LoraSpec | None, list[Finding]]:
             raw=raw,
         )
     except _FieldError as exc:
-        return None, findings + [finding("E_CONFIG_FIELD", str(exc))]
+        return None, findings + [finding(exc.code, str(exc))]
     return spec, findings

@@ -13,8 +13,9 @@ into the output files through a streaming safetensors writer, so peak memory
 is about the largest tensor plus the adapters' factors, never the model.
 Every adapter is validated against the base as ``mlora validate`` does; refused with
 ``E_MERGE_UNSUPPORTED`` (naming the finding): invalid adapters, DoRA,
-lora_bias, trained biases, aLoRA (which cannot be merged: its activation
-depends on the request: docs/identity.md, Activation policy) and every other unservable variant;
+lora_bias, trained biases and every other unservable variant; aLoRA with
+``E_MERGE_ALORA`` (servable, but its activation depends on the prompt:
+docs/identity.md, Activation policy);
 LoRA on a tied ``lm_head`` (``E_MERGE_TIED``: merging would change the
 input embedding too); an adapter that declares another base
 (``E_MERGE_BASE_MISMATCH``, naming validate's ``W_BASE_NAME_MISMATCH``) unless
@@ -213,6 +214,11 @@ def _load_adapters(base: BaseCheckpoint, adapters: list[MergeAdapter], workers=N
         if bad is not None or not man["valid"]:
             why = f"{bad.code}: {bad.message}" if bad else "not a valid adapter"
             raise ReleaseError("E_MERGE_UNSUPPORTED", f"adapter {art.name!r} cannot be merged by mlora ({why})")
+        if man["activation_policy"]["kind"] == "alora":
+            tokens = man["activation_policy"]["invocation_tokens"]
+            raise ReleaseError("E_MERGE_ALORA", f"adapter {art.name!r} is an activated LoRA (alora_invocation_tokens "
+                               f"{tokens}): it applies from its invocation in each prompt on, which no merged weight "
+                               "can express; serve it with `mlora batch-run`, which activates it per token")
         other = next((f for f in art.findings if f.code == BASE_MISMATCH), None)
         if other is not None and not allow_base_mismatch:
             raise ReleaseError("E_MERGE_BASE_MISMATCH", f"adapter {art.name!r} declares another base than "

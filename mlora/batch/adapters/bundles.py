@@ -22,7 +22,8 @@ served with the three-stage operator instead (``mlora.batch.adapters.bundle_bank
 Identity: ``artifact_sha256`` is the bundle's ``bundle_sha256``;
 ``semantic_sha256`` hashes (bundle_sha256, member id, the job's base
 identity) in the spaced form of ``mlora.lora_tools.canonical``, so two
-members, or one member over two bases, never share a slot.
+members, or one member over two bases, never share a slot. A member is
+always on (``invocation_tokens`` None): ``mlora compress`` refuses aLoRA members.
 """
 
 from __future__ import annotations

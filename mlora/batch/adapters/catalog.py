@@ -18,6 +18,8 @@ pins as ``E_PICKLE_REFUSED``; its factors are re-read from the pickle and
 re-hashed alike. A bad adapter never raises at pin time; it becomes a
 ``PinnedAdapter`` with ``ok=False`` and one error code, and the job decides
 (error rows, or exit 1 with ``--strict``).
+An aLoRA adapter pins its ``invocation_tokens`` too (docs/identity.md,
+Activation policy): the engine activates it per row from them.
 
 Error code of a bad adapter, first match wins::
 
@@ -268,8 +270,13 @@ def _pin_one(entry: CatalogEntry, art: AdapterArtifact, base_id: BaseIdentity) -
     return PinnedAdapter(
         id=entry.id, path=entry.path, ok=True, artifact_sha256=manifest["artifact_sha256"],
         semantic_sha256=manifest["semantic_sha256"], max_rank=max(m.rank for m in modules),
-        modules=tuple(modules), findings=found,
+        modules=tuple(modules), findings=found, invocation_tokens=_invocation_tokens(manifest["activation_policy"]),
     )
+
+
+def _invocation_tokens(policy: dict) -> tuple[int, ...] | None:
+    """An aLoRA adapter's invocation token ids (docs/identity.md, Activation policy); None: always on."""
+    return tuple(policy["invocation_tokens"]) if policy["kind"] == "alora" else None
 
 
 def _where(f: Finding) -> str:
