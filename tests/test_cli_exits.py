@@ -152,6 +152,7 @@ CASES = {
         ("unknown preset", lambda w: ["bench", "batch", "--preset", "nope", "--device", "cpu"], 2),
         ("unknown dtype", lambda w: ["bench", "residency", str(w["root"] / "w"), "--preset", "tiny", "--device",
                                      "cpu", "--dtype", "f8"], 2),
+        ("unknown prefix job", lambda w: ["bench", "prefix", "--preset", "tiny", "--device", "cpu", "--jobs", "x"], 2),
     ],
 }
 

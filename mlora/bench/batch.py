@@ -48,6 +48,7 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import statistics
@@ -59,7 +60,7 @@ import torch
 from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.config import EngineConfig
-from mlora.batch.engine.engine import Engine, Request
+from mlora.batch.engine.engine import Engine, Request, Result
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.model.decoder import DecoderLayer, DecoderModel, ModelConfig
 from mlora.batch.model.kvcache import KVCache
@@ -151,6 +152,16 @@ def random_bank(model: DecoderModel, n: int, rank: int, seed: int, backend: str 
         bank._lru[key] = s
         bank._targets[s] = every
     return bank, pinned
+
+
+def as_alora(pinned: dict[str, PinnedAdapter], invocation_tokens) -> dict[str, PinnedAdapter]:
+    """``pinned``'s adapters as activated LoRA (aLoRA) adapters invoked by ``invocation_tokens``
+    (the same factors; a new semantic identity, as the invocation is part of what an aLoRA adapter is)."""
+    inv = tuple(int(t) for t in invocation_tokens)
+    if not inv:
+        raise ValueError("an aLoRA adapter needs at least one invocation token id")
+    return {k: dataclasses.replace(p, invocation_tokens=inv, semantic_sha256=f"{p.semantic_sha256}+alora{list(inv)}")
+            for k, p in pinned.items()}
 
 
 def adapter_bytes(config: ModelConfig, rank: int, itemsize: int) -> int:
@@ -266,9 +277,10 @@ def _requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, rows: 
     return out
 
 
-def _short_requests(o: BatchBenchOptions, config: ModelConfig, n_adapters: int, seed: int, length: int = 16):
-    """Up to 96 prompts of ``length`` tokens (as many as one chunk and the seats hold), the
-    adapters taken in turn, one new token each: the bench's second warm-up."""
+def _short_requests(o, config: ModelConfig, n_adapters: int, seed: int, length: int = 16):
+    """Up to 96 prompts of ``length`` tokens (as many as one chunk and the seats hold: ``o``'s
+    ``max_batch_tokens`` and ``max_num_seqs``), the adapters taken in turn, one new token each:
+    a bench's second warm-up."""
     rng = random.Random(seed)
     count = max(1, min(96, o.max_num_seqs, o.max_batch_tokens // length))
     return [Request(row=i, id=f"short-{i}", prompt_ids=[rng.randrange(config.vocab_size) for _ in range(length)],
@@ -287,8 +299,107 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def drain(eng: Engine, requests) -> list[Result]:
+    """Queue ``requests`` on ``eng`` and step until every row is done (untimed: the warm-ups)."""
+    for r in requests:
+        eng.add(r)
+    done: list[Result] = []
+    while eng.has_work():
+        done += eng.step()
+    return done
+
+
+def queue(eng: Engine, requests, hint: str) -> None:
+    """Queue ``requests`` on ``eng``; a refused row is a bench set-up error (``hint``: which options to lower)."""
+    for r in requests:
+        if eng.add(r) is not None:
+            raise RuntimeError(f"bench row {r.row} was refused; {hint}")
+
+
+@dataclass
+class TimedRun:
+    """What :func:`timed_run` measured over one job."""
+
+    wall_s: float
+    graph_capture_s: float  # the decode graphs of every bucket, captured before the clock
+    decode: list[dict]  # per decode-only iteration: its time, floor, rows and context
+    mixed: list[dict]  # per iteration with prefill chunks: its time and floor
+    results: list[Result]  # the finished rows, in completion order
+    gc: dict  # the collector's pauses over the timed job (RunPauses.stats)
+    clocks: ClockSampler  # the SM clock and power over the timed job (mlora.bench.gpuclocks)
+
+
+def timed_run(eng: _RecordingEngine, rank: int, ceil: Ceilings) -> TimedRun:
+    """Run the rows queued on ``eng`` to the end against the clock, every iteration timed
+    beside its floor (module docstring; ``rank``: the adapters' true rank). The whole timed
+    span of a bench job is this function."""
+    model = eng.model
+    dev, dtype = model.device, model.dtype
+    decode, mixed, results = [], [], []
+    # the decode graphs of every bucket, before the clock: a fresh engine would otherwise capture
+    # each bucket inside the timed job the first time the running rows shrink to it (batch-run
+    # pays that once per job; reported as graph_capture_s)
+    _sync(dev)
+    t_capture = time.perf_counter()
+    if eng.graphs is not None:
+        eng.graphs.capture_all()
+    _sync(dev)
+    capture_s = time.perf_counter() - t_capture
+    pauses = RunPauses()
+    pauses.start()
+    clocks = ClockSampler(dev).start()
+    try:
+        t_start = time.perf_counter()
+        while eng.has_work():
+            eng.last_plan = None
+            t0 = time.perf_counter()
+            results += eng.step()
+            seconds = time.perf_counter() - t0
+            plan = eng.last_plan
+            if plan is None:
+                continue
+            if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
+                seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
+                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.adapter is not None)
+                distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
+                f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, rank, ceil)
+                mixed.append(dict(seconds=seconds, **f))
+                continue
+            ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
+            distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
+            f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, rank, ceil)
+            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, t0=t0, **f))  # f['rows']: running rows
+        _sync(dev)
+        wall = time.perf_counter() - t_start
+    finally:
+        clocks.stop()
+        pauses.close()
+    return TimedRun(wall, capture_s, decode, mixed, results, pauses.stats(), clocks)
+
+
+def iteration_summary(items: list[dict]) -> dict | None:
+    """Medians of decode iterations' times against their floors (None for no iterations)."""
+    if not items:
+        return None
+    return dict(iterations=len(items), median_rows=statistics.median(d["rows"] for d in items),
+                median_s=statistics.median(d["seconds"] for d in items),
+                total_s=sum(d["seconds"] for d in items), max_s=max(d["seconds"] for d in items),
+                median_floor_s=statistics.median(d["floor_s"] for d in items),
+                median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
+                median_staged_floor_s=statistics.median(d["staged_floor_s"] for d in items),
+                median_staged_ratio=statistics.median(d["seconds"] / d["staged_floor_s"] for d in items),
+                bound=statistics.mode(d["bound"] for d in items))
+
+
+def prefill_summary(mixed: list[dict]) -> dict:
+    """The iterations with prefill chunks, summed: their time against the sum of their floors."""
+    seconds, floor = sum(m["seconds"] for m in mixed), sum(m["floor_s"] for m in mixed)
+    return dict(iterations=len(mixed), seconds=seconds, floor_s=floor, rows=sum(m["rows"] for m in mixed),
+                ratio=seconds / floor if mixed else None)
+
+
 def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, ceil: Ceilings, progress=None) -> dict:
-    """One timed scenario from warm-up to its record, kept in one piece so the timed span is visible in one place."""
+    """One scenario from warm-up to its record (the timed span: :func:`timed_run`)."""
     dev = model.device
     dtype = model.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -309,80 +420,24 @@ def run_scenario(model: DecoderModel, o: BatchBenchOptions, n_adapters: int, cei
     warm = engine()
     for batch in (_requests(o, model.config, n_adapters, min(o.rows, 256), 2, o.seed + 99),
                   _short_requests(o, model.config, n_adapters, o.seed + 98)):
-        for r in batch:
-            warm.add(r)
-        while warm.has_work():
-            warm.step()
+        drain(warm, batch)
     del warm
 
     eng = engine()
-    for r in _requests(o, model.config, n_adapters, o.rows, o.max_new_tokens, o.seed):
-        if eng.add(r) is not None:
-            raise RuntimeError(f"bench row {r.row} was refused; lower --prompt-max or --max-new-tokens")
-    decode, mixed = [], []
-    # the decode graphs of every bucket, before the clock: a fresh engine would otherwise capture
-    # each bucket inside the timed job the first time the running rows shrink to it (batch-run
-    # pays that once per job; reported as graph_capture_s)
-    _sync(dev)
-    t_capture = time.perf_counter()
-    if eng.graphs is not None:
-        eng.graphs.capture_all()
-    _sync(dev)
-    capture_s = time.perf_counter() - t_capture
-    pauses = RunPauses()  # the collector's pauses over the timed job
-    pauses.start()
-    clocks = ClockSampler(dev).start()  # the SM clock and power over the timed job (mlora.bench.gpuclocks)
-    try:
-        t_start = time.perf_counter()
-        while eng.has_work():
-            eng.last_plan = None
-            t0 = time.perf_counter()
-            eng.step()
-            seconds = time.perf_counter() - t0
-            plan = eng.last_plan
-            if plan is None:
-                continue
-            if plan.doff:  # prefill chunks (and maybe decode rows): the compute-heavy iterations
-                seqs = [(n, s.num_computed) for s, n in zip(plan.seqs, plan.new_tokens)]
-                lora_rows = sum(n for s, n in zip(plan.seqs, plan.new_tokens) if s.adapter is not None)
-                distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
-                f = mixed_floor(model.config, dtype, seqs, sum(plan.sample), lora_rows, distinct, o.rank, ceil)
-                mixed.append(dict(seconds=seconds, **f))
-                continue
-            ctx = sum(s.num_computed for s in plan.seqs)  # after the step: the context each row attended to
-            distinct = len({s.adapter for s in plan.seqs if s.adapter is not None})
-            f = decode_floor(model.config, dtype, len(plan.seqs), ctx, distinct, o.rank, ceil)
-            decode.append(dict(context=ctx, distinct=distinct, seconds=seconds, t0=t0, **f))  # f['rows']: running rows
-        _sync(dev)
-        wall = time.perf_counter() - t_start
-    finally:
-        clocks.stop()
-        pauses.close()
+    queue(eng, _requests(o, model.config, n_adapters, o.rows, o.max_new_tokens, o.seed),
+          "lower --prompt-max or --max-new-tokens")
+    t = timed_run(eng, o.rank, ceil)
+    decode, wall = t.decode, t.wall_s
     generated = eng.stats["generated_tokens"]
     full = [d for d in decode if d["rows"] >= 0.9 * o.max_num_seqs]
-
-    def summary(items):
-        if not items:
-            return None
-        return dict(iterations=len(items), median_rows=statistics.median(d["rows"] for d in items),
-                    median_s=statistics.median(d["seconds"] for d in items),
-                    total_s=sum(d["seconds"] for d in items), max_s=max(d["seconds"] for d in items),
-                    median_floor_s=statistics.median(d["floor_s"] for d in items),
-                    median_ratio=statistics.median(d["seconds"] / d["floor_s"] for d in items),
-                    median_staged_floor_s=statistics.median(d["staged_floor_s"] for d in items),
-                    median_staged_ratio=statistics.median(d["seconds"] / d["staged_floor_s"] for d in items),
-                    bound=statistics.mode(d["bound"] for d in items))
-
     result = dict(adapters=n_adapters, rows=o.rows, generated_tokens=generated, wall_s=wall,
                   tokens_per_s=generated / wall, iterations=eng.stats["iterations"],
-                  prefill_tokens=eng.stats["prefill_tokens"], decode=summary(decode), decode_full_batch=summary(full),
-                  prefill=dict(iterations=len(mixed), seconds=sum(m["seconds"] for m in mixed),
-                               floor_s=sum(m["floor_s"] for m in mixed), rows=sum(m["rows"] for m in mixed),
-                               ratio=(sum(m["seconds"] for m in mixed) / sum(m["floor_s"] for m in mixed)) if mixed else None),
-                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=capture_s,
-                  gc=pauses.stats(), lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
+                  prefill_tokens=eng.stats["prefill_tokens"], decode=iteration_summary(decode),
+                  decode_full_batch=iteration_summary(full), prefill=prefill_summary(t.mixed),
+                  adapter_bytes=adapter_bytes(model.config, o.rank, itemsize), graph_capture_s=t.graph_capture_s,
+                  gc=t.gc, lookahead_iterations=eng.lookahead_used, chained_iterations=eng.chained,
                   # the GPU's SM clock and power during the full-batch decode iterations (None without NVML)
-                  clocks_full_batch=clocks.summary([(d["t0"], d["t0"] + d["seconds"]) for d in full]))
+                  clocks_full_batch=t.clocks.summary([(d["t0"], d["t0"] + d["seconds"]) for d in full]))
     # wall time outside every iteration's step (job set-up inside the clock, empty steps): with
     # the decode outliers (max_s: kernel compiles) it shows where a gap to the
     # medians comes from

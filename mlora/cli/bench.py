@@ -540,3 +540,88 @@ def bench_gpus(
     sp = results["speedup"]
     con.print(f"speed-up (generation tokens/s, scaled / one): {'-' if sp is None else f'{sp:.2f}x'} "
               f"(wall time: {results['wall_speedup']:.2f}x)")
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    rows: int = typer.Option(2048, "--rows", min=1, help="Rows per job (the issue's figure: 4096, one job per call)."),
+    contexts: int = typer.Option(8, "--contexts", min=1, help="Shared contexts the rows start with."),
+    context_tokens: int = typer.Option(1024, "--context-tokens", min=1, help="Tokens of each shared context."),
+    question_tokens: int = typer.Option(128, "--question-tokens", min=1, help="Tokens of each row's own question."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Tokens generated per row (EOS ignored)."),
+    adapters: int = typer.Option(16, "--adapters", min=1, help="Adapters the rows spread over, beside the base."),
+    rank: int = typer.Option(16, "--rank", min=1, help="Rank of every random adapter (all linear modules)."),
+    jobs: str = typer.Option("lora,alora,unshared", "--jobs", help="Jobs to run, each with the prefix cache on and off."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1, help="Running rows per iteration."),
+    max_batch_tokens: int = typer.Option(8192, "--max-batch-tokens", min=1, help="Rows per iteration (prefill chunks)."),
+    device: str = typer.Option("cuda", "--device", help="cuda or cpu."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+) -> None:
+    """Rows sharing long contexts over many adapters (LoRA and aLoRA) with the prefix cache on and off:
+    prompt tokens computed against the ideal, tokens/s on / off."""
+    from mlora.bench.prefix import PrefixBenchOptions, check_options, run_prefix_bench
+
+    err = Console(stderr=True)
+    _check_options(err, device, preset, dtype)
+    opts = PrefixBenchOptions(preset=preset, rows=rows, contexts=contexts, context_tokens=context_tokens,
+                              question_tokens=question_tokens, max_new_tokens=max_new_tokens, adapters=adapters,
+                              rank=rank, jobs=tuple(j.strip() for j in jobs.split(",")), max_num_seqs=max_num_seqs,
+                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed)
+    try:
+        check_options(opts)
+    except ValueError as exc:
+        _usage(err, str(exc))
+
+    def progress(s):
+        p = s["prefix"]
+        err.print(f"[dim]{s['job']}, cache {'on' if s['prefix_cache'] else 'off'}: {s['tokens_per_s']:.1f} tok/s, "
+                  f"wall {s['wall_s']:.1f} s; computed {s['prefill_tokens_computed']} of {s['prompt_tokens']} prompt "
+                  f"tokens ({s['computed_vs_ideal']:.3f}x ideal), {s['preemptions']} preemptions; cache hit "
+                  + ("-" if p["hit_rate"] is None else f"{p['hit_rate']:.3f}")
+                  + f", {p['evictions']} evictions, {p['shared_blocks_peak']} shared blocks at most[/dim]",
+                  soft_wrap=True)
+
+    try:
+        results = run_prefix_bench(opts, progress=None if json_out else progress)
+    except ValueError as exc:  # the KV cache the job needs does not fit the GPU
+        _usage(err, str(exc))
+    except RuntimeError as exc:  # rows that failed: no figure stands
+        fail(err, "E_BENCH_ROWS_FAILED", str(exc), 1)
+    if not _save(results, out, json_out):
+        _print_prefix_table(results)
+
+
+def _print_prefix_table(r: dict) -> None:
+    con = Console()
+    o, kv = r["options"], r["kv_cache"]
+    con.print(f"{r['device']}, torch {r['torch']}; KV cache {kv['num_blocks']} blocks of {o['block_size']} tokens "
+              f"({kv['kv_bytes'] / 2**30:.2f} GiB: {kv['context_blocks']} for the shared contexts, "
+              f"{kv['running_blocks']} for {o['max_num_seqs']} running rows"
+              + (f"; {kv['available_blocks']} fit the GPU" if kv["available_blocks"] is not None else "") + ")",
+              soft_wrap=True)
+    table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows: {o['contexts']} contexts of "
+                  f"{o['context_tokens']} tokens + {o['question_tokens']}-token questions, {o['max_new_tokens']} new "
+                  f"tokens, {o['adapters']} rank-{o['rank']} adapters and the base", title_justify="left")
+    for col in ("job", "cache", "prompt tokens", "computed", "reused", "computed / ideal", "tok/s", "wall s",
+                "preemptions", "hit rate", "evictions", "shared peak"):
+        table.add_column(col, justify="right")
+    for job in r["jobs"]:
+        for s in job["runs"]:
+            p = s["prefix"]
+            table.add_row(job["job"], "on" if s["prefix_cache"] else "off", str(s["prompt_tokens"]),
+                          str(s["prefill_tokens_computed"]), str(s["prefill_tokens_reused"]),
+                          f"{s['computed_vs_ideal']:.3f}", f"{s['tokens_per_s']:.0f}", f"{s['wall_s']:.1f}",
+                          str(s["preemptions"]), "-" if p["hit_rate"] is None else f"{p['hit_rate']:.3f}",
+                          str(p["evictions"]), str(p["shared_blocks_peak"]))
+    con.print(table)
+    for job in r["jobs"]:
+        said = "; ".join(f"{t['name']} {t['value']:.3f} ({'<=' if t['at_most'] else '>='} {t['limit']}: "
+                         f"{'met' if t['met'] else 'NOT met'})" for t in job["targets"])
+        ratio = "" if any(t["name"] == "tokens/s on / off" for t in job["targets"]) else \
+            f"tokens/s on / off {job['tokens_per_s_ratio']:.3f}; "
+        con.print(f"{job['job']}: ideal {job['ideal_computed']} of {job['prompt_tokens']} prompt tokens computed, "
+                  f"{job['rows_with_other_tokens']} rows with other tokens on than off; {ratio}{said}", soft_wrap=True)
