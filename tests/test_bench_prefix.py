@@ -84,7 +84,6 @@ def test_every_job_on_and_off_with_its_arithmetic():
             assert s["generated_tokens"] == o.rows * o.max_new_tokens  # EOS removed: every row to max_new_tokens
             assert s["prefill_tokens_computed"] + s["prefill_tokens_reused"] == prompt
             assert s["computed_vs_ideal"] == s["prefill_tokens_computed"] / ideal
-            assert s["prefill_tokens_run"] >= s["prefill_tokens_computed"]
             p = s["prefix"]
             assert 0 <= p["hit_blocks"] <= p["looked_up_blocks"]
             assert p["hit_rate"] == (p["hit_blocks"] / p["looked_up_blocks"] if p["looked_up_blocks"] else None)

@@ -33,8 +33,10 @@ every iteration timed beside its floor.
     (ideal = every prompt token).
 
 * Reported per run: prompt tokens, those computed and those taken from the
-  cache (``Engine.stats``: per row at its first admission; recomputation after
-  a preemption is in ``prefill_tokens_run``), computed / ideal, generated
+  cache (``Engine.stats``: per row at its first admission; the prefill rows
+  the engine ran, recomputation after a preemption included, are
+  ``prefill_tokens_run``: a prompt's last chunk of one token runs as a decode
+  row and is not among them), computed / ideal, generated
   tokens/s over the wall clock, wall time, preemptions, the cache's block
   lookups, hits, evictions, publications and peak of blocks shared by several
   rows (``Engine.prefix_stats``), the prefill and decode iterations against
