@@ -25,7 +25,7 @@ GPU_TESTS="tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_b
   tests/test_batch_lookahead.py tests/test_batch_greedy.py tests/test_batch_sampling.py tests/test_batch_catalog.py
   tests/test_kernels_triton.py tests/test_kernels_slices.py tests/test_kernels_act.py
   tests/test_kernels_pitch.py tests/test_kernels_spec.py tests/test_residency.py tests/test_residency_validate.py
-  tests/test_residency_pinned.py tests/test_bundle_serving.py tests/test_bundle_triton.py
+  tests/test_residency_pinned.py tests/test_bundle_serving.py tests/test_bundle_triton.py tests/test_batch_prefix.py
   tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too"
 
 case "${1:-}" in

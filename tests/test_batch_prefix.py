@@ -8,7 +8,8 @@ adapters, the base and an aLoRA adapter whose invocation is at the end of the
 prompt, at its start, twice, or absent; two contexts differ only in the last
 token before a block boundary. Then: the cache on and off and under eviction
 give the same tokens, a published block is never written, and rows that share a
-context compute it once.
+context compute it once. On a GPU the job runs there (float32, CUDA graphs and
+chained decode included).
 """
 
 import random
@@ -24,6 +25,7 @@ from mlora.batch.model.prefixcache import PrefixCache
 
 MAX_NEW = 6
 BLOCK = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # float32 either way
 INVOCATION = [5, 6]
 ADAPTERS = {
     "a1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=21),
@@ -115,7 +117,7 @@ def _run(env, out, **kw):
     from mlora.batch.runner import run_job
 
     opts = dict(input=env["input"], output=str(out), base=env["base"], adapters_dir=env["adapters"],
-                prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=MAX_NEW, device="cpu",
+                prompt_column=None, prompt_ids_column="prompt_ids", max_new_tokens=MAX_NEW, device=DEVICE,
                 dtype="float32", block_size=BLOCK)
     opts.update(kw)
     return run_job(JobConfig(**opts))
