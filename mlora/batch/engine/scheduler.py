@@ -8,8 +8,11 @@ allow, adapter-aware and starvation-bounded (docs/design.md, Schedule window):
 rows whose adapter needs no load go first, a row whose adapter cannot get a slot
 is overtaken by at most ``max_wait`` later rows, then strict arrival order
 applies. When the cache runs out, the latest admitted row is preempted and
-later recomputed (docs/design.md, Preemption). The plan packs prefill rows
-first, then decode rows (docs/design.md, ``doff`` and ``prefill_indptr``).
+later recomputed (docs/design.md, Preemption). With the prefix cache, a row
+admitted takes the cached chain of its blocks and computes the rest, and rows
+that begin alike are admitted together (``sharing.PrefixSharing``; docs/batch.md,
+Prefix cache). The plan packs prefill rows first, then decode rows
+(docs/design.md, ``doff`` and ``prefill_indptr``).
 
 Must not touch tensors or the model: its only side effects are KV blocks,
 leases, and the loads it starts for rows it admits (through the bank and
@@ -30,12 +33,10 @@ from typing import Callable
 from mlora.batch.config import EngineConfig
 from mlora.batch.engine.loads import AdapterLoads
 from mlora.batch.engine.sequence import Request, Sequence
+from mlora.batch.engine.sharing import PrefixSharing
 from mlora.batch.engine.waiting import WaitingQueue
 from mlora.batch.model.kvcache import KVCacheFull
-from mlora.batch.model.prefix import Execution, extend_block_keys
 from mlora.batch.model.prefixcache import PrefixCache
-
-BASE_EXECUTION = "base"  # the base part of a block key: an engine serves one base, its cache is its own
 
 
 @dataclass
@@ -107,10 +108,7 @@ class Scheduler:
         self.admissions = 0
         self.preemptions = 0
         # the prefix cache (``allocator`` itself when on): full blocks shared by content
-        self.prefix = prefix
-        self._computing: dict[str, Sequence] = {}  # key -> the running row that computes that block now
-        self._groups: dict[str, list[int]] = {}  # first-block key -> [its rank, rows not yet admitted]
-        self._group_count = 0
+        self.sharing = PrefixSharing(prefix, self.block_size, pinned) if prefix is not None else None
         self.prompt_reused = self.prompt_computed = 0  # prompt tokens at first admission: cached / to compute
 
     # ---- the queue -------------------------------------------------------------------
@@ -120,18 +118,8 @@ class Scheduler:
         for an aLoRA adapter (None: from position 0)."""
         seq = Sequence(req, key, list(req.prompt_ids), arrival=self.admissions, adapter=adapter,
                        active_from=activation or 0)
-        if self.prefix is not None:
-            sha = self.pinned[adapter].semantic_sha256 if adapter is not None else None
-            seq.execution = Execution(BASE_EXECUTION, sha, activation)
-            extend_block_keys(seq.keys, seq.tokens, self.block_size, seq.execution)
-            group = self._groups.get(seq.keys[0]) if seq.keys else None
-            if group is None:
-                self._group_count += 1
-                group = [self._group_count, 0]
-                if seq.keys:
-                    self._groups[seq.keys[0]] = group
-            group[1] += 1
-            seq.group = group[0]
+        if self.sharing is not None:
+            self.sharing.enter(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -149,11 +137,8 @@ class Scheduler:
             seq.lease = None
         self.running.remove(seq)
         seq.is_running = False
-        if self.prefix is not None:
-            for key in seq.keys[seq.published:]:  # blocks it was to compute: another row may now
-                if self._computing.get(key) is seq:
-                    del self._computing[key]
-            seq.published = 0
+        if self.sharing is not None:
+            self.sharing.forget(seq)
         self.allocator.free(seq.blocks, seq)
         seq.blocks = []
 
@@ -239,11 +224,12 @@ class Scheduler:
                 if p.aged and p.now - seq.arrival >= self.max_wait:  # an aged row that waits: nobody overtakes it
                     break
                 continue
-            if self.prefix is not None and not seq.blocks and not self._match(seq):
+            if self.sharing is not None and not seq.blocks and not self.sharing.match(seq):
                 continue  # a running row computes its next block now: it waits to share it
             n = min(seq.pending, budget)
             if not self._seat(seq, n):
-                self._unmatch(seq)
+                if self.sharing is not None:
+                    self.sharing.unmatch(seq)
                 break
             chosen.append((seq, n))
             budget -= n
@@ -348,8 +334,8 @@ class Scheduler:
         seq.is_running = True
         seq.lease = seq.lease or lease
         seq.blocks += self.allocator.allocate(blocks, seq)
-        for key in seq.keys[seq.published:len(seq.tokens) // self.block_size]:
-            self._computing.setdefault(key, seq)  # rows that would share these blocks wait for them
+        if self.sharing is not None:
+            self.sharing.seated(seq)
         return True
 
     def _first_admission(self, seq: Sequence) -> None:
@@ -361,47 +347,13 @@ class Scheduler:
         self.prompt_computed += computed
         if self.metrics:
             self.metrics.prefix_admission(reused, computed)
-        group = self._groups.get(seq.keys[0]) if seq.keys else None
-        if group is not None and group[0] == seq.group:
-            group[1] -= 1
-            if group[1] == 0:
-                del self._groups[seq.keys[0]]
-
-    # ---- the prefix cache ------------------------------------------------------------
-
-    def _match(self, seq: Sequence) -> bool:
-        """Give a row that holds no block the longest chain of cached blocks of its tokens (at
-        least one token is left to compute: its logits). False, nothing taken, when the first
-        block it would compute is being computed by a running row: it then waits to share it."""
-        limit = (len(seq.tokens) - 1) // self.block_size
-        keys = seq.keys[:limit]
-        run = self.prefix.cached_run(keys)
-        if run < limit and self._computing.get(keys[run], seq) is not seq:
-            return False
-        seq.blocks = self.prefix.match(keys)
-        seq.published = len(seq.blocks)
-        seq.num_computed = seq.published * self.block_size
-        return True
-
-    def _unmatch(self, seq: Sequence) -> None:
-        """Give back the chain :meth:`_match` took for a row that could not be seated."""
-        if self.prefix is not None and seq.blocks and not seq.is_running:
-            self.prefix.unmatch(seq.blocks, (len(seq.tokens) - 1) // self.block_size)
-            seq.blocks, seq.published, seq.num_computed = [], 0, 0
+        if self.sharing is not None:
+            self.sharing.leave_group(seq)
 
     def publish(self, seq: Sequence) -> None:
-        """Enter the row's newly computed full blocks into the prefix cache (read-only from now
-        on; a block whose key another row published first stays the row's own)."""
-        done = seq.num_computed // self.block_size
-        if self.prefix is None or done <= seq.published:
-            return
-        extend_block_keys(seq.keys, seq.tokens, self.block_size, seq.execution)
-        for i in range(seq.published, done):
-            key = seq.keys[i]
-            self.prefix.publish(key, seq.blocks[i])
-            if self._computing.get(key) is seq:
-                del self._computing[key]
-        seq.published = done
+        """Enter the row's newly computed full blocks into the prefix cache (when it is on)."""
+        if self.sharing is not None:
+            self.sharing.publish(seq)
 
     def _published(self, adapter: str) -> bool:
         """Whether the bank has a published generation of ``adapter`` now (joint memory ledger)."""
