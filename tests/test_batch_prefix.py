@@ -12,13 +12,20 @@ context compute it once. On a GPU the job runs there (float32, CUDA graphs and
 chained decode included).
 """
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
+from conftest import REPO
 
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.prefixcache import PrefixCache
@@ -186,6 +193,7 @@ def test_cache_on_off_and_under_eviction_give_the_same_tokens(env, tmp_path, mon
     assert {r: off[r]["error_code"] for r in off} == {r: small[r]["error_code"] for r in small}
     (cache,) = caches
     assert cache.stats.evictions > 0 and summary.engine["prefill_tokens_reused"] > 0
+    assert summary.engine["preemptions"] > 0
     assert summary.engine["kv_blocks"] == 24
 
 
@@ -235,3 +243,26 @@ def test_rows_that_share_a_context_compute_it_once(env, tmp_path):
     _run(dict(env, input=str(inp)), tmp_path / "off", prefix_cache=False)
     got, off = _out(tmp_path / "out"), _out(tmp_path / "off")
     assert {r: got[r]["completion_token_ids"] for r in got} == {r: off[r]["completion_token_ids"] for r in off}
+
+
+def test_kill_9_then_resume_with_the_cache_equals_peft(env, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mlora", "batch-run", env["input"], str(out), "--base", env["base"],
+           "--adapters", env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu",
+           "--max-new-tokens", str(MAX_NEW), "--shard-rows", "3", "--max-num-seqs", "3", "--quiet"]
+    envv = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(cmd, env=envv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and len([f for f in os.listdir(out) if f.startswith("part-")]) >= 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed mid-job, not finished
+    r = subprocess.run(cmd + ["--resume"], env=envv, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = _out(out)
+    assert sorted(got) == sorted(env["expected"])
+    for rid, want in env["expected"].items():
+        assert got[rid]["completion_token_ids"] == (want or []), rid
