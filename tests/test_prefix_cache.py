@@ -42,6 +42,21 @@ def test_cached_blocks_are_evicted_oldest_first_before_the_cache_is_full():
     assert sorted(got + [a[1], b[0]]) == [0, 1, 2, 3]
 
 
+def test_blocks_no_row_matched_are_evicted_before_matched_ones():
+    """A shared prefix (matched by a second row) outlives a row's own blocks released after it."""
+    c = _cache(4)
+    shared, own = c.allocate(1), c.allocate(2)
+    c.publish("ctx", shared[0]), c.publish("q0", own[0]), c.publish("q1", own[1])
+    reader = c.match(["ctx"])
+    c.free(shared), c.free(reader)  # ctx: matched, released first (the oldest)
+    c.free(own)  # q0, q1: never matched, released after it
+    c.allocate(3)  # the free block, then q0 and q1: ctx stays
+    assert c.stats.evictions == 2 and c.match(["q0"]) == [] and c.match(["ctx"]) == shared
+    c.free(shared)
+    c.allocate(1)  # only matched blocks are left to evict: ctx goes
+    assert c.match(["ctx"]) == [] and c.stats.evictions == 3
+
+
 def test_publishing_a_known_key_keeps_the_first_block():
     c = _cache(4)
     first, second = c.allocate(1), c.allocate(1)
@@ -93,7 +108,8 @@ def test_invariants_hold_under_random_operations():
         refs = {b: held.count(b) for b in set(held)}
         assert refs == c._refs, step
         free = set(c.allocator._free)
-        cached = set(c._cached)
+        cached = set(c._cold) | set(c._hot)
+        assert not (set(c._cold) & set(c._hot)) and set(c._hot) <= c._matched <= set(c._key_of), step
         assert not (free & cached) and not (free & set(refs)) and not (cached & set(refs)), step
         assert free | cached | set(refs) == set(range(n)), step
         assert cached <= set(c._key_of) and {c._block_of[k] for k in c._block_of} == set(c._key_of), step

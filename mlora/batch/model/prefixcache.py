@@ -7,12 +7,15 @@ exactly one state:
 
 * free: in the allocator;
 * referenced: held by one or more rows (``refs >= 1``), published or not;
-* cached: published, held by no row, evictable in least-recently-released order.
+* cached: published, held by no row, evictable: first the blocks no row ever
+  matched (a row's own question or generated tokens, likely never asked for
+  again), least recently released first, then the matched ones (shared
+  prefixes, which rows still waiting are likely to ask for), likewise.
 
 A published block is never written again (a row writes only its own last,
 partial block; the full blocks it publishes are read-only from then on), so a
 row that matches a chain reads those blocks and computes only the rest.
-Cached blocks count as free: ``allocate`` evicts them, oldest first, before it
+Cached blocks count as free: ``allocate`` evicts them, in that order, before it
 reports the cache full, so an idle cached prefix never preempts a running row.
 Knows no tensors: block ids and key strings only.
 """
@@ -44,18 +47,21 @@ class PrefixCache:
         self._block_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._refs: dict[int, int] = {}
-        self._cached: OrderedDict[int, None] = OrderedDict()  # published, unreferenced: oldest first
+        # published, unreferenced, oldest release first: never matched (evicted first), matched
+        self._cold: OrderedDict[int, None] = OrderedDict()
+        self._hot: OrderedDict[int, None] = OrderedDict()
+        self._matched: set[int] = set()  # published blocks some row matched since they were published
         self._shared = 0  # published blocks with more than one reference
         self.stats = PrefixStats()
 
     @property
     def num_free(self) -> int:
         """Blocks ``allocate`` can hand out: the allocator's free ones and the evictable cached ones."""
-        return self.allocator.num_free + len(self._cached)
+        return self.allocator.num_free + len(self._cold) + len(self._hot)
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._cold) + len(self._hot)
 
     @property
     def num_shared(self) -> int:
@@ -81,7 +87,8 @@ class PrefixCache:
         return blocks
 
     def _evict_oldest(self) -> None:
-        block, _ = self._cached.popitem(last=False)
+        block, _ = (self._cold or self._hot).popitem(last=False)
+        self._matched.discard(block)
         del self._block_of[self._key_of.pop(block)]
         self.allocator.free([block])
         self.stats.evictions += 1
@@ -124,8 +131,9 @@ class PrefixCache:
 
     def _take(self, block: int) -> None:
         refs = self._refs.get(block, 0)
+        self._matched.add(block)
         if refs == 0:
-            self._cached.pop(block)
+            (self._hot if block in self._hot else self._cold).pop(block)
         elif refs == 1:  # matched blocks are published: a second holder shares it
             self._shared += 1
         self._refs[block] = refs + 1
@@ -162,7 +170,7 @@ class PrefixCache:
             if self._refs[b] == 0:
                 del self._refs[b]
                 if b in self._key_of:
-                    self._cached[b] = None
+                    (self._hot if b in self._matched else self._cold)[b] = None
                 else:
                     private.append(b)
         if private:
