@@ -111,49 +111,42 @@ def drive(model: DecoderModel, lora: RowLora | None = None) -> dict:
     return {"logits": logits, "tokens": chosen, "heads": model.config.num_heads}
 
 
-def rank_drive(collective, paths: dict, adapters: dict | None) -> dict:
-    """One rank: its part of every checkpoint, driven as ``drive`` drives the unsharded model."""
+def rank_drive(collective, paths: dict, adapters: dict) -> dict:
+    """One rank: its part of every checkpoint, driven as ``drive`` drives the unsharded model,
+    then again with the rank's part of the checkpoint's adapters where ``adapters`` has some."""
     torch.set_num_threads(1)
-    out = {}
+    out = {"rank": collective.layout.rank}
     for name, path in paths.items():
         model = DecoderModel.from_pretrained(path, dtype=torch.float32, tp=collective.layout, collective=collective)
-        lora = None if adapters is None else RowLora(adapters[name], load_config(path), collective.layout, collective)
-        out[name] = drive(model, lora)
-    out["rank"] = collective.layout.rank
+        out[name] = drive(model)
+        if name in adapters:
+            lora = RowLora(adapters[name], load_config(path), collective.layout, collective)
+            out[name + "+lora"] = drive(model, lora)
     return out
 
 
-def assert_tp_equals_unsharded(ranks: list[dict], reference: dict) -> None:
+def test_two_ranks_give_the_unsharded_logits_and_tokens_with_and_without_sharded_adapters(checkpoints):
+    adapters = {name: random_adapters(load_config(checkpoints[name]), seed=7) for name in ("llama", "llama-kv1-bias")}
+    ranks = run_ranks(rank_drive, 2, (checkpoints, adapters), timeout_s=120)
+    torch.set_num_threads(1)
     assert [r["rank"] for r in ranks] == [0, 1]
+    reference = {}
+    for name, path in checkpoints.items():
+        model = DecoderModel.from_pretrained(path, dtype=torch.float32)
+        reference[name] = drive(model)
+        if name in adapters:
+            reference[name + "+lora"] = drive(model, RowLora(adapters[name], model.config))
+            # the adapters change the answer, so the comparison could fail
+            assert (reference[name + "+lora"]["logits"][0] - reference[name]["logits"][0]).abs().max() > 1e-2
+    assert set(ranks[0]) == set(reference) | {"rank"}
     for name, ref in reference.items():
         got = ranks[0][name]
         assert got["heads"] == ref["heads"] // 2, name  # the ranks really held half the heads each
-        assert got["tokens"] == ref["tokens"], name
         for step, (g, r) in enumerate(zip(got["logits"], ref["logits"])):
             assert (g - r).abs().max() <= ATOL, (name, step, float((g - r).abs().max()))
+        assert got["tokens"] == ref["tokens"], name
         # every rank computes the same logits (replicated lm_head over the same all-reduced stream)
         assert all(torch.equal(a, b) for a, b in zip(ranks[1][name]["logits"], got["logits"])), name
-
-
-def test_two_ranks_give_the_unsharded_logits_and_tokens(checkpoints):
-    ranks = run_ranks(rank_drive, 2, (checkpoints, None), timeout_s=120)
-    torch.set_num_threads(1)
-    reference = {name: drive(DecoderModel.from_pretrained(path, dtype=torch.float32))
-                 for name, path in checkpoints.items()}
-    assert_tp_equals_unsharded(ranks, reference)
-
-
-def test_two_ranks_with_sharded_adapters_give_the_unsharded_adapters_logits(checkpoints):
-    paths = {name: checkpoints[name] for name in ("llama", "llama-kv1-bias")}
-    adapters = {name: random_adapters(load_config(path), seed=7) for name, path in paths.items()}
-    ranks = run_ranks(rank_drive, 2, (paths, adapters), timeout_s=120)
-    reference = {}
-    for name, path in paths.items():
-        model = DecoderModel.from_pretrained(path, dtype=torch.float32)
-        reference[name] = drive(model, RowLora(adapters[name], model.config))
-        # the adapters change the answer, so the comparison could fail
-        assert (reference[name]["logits"][0] - drive(model)["logits"][0]).abs().max() > 1e-2
-    assert_tp_equals_unsharded(ranks, reference)
 
 
 # ---------------------------------------------------------------- loading one rank's part

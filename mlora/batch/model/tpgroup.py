@@ -36,7 +36,8 @@ HOST = "127.0.0.1"
 # A collective waits this long for a slow rank (one still loading its shard of a large base, say)
 # before it fails; a dead rank's peers fail at once on gloo.
 DEFAULT_TIMEOUT_S = 600.0
-# What a launcher waits, beyond the group's timeout, for ranks to report after the first failure.
+# What a launcher waits, beyond the group's timeout, for ranks to report after the first failure,
+# and for a rank that reported to exit.
 STOP_GRACE_S = 2.0
 
 
@@ -135,11 +136,12 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), backend: str = "gloo",
             theirs.close()
             ranks.append(_Rank(rank, process, mine))
         _collect(ranks, timeout_s)
-    finally:
+    finally:  # a rank that reported gets a moment to exit by itself; any other is stopped
         for r in ranks:
+            r.process.join(STOP_GRACE_S if r.report is not None and r.report[0] != "hung" else 0)
             if r.process.is_alive():
                 r.process.kill()
-            r.process.join()
+                r.process.join()
             r.conn.close()
     failed = [r for r in ranks if r.report[0] != "ok"]
     if failed:
