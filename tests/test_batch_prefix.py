@@ -24,7 +24,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import REPO
 
 from mlora.batch.model.kvcache import KVCache
