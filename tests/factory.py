@@ -15,13 +15,16 @@ import numpy as np
 import torch
 
 
-def tiny_config(kind: str = "llama", hidden: int = 32, layers: int = 2):
+def tiny_config(kind: str = "llama", hidden: int = 32, layers: int = 2, **over):
+    """A tiny transformers config; ``over`` replaces or adds fields (``num_key_value_heads=1``,
+    ``attention_bias=True``, ...)."""
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
         vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )
+    common.update(over)
     if kind == "qwen2":  # q/k/v projections carry a bias
         return Qwen2Config(**common)
     return LlamaConfig(**common)

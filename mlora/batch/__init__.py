@@ -9,7 +9,8 @@ imports only from its own room and those below it (pyproject.toml's contracts):
                 on one device), sizing, metrics
     engine      continuous batching: engine, waiting, sampling, graphs (CUDA graphs of decode), joint
     adapters    catalog (adapters pinned by digest), slots, residency, bundles, bundle_bank
-    model       decoder, attention, kvcache, lora (the LoRA seam), gemms, arena
+    model       decoder, attention, kvcache, lora (the LoRA seam), gemms, arena, tp and tpgroup
+                (tensor parallelism: the layout, the rank processes)
     config, errors, gcpauses    shared by every room
 
 The engine never reads adapter files (it asks the adapters room for slots); the

@@ -24,3 +24,8 @@ class JobError(CodedError):
     def __init__(self, code: str, message: str, exit_code: int = 1):
         super().__init__(code, message)
         self.exit_code = exit_code
+
+
+class ModelError(CodedError, ValueError):
+    """An unsupported or broken base checkpoint, or a tensor-parallel layout it cannot take.
+    ``code`` is one of E_MODEL_ARCH, E_MODEL_CONFIG, E_MODEL_WEIGHTS, E_TP_LAYOUT, E_TP_SHAPE."""

@@ -17,6 +17,11 @@ One decoder layer, in the notation of the forward pass::
 (the last add happens in the next layer's input norm launch, or before the final norm; the
 gate/up deltas may be added inside the SiLU product: ``lora.apply_silu_mul``)
 
+Tensor parallelism: a model built for one rank (``tp=TPLayout(rank, size)``) holds the rank's
+heads and intermediate columns (``mlora.batch.model.tp``) and a ``collective``; o and down then
+give partial sums, which the layer all-reduces (o before its bias and the residual add). Without a
+collective the layer runs the single-device path unchanged.
+
 Config limits (refused with ``E_MODEL_CONFIG``, never silently approximated):
 rope types other than "default" and "llama3"; a sliding window shorter than
 ``max_position_embeddings`` that is in use (Mistral: whenever ``sliding_window``
@@ -33,15 +38,17 @@ import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mlora.batch.errors import CodedError
+from mlora.batch.errors import ModelError
 from mlora.batch.model.attention import AttentionMetadata, attention
 from mlora.batch.model.gemms import blas_library
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.lora import LoraContext, apply_silu_mul, group_shapes
+from mlora.batch.model.tp import Cut, TPLayout, shard_config, weight_cuts
 from mlora.kernels.elementwise import ops_for
 from mlora.kernels.elementwise import rms_norm_ref as rms_norm
 from mlora.lora_tools.base import BaseCheckpointError, weight_files
@@ -55,11 +62,6 @@ ARCHITECTURES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-class ModelError(CodedError, ValueError):
-    """An unsupported or broken base checkpoint. ``code`` is one of
-    E_MODEL_ARCH, E_MODEL_CONFIG, E_MODEL_WEIGHTS."""
 
 
 @dataclass(frozen=True)
@@ -274,11 +276,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------- model
 
 
+class Collective(Protocol):
+    """A tensor-parallel group as the model sees it (``mlora.batch.model.tpgroup.GroupCollective``)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group's ranks, in place, on every rank."""
+
+
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, index: int, config: ModelConfig, weights: dict[str, torch.Tensor | None]):
+    def __init__(self, index: int, config: ModelConfig, weights: dict[str, torch.Tensor | None],
+                 collective: Collective | None = None):
+        """``config``: the rank's (``tp.shard_config``) when ``collective`` is a group's."""
         super().__init__()
         self.index = index
         self.config = config
+        self.collective = collective
         for name, tensor in weights.items():
             self.register_buffer(name, tensor)
 
@@ -309,9 +321,13 @@ class DecoderLayer(torch.nn.Module):
             ops.rope_qk_kv_(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim, kv, i, meta.slot_mapping)
             q = qkv[:, : c.q_out].reshape(rows, c.num_heads, c.head_dim)
         a = attention(q, i, kv, meta, c.head_dim ** -0.5).reshape(rows, c.q_out)
-        o = F.linear(a, self.o_weight, self.o_bias)
+        o = F.linear(a, self.o_weight, self.o_bias if self.collective is None else None)
         if lora is not None:
             lora.apply(i, "o", a, o)
+        if self.collective is not None:  # the ranks' partials (each with its adapter slice) summed, then the bias once
+            self.collective.all_reduce(o)
+            if self.o_bias is not None:
+                o += self.o_bias
         h, x = ops.add_rms_norm(h, o, self.post_norm_weight, c.rms_norm_eps)  # h + o, then the norm
         gate_up = F.linear(x, self.gate_up_weight)
         if lora is not None:  # the deltas, then silu(gate) * up (fused where the context can)
@@ -321,17 +337,21 @@ class DecoderLayer(torch.nn.Module):
         down = F.linear(m, self.down_weight)
         if lora is not None:
             lora.apply(i, "down", m, down)
+        if self.collective is not None:
+            self.collective.all_reduce(down)
         return h, down
 
 
 class DecoderModel(torch.nn.Module):
     """A Llama-family decoder with fused per-layer weights. Build it with
-    ``from_pretrained`` (a Hugging Face directory) or ``from_state_dict``."""
+    ``from_pretrained`` (a Hugging Face directory) or ``from_state_dict``; with ``tp``, one
+    rank's part of it (``config`` is then the rank's, ``tp`` its layout)."""
 
     def __init__(self, config: ModelConfig, embed_weight: torch.Tensor, norm_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, layers: list[DecoderLayer]):
+                 lm_head_weight: torch.Tensor, layers: list[DecoderLayer], tp: TPLayout | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.register_buffer("embed_weight", embed_weight)
         self.register_buffer("norm_weight", norm_weight)
         self.register_buffer("lm_head_weight", lm_head_weight)
@@ -382,81 +402,112 @@ class DecoderModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, base_dir: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | str | None = None) -> DecoderModel:
+                        dtype: torch.dtype | str | None = None, tp: TPLayout | None = None,
+                        collective: Collective | None = None) -> DecoderModel:
         """Load ``model.safetensors`` (or the shards of ``model.safetensors.index.json``)
-        tensor by tensor onto ``device``, cast to ``dtype`` (default: the config's)."""
+        tensor by tensor onto ``device``, cast to ``dtype`` (default: the config's). With ``tp``,
+        only the rank's part of each tensor is read (a slice of the file, never the whole tensor);
+        ``collective`` is then the rank's group (required when ``tp.size > 1``)."""
         config = load_config(base_dir)
         where = _weight_files(str(base_dir))
         with ExitStack() as stack:
             handles: dict[str, object] = {}
 
-            def get(name: str) -> torch.Tensor:
+            def handle(name: str):
                 file = where[name]
                 if file not in handles:
                     from safetensors import safe_open
 
                     handles[file] = stack.enter_context(safe_open(file, framework="pt", device=str(device)))
-                return handles[file].get_tensor(name)
+                return handles[file]
 
-            return cls._build(config, get, set(where), device, dtype)
+            def read(name: str, cut: Cut | None) -> torch.Tensor:
+                if cut is None:
+                    return handle(name).get_tensor(name)
+                return handle(name).get_slice(name)[cut.index()]
+
+            def shape(name: str) -> tuple[int, ...]:
+                return tuple(handle(name).get_slice(name).get_shape())
+
+            return cls._build(config, read, shape, set(where), device, dtype, tp, collective)
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-                        device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None) -> DecoderModel:
-        """Build from Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``, ...)."""
-        return cls._build(config, lambda name: tensors[name].to(device), set(tensors), device, dtype)
+                        device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
+                        tp: TPLayout | None = None, collective: Collective | None = None) -> DecoderModel:
+        """Build from Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``, ...);
+        ``tp`` and ``collective`` as for ``from_pretrained`` (the rank keeps copies of its parts only)."""
+
+        def read(name: str, cut: Cut | None) -> torch.Tensor:
+            if cut is None:
+                return tensors[name].to(device)
+            return cut.take(tensors[name]).to(device).clone(memory_format=torch.contiguous_format)
+
+        return cls._build(config, read, lambda name: tuple(tensors[name].shape), set(tensors), device, dtype,
+                          tp, collective)
 
     @classmethod
-    def _build(cls, config: ModelConfig, get: Callable[[str], torch.Tensor], names: set[str],
-               device: torch.device | str, dtype: torch.dtype | str | None) -> DecoderModel:
+    def _build(cls, config: ModelConfig, read: Callable[[str, Cut | None], torch.Tensor],
+               shape_of: Callable[[str], tuple[int, ...]], names: set[str], device: torch.device | str,
+               dtype: torch.dtype | str | None, tp: TPLayout | None, collective: Collective | None) -> DecoderModel:
+        """``read(name, cut)``: the tensor, or the cut of it; ``shape_of(name)``: its whole shape."""
         dtype = _resolve_dtype(dtype if dtype is not None else config.dtype)
         device = torch.device(device)
-        c = config
+        if tp is not None and tp.size > 1 and collective is None:
+            raise ModelError("E_TP_LAYOUT", f"rank {tp.rank} of {tp.size} needs its group's collective "
+                                            "(mlora.batch.model.tpgroup) to sum the row-parallel partials")
+        c = config  # the checkpoint's shapes, checked whole
+        local = c if tp is None else shard_config(c, tp)  # the rank's part of them
+        cuts: dict[str, Cut] = {} if tp is None or tp.size == 1 else weight_cuts(c, tp)
 
-        def load(name: str, shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        def load(name: str, shape: tuple[int, ...], out: torch.Tensor | None = None,
+                 cut: Cut | None = None) -> torch.Tensor:
             if name not in names:
                 raise ModelError("E_MODEL_WEIGHTS", f"checkpoint lacks tensor {name!r}")
-            t = get(name)
-            if tuple(t.shape) != shape:
-                raise ModelError("E_MODEL_WEIGHTS", f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            if shape_of(name) != shape:
+                raise ModelError("E_MODEL_WEIGHTS", f"tensor {name!r} has shape {shape_of(name)}, expected {shape}")
+            t = read(name, cut)
             if out is None:
                 return t.to(device=device, dtype=dtype)
             out.copy_(t)
             return out
 
-        def fused(names_shapes: list[tuple[str, tuple[int, ...]]]) -> torch.Tensor:
-            """Stack row blocks into one tensor, one source tensor in memory at a time."""
-            rows = sum(s[0] for _, s in names_shapes)
-            out = torch.empty((rows, *names_shapes[0][1][1:]), dtype=dtype, device=device)
+        def fused(parts: list[tuple[str, tuple[int, ...], Cut | None]]) -> torch.Tensor:
+            """Stack row blocks (each the rank's rows) into one tensor, one source block in memory at a time."""
+            sizes = [shape[0] if cut is None else cut.length for _, shape, cut in parts]
+            out = torch.empty((sum(sizes), *parts[0][1][1:]), dtype=dtype, device=device)
             start = 0
-            for name, shape in names_shapes:
-                load(name, shape, out[start:start + shape[0]])
-                start += shape[0]
+            for (name, shape, cut), rows in zip(parts, sizes):
+                load(name, shape, out[start:start + rows], cut)
+                start += rows
             return out
 
         layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv_rows = [(attn + "q_proj", c.q_out), (attn + "k_proj", c.kv_out), (attn + "v_proj", c.kv_out)]
+            qkv_rows = [(attn + r, n, cuts.get(r)) for r, n in (("q_proj", c.q_out), ("k_proj", c.kv_out),
+                                                                 ("v_proj", c.kv_out))]
+            gate_up = [(mlp + r + ".weight", (c.intermediate_size, c.hidden_size), cuts.get(r))
+                       for r in ("gate_proj", "up_proj")]
             w = {
-                "qkv_weight": fused([(n + ".weight", (r, c.hidden_size)) for n, r in qkv_rows]),
-                "qkv_bias": fused([(n + ".bias", (r,)) for n, r in qkv_rows]) if c.qkv_bias else None,
-                "o_weight": load(attn + "o_proj.weight", (c.hidden_size, c.q_out)),
+                "qkv_weight": fused([(n + ".weight", (r, c.hidden_size), cut) for n, r, cut in qkv_rows]),
+                "qkv_bias": fused([(n + ".bias", (r,), cut) for n, r, cut in qkv_rows]) if c.qkv_bias else None,
+                "o_weight": load(attn + "o_proj.weight", (c.hidden_size, c.q_out), cut=cuts.get("o_proj")),
                 "o_bias": load(attn + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
-                "gate_up_weight": fused([(mlp + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                                         (mlp + "up_proj.weight", (c.intermediate_size, c.hidden_size))]),
-                "down_weight": load(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size)),
+                "gate_up_weight": fused(gate_up),
+                "down_weight": load(mlp + "down_proj.weight", (c.hidden_size, c.intermediate_size),
+                                    cut=cuts.get("down_proj")),
                 "input_norm_weight": load(p + "input_layernorm.weight", (c.hidden_size,)),
                 "post_norm_weight": load(p + "post_attention_layernorm.weight", (c.hidden_size,)),
                 "q_norm_weight": load(attn + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                 "k_norm_weight": load(attn + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             }
-            layers.append(DecoderLayer(i, c, w))
+            layers.append(DecoderLayer(i, local, w, collective if cuts else None))
         embed = load("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         norm = load("model.norm.weight", (c.hidden_size,))
         lm_head = embed if c.tie_word_embeddings else load("lm_head.weight", (c.vocab_size, c.hidden_size))
-        return cls(c, embed, norm, lm_head, layers)
+        return cls(local, embed, norm, lm_head, layers, tp)
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

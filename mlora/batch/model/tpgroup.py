@@ -1,0 +1,200 @@
+"""The tensor-parallel process group: rank processes started by mlora, their rendezvous, their collective.
+
+Owns the start of N rank processes (``run_ranks``: torch.multiprocessing spawn, no torchrun), the
+rendezvous (a TCP store the launcher holds on a free localhost port, so no port is guessed), a
+rank's membership (``join_group`` / ``leave_group``: gloo on the CPU, NCCL between GPUs), the
+collective the model calls (``GroupCollective.all_reduce``) and what a failed rank turns into
+(``TPGroupError``). Must not know the model or adapters: a rank runs the function it is given.
+
+Failure, never a hang: a collective that cannot complete (a peer died, or did not answer within
+the group's timeout) raises ``E_TP_PEER_LOST`` on the ranks still in it; once any rank fails,
+the launcher gives the others the group's timeout to finish or fail, stops those still running,
+and raises the cause: ``E_TP_RANK_DIED`` (a rank exited without a report), else a rank's own
+error with its code, else ``E_TP_RANK_HUNG`` (a rank it had to stop), else ``E_TP_PEER_LOST``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from mlora.batch.errors import CodedError
+from mlora.batch.model.tp import TPLayout
+
+BACKENDS = ("gloo", "nccl")
+HOST = "127.0.0.1"
+# A collective waits this long for a slow rank (one still loading its shard of a large base, say)
+# before it fails; a dead rank's peers fail at once on gloo.
+DEFAULT_TIMEOUT_S = 600.0
+# What a launcher waits, beyond the group's timeout, for ranks to report after the first failure,
+# and for a rank that reported to exit.
+STOP_GRACE_S = 2.0
+
+
+class TPGroupError(CodedError, RuntimeError):
+    """``code``: E_TP_BACKEND, E_TP_PEER_LOST, E_TP_RANK_DIED, E_TP_RANK_HUNG, E_TP_RANK_FAILED, or
+    the code of the error a rank raised. ``details``: the failing ranks' tracebacks, if any."""
+
+    def __init__(self, code: str, message: str, details: str = ""):
+        super().__init__(code, message)
+        self.details = details
+
+
+class GroupCollective:
+    """A rank's side of its group: its ``layout`` and the in-place sum the model calls."""
+
+    def __init__(self, layout: TPLayout, timeout_s: float):
+        self.layout = layout
+        self.timeout_s = timeout_s
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (contiguous) over the group's ranks, in place, on every rank."""
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        except RuntimeError as e:  # gloo and NCCL raise a lost peer or a timeout as RuntimeError subclasses
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TPGroupError("E_TP_PEER_LOST", f"rank {self.layout.rank} of {self.layout.size}: a collective "
+                                                 f"failed ({first}): another rank died or did not answer within "
+                                                 f"{self.timeout_s:g} s; see that rank's error") from e
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise TPGroupError("E_TP_BACKEND", f"tensor-parallel backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
+
+
+def join_group(layout: TPLayout, port: int, backend: str = "gloo",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupCollective:
+    """Join the group whose rendezvous store listens on ``port`` of this host, as ``layout.rank``.
+    NCCL: make the rank's GPU current (``torch.cuda.set_device``) first."""
+    _check_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(HOST, port, layout.size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.size, timeout=timeout)
+    return GroupCollective(layout, timeout_s)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_main(layout: TPLayout, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
+               conn: Connection) -> None:
+    """A rank process: join, run ``fn``, leave, report ``("ok", result)`` or ``("error", code,
+    message, traceback)`` to the launcher in one message."""
+    try:
+        collective = join_group(layout, port, backend, timeout_s)
+        try:
+            report = pickle.dumps(("ok", fn(collective, *args)))
+        finally:
+            leave_group()
+    except CodedError as e:
+        report = pickle.dumps(("error", e.code, e.message, traceback.format_exc()))
+    except BaseException as e:  # anything else: reported with its type, raised by the launcher with the rank named
+        report = pickle.dumps(("error", "E_TP_RANK_FAILED", f"{type(e).__name__}: {e}", traceback.format_exc()))
+    conn.send_bytes(report)
+    conn.close()
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+    report: tuple | None = None
+
+
+def run_ranks(fn: Callable, size: int, args: tuple = (), backend: str = "gloo",
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run ``fn(collective, *args)`` in ``size`` new processes, one per rank of one group; return
+    their results in rank order. ``fn`` must be a module's top-level function and ``fn``, ``args``
+    and the results must pickle (spawned processes: guard a script's entry with
+    ``if __name__ == "__main__":``). A failure raises ``TPGroupError`` (module docstring)."""
+    TPLayout(0, size)
+    _check_backend(backend)
+    ctx = torch.multiprocessing.get_context("spawn")
+    # held here for the group's life; port 0: the system picks a free one
+    store = dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(size):
+            mine, theirs = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_rank_main, name=f"mlora-tp-rank-{rank}",
+                                  args=(TPLayout(rank, size), store.port, backend, timeout_s, fn, args, theirs))
+            process.start()
+            theirs.close()
+            ranks.append(_Rank(rank, process, mine))
+        _collect(ranks, timeout_s)
+    finally:  # a rank that reported gets a moment to exit by itself; any other is stopped
+        for r in ranks:
+            r.process.join(STOP_GRACE_S if r.report is not None and r.report[0] != "hung" else 0)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
+            r.conn.close()
+    failed = [r for r in ranks if r.report[0] != "ok"]
+    if failed:
+        raise _failure(failed, timeout_s)
+    return [r.report[1] for r in ranks]
+
+
+def _collect(ranks: list[_Rank], timeout_s: float) -> None:
+    """Fill every rank's ``report``: its own, ``("died", exit code)`` or, for a rank still running
+    ``timeout_s`` + ``STOP_GRACE_S`` after the first failure, ``("hung",)`` (then stopped)."""
+    pending = list(ranks)
+    deadline = None
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait([r.conn for r in pending] + [r.process.sentinel for r in pending], left)
+        if not ready:
+            for r in pending:
+                r.report = ("hung",)
+            return
+        for r in [r for r in pending if r.conn in ready or r.process.sentinel in ready]:
+            try:
+                r.report = pickle.loads(r.conn.recv_bytes())
+            except (EOFError, OSError):  # the process ended without a report
+                r.process.join()
+                r.report = ("died", r.process.exitcode)
+            pending.remove(r)
+            if r.report[0] != "ok" and deadline is None:
+                deadline = time.monotonic() + timeout_s + STOP_GRACE_S
+
+
+def _failure(failed: list[_Rank], timeout_s: float) -> TPGroupError:
+    """The error that names the cause among the failed ranks' reports (module docstring)."""
+    notes, details = [], []
+    for r in failed:
+        kind = r.report[0]
+        if kind == "died":
+            code = r.report[1]
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            notes.append(f"rank {r.rank} died ({how})")
+        elif kind == "hung":
+            notes.append(f"rank {r.rank} did not finish within the group's timeout ({timeout_s:g} s) and was stopped")
+        else:
+            notes.append(f"rank {r.rank}: {r.report[1]}: {r.report[2]}")
+            details.append(f"rank {r.rank}:\n{r.report[3]}")
+
+    def first(kinds) -> _Rank | None:
+        return next((r for r in failed if kinds(r.report)), None)
+
+    cause = (first(lambda rep: rep[0] == "died")
+             or first(lambda rep: rep[0] == "error" and rep[1] != "E_TP_PEER_LOST")
+             or first(lambda rep: rep[0] == "hung")
+             or failed[0])
+    code = {"died": "E_TP_RANK_DIED", "hung": "E_TP_RANK_HUNG"}.get(cause.report[0])
+    code = code or cause.report[1]
+    return TPGroupError(code, "the tensor-parallel group failed: " + "; ".join(notes)
+                        + ". Fix the failing rank's cause and run again", "\n".join(details))
