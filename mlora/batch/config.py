@@ -57,6 +57,9 @@ class EngineConfig:
     # before it (docs/batch.md, Prefix cache); with the joint memory ledger it is off
     prefix_cache: bool = True
     alora_without_invocation: str = "error"  # ALORA_WITHOUT_INVOCATION (changes outputs: in the job fingerprint)
+    # one model sharded over this many rank processes (docs/scaleout.md, Tensor parallelism); not
+    # part of the job fingerprint, like --gpus
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise JobError (exit 2) for a value outside its domain."""
@@ -119,12 +122,25 @@ class JobConfig(EngineConfig):
         if self.num_workers is not None and self.num_workers < 1:
             raise JobError("E_SCALEOUT_USAGE", f"--num-workers must be >= 1, not {self.num_workers}", 2)
         super().validate()
+        self._check_tensor_parallel()
         if self.max_new_tokens < 1:
             raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
         if "" in self.stop:
             raise JobError("E_STOP_EMPTY", "--stop \"\" would end every row after its first token; give "
                            "non-empty stop strings (or no --stop)", 2)
         check_ranges(self, JOB_RANGES)
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse (E_TP_UNSUPPORTED, exit 2) the options a tensor-parallel engine does not serve yet."""
+        if self.tensor_parallel_size <= 1:
+            return
+        drop = [(self.memory_ledger == "joint", "--memory-ledger joint"), (self.engine == "ray", "--engine ray"),
+                (self.gpus is not None, "--gpus"), (self.num_workers is not None, "--num-workers")]
+        for refused, option in drop:
+            if refused:
+                raise JobError("E_TP_UNSUPPORTED", f"{option} does not run with --tensor-parallel-size "
+                               f"{self.tensor_parallel_size} yet: drop {option}, or run with "
+                               "--tensor-parallel-size 1", 2)
 
 
 class Range(NamedTuple):
@@ -167,6 +183,7 @@ ENGINE_RANGES = {
     "host_cache_gb": Range("--host-cache-gb", 0.0, optional=True, hint="0: no host cache, every load reads its adapter again"),
     "block_size": Range("block_size", 1),
     "schedule_window": Range("--schedule-window", 1),
+    "tensor_parallel_size": Range("--tensor-parallel-size", 1),
     "prefetch_adapters": Range("--prefetch-adapters", 0, hint="0 turns prefetching off"),
     "prefetch_gpu_adapters": Range("--prefetch-gpu-adapters", 0, hint="0 turns GPU-slot prefetching off"),
     "image_build_processes": Range("image_build_processes", 0),

@@ -88,6 +88,8 @@ def batch_run(
     gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers",
                                               help="--engine local: N >= 1 worker processes on the CPU (--device cpu); --engine ray: N actors."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size",
+                                             help="One model sharded over N rank processes started by mlora (one GPU each; gloo on the CPU): for bases larger than one GPU (docs/scaleout.md)."),
     engine: str = typer.Option("local", "--engine", help="local (this host) | ray (Ray Data; pip install 'mlora[ray]')."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine ray: address of a running Ray cluster (default: start a local one)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
@@ -126,6 +128,7 @@ def batch_run(
         preload_adapters=preload_adapters, bundle_operator=bundle_operator, memory_ledger=memory_ledger,
         prefix_cache=prefix_cache, alora_without_invocation=alora_without_invocation,
         gpus=gpus, num_workers=num_workers, engine=engine, ray_address=ray_address,
+        tensor_parallel_size=tensor_parallel_size,
     )
     show = not quiet and err.is_terminal
     bar = Progress(TextColumn("[bold]batch-run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,7 @@ from mlora.batch.adapters.catalog import PinnedAdapter, load_factors
 from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
 from mlora.batch.errors import CodedError
 from mlora.batch.model.lora import GROUPS, ROLE_SLICE
+from mlora.batch.model.tp import TPLayout, bank_shapes, shard_lora
 from mlora.kernels import (
     LaunchPlan,
     add_lora_slices,
@@ -67,6 +69,8 @@ from mlora.kernels.launch import DECODE_BLOCK_M
 # Invocations of at least this many rows add the gate/up deltas inside the SiLU product
 # (BankContext.apply_silu_mul): it pays for prefill-sized batches, not for decode steps.
 FUSE_SILU_MIN_ROWS = 1024
+# the row-parallel groups of a tensor-parallel bank: shrink, all-reduce, expand (BankContext._row_parallel)
+ROW_PARALLEL_GROUPS = ("o", "down")
 
 
 class BankError(CodedError, RuntimeError):
@@ -113,6 +117,7 @@ class SlotTensors:
     engine's bank; ``error`` is the exception class each raises."""
 
     error: type[CodedError] = BankError
+    tp = None  # a tensor-parallel rank's bank: its TPShard (SlotBank.for_rank)
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], groups, num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto",
@@ -252,17 +257,42 @@ def _held(shapes: dict, groups, slices: dict[str, tuple[int, ...]] | None) -> di
     return held
 
 
+class TPShard(NamedTuple):
+    """A tensor-parallel rank's bank: the whole base's ``config``, the rank's ``layout`` and its
+    group's ``collective`` (``all_reduce``), for a bank that holds the rank's cut of every adapter."""
+
+    config: object
+    layout: TPLayout
+    collective: object
+
+
 class SlotBank(SlotTensors, BlockingLoads):
-    """``num_slots`` adapter slots for every (layer, group) of a decoder, loaded inside ``ensure``."""
+    """``num_slots`` adapter slots for every (layer, group) of a decoder, loaded inside ``ensure``.
+
+    With ``tp`` (:meth:`for_rank`) the slots hold one tensor-parallel rank's cut of every adapter
+    (docs/scaleout.md, "Tensor parallelism: how adapters are placed"): q/k/v and gate/up on the
+    rank's output widths with the segmented kernels, o and down as shrink, all-reduce of the
+    rank-width partial, expand into the rank's ``h/N`` output columns (:class:`BankContext`)."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
-                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto"):
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto", tp: TPShard | None = None):
         if set(shapes) != set(GROUPS):
             raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend)
+        self.tp = tp if tp is not None and tp.layout.size > 1 else None
+        if self.tp is not None:  # the row-parallel groups add at the rank's h/N output columns
+            for g, start in bank_shapes(tp.config, tp.layout)[1].items():
+                self.out_offsets[g] = [start]
         self.stats = BankStats()
         self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
+
+    @classmethod
+    def for_rank(cls, tp: TPShard, num_slots: int, max_rank: int, dtype: torch.dtype, device,
+                 backend: str = "auto") -> SlotBank:
+        """The bank of one tensor-parallel rank: slots at the shapes of the rank's cut (``tp.bank_shapes``)."""
+        return cls(tp.config.num_layers, bank_shapes(tp.config, tp.layout)[0], num_slots, max_rank, dtype, device,
+                   backend, tp)
 
     @property
     def resident(self) -> dict[str, int]:
@@ -290,12 +320,34 @@ class SlotBank(SlotTensors, BlockingLoads):
                 self._lru.move_to_end(key)
                 continue
             self.stats.misses += 1
-            placed = self._place(p, load_factors(p, self.dtype, self.device).items())
-            slot = lru_slot(self._lru, self.num_slots, wanted, self.stats)
-            self._write(slot, placed)
-            self._lru[key] = slot
+            self._load(key, p, wanted)
             self.stats.loads += 1
         return {i: self._lru[pinned[i].semantic_sha256] for i in adapter_ids}
+
+    def _load(self, key: str, p: PinnedAdapter, keep) -> None:
+        """Read, check and write one missing adapter into a free or least recently used slot
+        that ``keep`` does not hold (read before anything is evicted)."""
+        placed = self._place(p, self._factors(p))
+        slot = lru_slot(self._lru, self.num_slots, keep, self.stats)
+        self._write(slot, placed)
+        self._lru[key] = slot
+
+    def load_into(self, slot: int, p: PinnedAdapter) -> None:
+        """Write ``p`` into ``slot``, whatever it held (a tensor-parallel follower: rank 0's bank
+        chose the slot); the slot is emptied first, so a failed read leaves it empty."""
+        for key in [k for k, s in self._lru.items() if s == slot]:
+            del self._lru[key]
+        placed = self._place(p, self._factors(p))
+        self._write(slot, placed)
+        self._lru[p.semantic_sha256] = slot
+
+    def _factors(self, p: PinnedAdapter):
+        """``((layer, role), (A, B, scale))`` of the adapter's verified factors, the rank's cut under TP."""
+        factors = load_factors(p, self.dtype, self.device).items()
+        if self.tp is None:
+            return factors
+        c, layout = self.tp.config, self.tp.layout
+        return [((layer, role), (*shard_lora(role, a, b, c, layout), scale)) for (layer, role), (a, b, scale) in factors]
 
     def _write(self, slot: int, placed: list[tuple]) -> None:
         for g in GROUPS:
@@ -332,12 +384,16 @@ class BankContext:
 
     def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
         self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
+        self._slot_rows: list[tuple[int, torch.Tensor]] | None = None  # (slot, its rows): row-parallel TP groups
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
         if (layer, group) not in self.targeted:  # no active slot adapts this module: nothing to add
             return
         bank = self.bank
+        if bank.tp is not None and group in ROW_PARALLEL_GROUPS:
+            self._row_parallel(layer, group, x, y)
+            return
         ranks, scales = bank.layer_tables(group, layer)
         add_lora_slices(
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
@@ -345,6 +401,38 @@ class BankContext:
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
             out_offsets=bank.out_offsets[group], b_layout=bank.b_layout,
         )
+
+    def _row_parallel(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """o or down on a tensor-parallel rank, in torch (the fused kernel cannot stop between
+        shrink and expand). Semantics, per slot s and its rows::
+
+            P = x A_s^T                      [T_s, r]  (the rank's input columns of A)
+            Z = all_reduce(P)                           (every rank's partial, summed)
+            y[:, o:o+w] += scale_s * Z B_s^T            (the rank's h/N rows of B, at its columns)
+        """
+        bank = self.bank
+        a, b = bank.A[group][:, layer], bank.B[group][:, layer]
+        ranks, scales = bank.layer_tables(group, layer)
+        segments = self._segments()
+        z = torch.zeros((x.shape[0], bank.max_rank), dtype=x.dtype, device=x.device)
+        for s, rows in segments:
+            r = int(ranks[0, s])
+            if r:
+                z[rows, :r] = x[rows] @ a[s, 0, :r].T
+        bank.tp.collective.all_reduce(z)  # on every rank alike: the same rows, slots and ranks
+        off, w = bank.out_offsets[group][0], bank.widths[group][0]
+        for s, rows in segments:
+            r = int(ranks[0, s])
+            if r:
+                y[rows, off:off + w] += float(scales[0, s]) * (z[rows, :r] @ pitched_view(b, s, 0, w, r).T)
+
+    def _segments(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, the indices of its rows) of every slot this invocation's rows name, once per invocation."""
+        if self._slot_rows is None:
+            host = self.row_slots.to("cpu")
+            self._slot_rows = [(int(s), (host == s).nonzero().flatten().to(self.row_slots.device))
+                               for s in host.unique().tolist() if s >= 0]
+        return self._slot_rows
 
     def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
         """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the

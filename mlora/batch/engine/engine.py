@@ -46,10 +46,12 @@ class Engine:
     runs its rows once it is published, so the copy overlaps the iteration in flight
     (docs/design.md, Prefetch); on the CPU copies are synchronous and deferring rows gains
     nothing. Decode is chained (docs/design.md, Chained decode) wherever it applies: with
-    lookahead and decode graphs, not with the joint ledger."""
+    lookahead and decode graphs, not with the joint ledger. ``tp`` (a ``tpfollow.Leader``): the
+    model is rank 0's part of a tensor-parallel group, whose other ranks run every forward too."""
 
     def __init__(self, model, bank, pinned: dict, config: EngineConfig, *, num_blocks: int,
-                 decoding: Decoding = Decoding(), metrics=None, arena=None, async_loads: bool | None = None):
+                 decoding: Decoding = Decoding(), metrics=None, arena=None, async_loads: bool | None = None,
+                 tp=None):
         self.model, self.bank, self.pinned, self.metrics, self.decoding = model, bank, pinned, metrics, decoding
         self.eos = set(model.config.eos_token_ids)
         self.max_context = model.config.max_position_embeddings
@@ -87,7 +89,7 @@ class Engine:
         # frees KV pages the ledger may hand to an adapter load on another stream at once
         self.chain = self.lookahead and graphs is not None and not self.joint
         self.executor = Executor(model, self.kv, graphs, bank, pinned, self.loads, sampling=decoding.sampling,
-                                 chain=self.chain)
+                                 chain=self.chain, tp=tp)
         self.generated_tokens = 0
 
     # ---- requests ------------------------------------------------------------------

@@ -74,13 +74,30 @@ class Lookahead:
                       list(range(n)), self.row_adapters)
 
 
+def run_model(model, kv, bank, x: Inputs, slot_list: list[int] | None) -> torch.Tensor:
+    """The model's forward over one invocation's packed inputs (``slot_list``: each row's slot,
+    -1 for a base row; None: no adapter in the invocation): logits of the sample rows."""
+    dev = model.device
+    lora = bank.context(torch.tensor(slot_list, dtype=torch.int32)) if slot_list is not None else None
+    meta = AttentionMetadata(
+        query_starts=x.starts, context_lens=x.context_lens, block_tables=x.tables,
+        slot_mapping=torch.tensor(x.slots, dtype=torch.int64, device=dev),
+    )
+    return model.forward(
+        torch.tensor(x.ids, dtype=torch.int64, device=dev), torch.tensor(x.positions, dtype=torch.int64, device=dev),
+        meta, kv, lora, torch.tensor(x.sample_rows, dtype=torch.int64, device=dev),
+    )
+
+
 class Executor:
     """Iterations of ``model`` over the KV cache ``kv`` and the adapters of ``bank``
-    (``graphs``: decode graphs, or None; ``chain``: chained decode where it applies)."""
+    (``graphs``: decode graphs, or None; ``chain``: chained decode where it applies; ``tp``: a
+    tensor-parallel group's rank 0, ``tpfollow.Leader``, that every forward goes through)."""
 
     def __init__(self, model, kv, graphs: DecodeGraphs | None, bank, pinned: dict, loads: AdapterLoads, *,
-                 sampling: SamplingParams, chain: bool):
+                 sampling: SamplingParams, chain: bool, tp=None):
         self.model, self.kv, self.graphs, self.bank, self.pinned, self.loads = model, kv, graphs, bank, pinned, loads
+        self.tp = tp
         self.device = model.device
         self.block_size = kv.block_size
         self.sampling = sampling
@@ -132,7 +149,6 @@ class Executor:
     def _launch(self, plan: IterationPlan, x: Inputs, staged: bool = False) -> torch.Tensor:
         """Resolve the invocation's adapters to slots (loads, leases) and run the model on the
         packed inputs (a decode graph when the iteration is decode-only and fits one)."""
-        dev = self.device
         slot_list = None
         # every row's adapter has its slot, also an aLoRA row whose positions here all precede its activation
         distinct = sorted({s.adapter for s in plan.seqs if s.adapter is not None})
@@ -148,15 +164,9 @@ class Executor:
         if self.graphs is not None and plan.doff == 0 and len(x.sample_rows) == len(x.ids) \
                 and self.graphs.fits(len(x.ids), max(len(t) for t in x.tables)):
             return self.graphs.run(x.ids, x.positions, x.slots, x.tables, x.context_lens, slot_list, staged=staged)
-        lora = self.bank.context(torch.tensor(slot_list, dtype=torch.int32)) if slot_list is not None else None
-        meta = AttentionMetadata(
-            query_starts=x.starts, context_lens=x.context_lens, block_tables=x.tables,
-            slot_mapping=torch.tensor(x.slots, dtype=torch.int64, device=dev),
-        )
-        return self.model.forward(
-            torch.tensor(x.ids, dtype=torch.int64, device=dev), torch.tensor(x.positions, dtype=torch.int64, device=dev),
-            meta, self.kv, lora, torch.tensor(x.sample_rows, dtype=torch.int64, device=dev),
-        )
+        if self.tp is not None:  # every rank runs the same invocation (engine/tpfollow.py)
+            return self.tp.forward(x, slot_list, lambda: run_model(self.model, self.kv, self.bank, x, slot_list))
+        return run_model(self.model, self.kv, self.bank, x, slot_list)
 
     def build_ahead(self, plan: IterationPlan, p0: list[int]) -> None:
         """The inputs of "every row of ``plan``, one more token each", at positions ``p0`` (the

@@ -26,17 +26,21 @@ from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.residency import ResidencyBank
+from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.errors import JobError
+from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_device
+from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import BASE_IDS, Tokenizer
 from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots
-from mlora.batch.model.decoder import DecoderModel
+from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
 from mlora.batch.model.lora import held_slices
+from mlora.batch.model.tp import TPLayout, bank_shapes, check_size
+from mlora.batch.model.tpgroup import LeadGroup
 
 
 class EngineSession:
@@ -53,11 +57,15 @@ class EngineSession:
     def __init__(self, opts: JobConfig, pinned: dict[str, PinnedAdapter], device: torch.device, dtype: torch.dtype):
         self.opts, self.pinned, self.device, self.dtype = opts, pinned, device, dtype
         self.tokenizer = Tokenizer.for_job(opts)
-        self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         self.arena = None  # the joint memory ledger's page arena
         self._switch = None  # the GIL switch interval to restore at close
         good = {a: p for a, p in pinned.items() if p.ok}
         bundle = served_bundle(opts, good)
+        self.tp = None  # rank 0 of the tensor-parallel group (engine/tpfollow.py), or None
+        if opts.tensor_parallel_size > 1:
+            self._tensor_parallel(good, bundle)
+            return
+        self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype)
         if bundle is not None:
             self.bank = self._bundle_bank(bundle, good)
         elif good:
@@ -69,6 +77,54 @@ class EngineSession:
         self.metrics = JobMetrics()
         self.engine = self._engine()
         self.pauses = RunPauses()  # the collector's pauses from here on
+        self.pauses.start()
+
+    def _tensor_parallel(self, good: dict[str, PinnedAdapter], bundle) -> None:
+        """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
+        started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``),
+        the KV blocks and slots sized here and sent to the followers; no decode graphs or
+        lookahead (same outputs)."""
+        opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
+        if bundle is not None:
+            raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not serve a bundle's members "
+                           "with the three-stage operator yet: add --bundle-operator materialized (the members "
+                           "through slots), or run with --tensor-parallel-size 1", 2)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} puts one rank on each GPU, but "
+                           f"{torch.cuda.device_count()} are visible: use at most that many", 2)
+        try:
+            config = load_config(opts.base)
+            check_size(config, size)
+        except ModelError as e:
+            raise JobError(e.code, e.message, 2) from e
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dtype_name = next(n for n, d in DTYPES.items() if d == dtype)
+        self.tp = Leader(LeadGroup(follow, size, (opts.base, device.type, dtype_name), backend))
+        try:
+            if device.type == "cuda":
+                self.device = device = rank_device("cuda", 0)
+                torch.cuda.set_device(device)
+            self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype, tp=TPLayout(0, size),
+                                                      collective=self.tp.collective)
+            max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
+            self.bank = None
+            if good:
+                shard = TPShard(config, TPLayout(0, size), self.tp.collective)
+                shapes = bank_shapes(config, shard.layout)[0]
+                slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
+                self.bank = LeaderBank.for_rank(shard, num_slots(opts, len(good), slot_bytes, device), max_rank,
+                                                dtype, device)
+                self.bank.leader = self.tp
+            num_blocks = kv_blocks(opts, self.model.config, dtype, device)
+            self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
+                                good))
+            if self.bank is not None and opts.preload_adapters:
+                self._preload(good)
+            self.metrics = JobMetrics()
+            self.engine = self._engine(num_blocks)
+        except BaseException as e:
+            raise self.tp.abort(e) from e
+        self.pauses = RunPauses()
         self.pauses.start()
 
     def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter]) -> BundleBank:
@@ -140,18 +196,22 @@ class EngineSession:
         self.bank.prefetch(first, good)
         self.bank.ensure(first, good)
 
-    def _engine(self) -> Engine:
+    def _engine(self, num_blocks: int | None = None) -> Engine:
         """The engine over the model and bank: the job's choices with decode graphs as this
-        device runs them, KV blocks from the sizing (or the arena's pages), the job's sampling
-        and stop strings."""
+        device runs them (none under tensor parallelism, nor lookahead), KV blocks from the
+        sizing (or the arena's pages), the job's sampling and stop strings."""
         opts, config = self.opts, self.model.config
-        num_blocks = (self.arena.num_pages if self.arena is not None
-                      else kv_blocks(opts, config, self.dtype, self.device))
+        if num_blocks is None:
+            num_blocks = (self.arena.num_pages if self.arena is not None
+                          else kv_blocks(opts, config, self.dtype, self.device))
         decoding = Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
                             self.tokenizer.decode if self.tokenizer else None)
-        return Engine(self.model, self.bank, self.pinned,
-                      dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, self.device)), num_blocks=num_blocks,
-                      decoding=decoding, metrics=self.metrics, arena=self.arena)
+        if self.tp is not None:
+            choices = dataclasses.replace(opts, cuda_graphs=False, lookahead=False)
+        else:
+            choices = dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, self.device))
+        return Engine(self.model, self.bank, self.pinned, choices, num_blocks=num_blocks, decoding=decoding,
+                      metrics=self.metrics, arena=self.arena, tp=self.tp)
 
     @property
     def vocab_size(self) -> int:
@@ -188,8 +248,11 @@ class EngineSession:
         return engine, bank
 
     def close(self) -> None:
+        """Stop the bank's threads and the tensor-parallel followers (their failure, if any, is raised)."""
         if self.bank is not None:
             self.bank.close()  # prefetch threads
+        if self.tp is not None:
+            self.tp.stop()
         self.pauses.close()  # (stats() after close keep the pauses while the session ran)
         if self._switch is not None:
             sys.setswitchinterval(self._switch)

@@ -62,7 +62,7 @@ from typing import NamedTuple
 import torch
 
 from mlora.batch.errors import ModelError
-from mlora.batch.model.lora import config_role_shapes
+from mlora.batch.model.lora import config_role_shapes, group_shapes
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -207,6 +207,21 @@ def shard_lora(role: str, a: torch.Tensor, b: torch.Tensor, config, layout: TPLa
     """The rank's (A, B) of one module's checkpoint-oriented factors (views of ``a`` and ``b``)."""
     cut = lora_cuts(config, layout)[role]
     return (a if cut.a is None else cut.a.take(a)), cut.b.take(b)
+
+
+def bank_shapes(config, layout: TPLayout) -> tuple[dict[str, tuple[int, tuple[int, ...]]], dict[str, int]]:
+    """(group -> (d_in, slice widths) of the factors the rank holds, in ``lora.group_shapes``'
+    form; row-parallel group -> the first output column its delta is added at): q/k/v and
+    gate/up at the rank's output widths with A whole, o and down at the rank's input columns
+    with ``h/N`` output columns from ``out_start``."""
+    c = shard_config(config, layout)
+    cuts = lora_cuts(config, layout)
+    shapes = group_shapes(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    starts = {}
+    for group, role in (("o", "o_proj"), ("down", "down_proj")):
+        shapes[group] = (shapes[group][0], (cuts[role].b.length,))
+        starts[group] = cuts[role].out_start
+    return shapes, starts
 
 
 def lora_elements(config, layout: TPLayout, rank: int, roles=COLUMN_PARALLEL + ROW_PARALLEL) -> int:

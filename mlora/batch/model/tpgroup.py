@@ -19,6 +19,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -51,16 +52,38 @@ class TPGroupError(CodedError, RuntimeError):
 
 
 class GroupCollective:
-    """A rank's side of its group: its ``layout`` and the in-place sum the model calls."""
+    """A rank's side of its group: its ``layout``, the in-place sum the model calls, and the
+    control messages of an engine's ranks (Python objects over a gloo group: ``control``, the
+    default group on the CPU, a gloo group of its own beside NCCL)."""
 
-    def __init__(self, layout: TPLayout, timeout_s: float):
+    def __init__(self, layout: TPLayout, timeout_s: float, control=None):
         self.layout = layout
         self.timeout_s = timeout_s
+        self.control = control
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous) over the group's ranks, in place, on every rank."""
-        try:
+        with self._lost_peer():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        box = [obj]
+        with self._lost_peer():
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out = [None] * self.layout.size
+        with self._lost_peer():
+            dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    @contextmanager
+    def _lost_peer(self):
+        try:
+            yield
         except RuntimeError as e:  # gloo and NCCL raise a lost peer or a timeout as RuntimeError subclasses
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TPGroupError("E_TP_PEER_LOST", f"rank {self.layout.rank} of {self.layout.size}: a collective "
@@ -81,7 +104,8 @@ def join_group(layout: TPLayout, port: int, backend: str = "gloo",
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, layout.size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.size, timeout=timeout)
-    return GroupCollective(layout, timeout_s)
+    control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return GroupCollective(layout, timeout_s, control)
 
 
 def leave_group() -> None:
@@ -149,11 +173,69 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), backend: str = "gloo",
     return [r.report[1] for r in ranks]
 
 
-def _collect(ranks: list[_Rank], timeout_s: float) -> None:
+class LeadGroup:
+    """A group whose rank 0 is this process (an engine's, docs/scaleout.md): the followers
+    1..N-1 run ``fn(collective, *args)`` in processes of their own; ``collective`` is rank 0's."""
+
+    def __init__(self, fn: Callable, size: int, args: tuple = (), backend: str = "gloo",
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        TPLayout(0, size)
+        _check_backend(backend)
+        self.timeout_s = timeout_s
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._store = dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
+        self.ranks: list[_Rank] = []
+        try:
+            for rank in range(1, size):
+                mine, theirs = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_rank_main, name=f"mlora-tp-rank-{rank}",
+                                      args=(TPLayout(rank, size), self._store.port, backend, timeout_s, fn, args,
+                                            theirs))
+                process.start()
+                theirs.close()
+                self.ranks.append(_Rank(rank, process, mine))
+            self.collective = join_group(TPLayout(0, size), self._store.port, backend, timeout_s)
+        except BaseException:
+            self._stop(0)
+            raise
+
+    def finish(self) -> None:
+        """Leave the group once the followers were told to stop; raise their failure, if any."""
+        leave_group()
+        self._stop(self.timeout_s)
+
+    def failure(self, error: BaseException) -> BaseException:
+        """The error to raise for ``error``, raised on rank 0 while the group ran: the group is
+        left and the followers stopped; a follower that died or failed is the cause
+        (``TPGroupError``, module docstring), else ``error`` itself."""
+        leave_group()  # a follower waiting on rank 0 fails now
+        try:
+            self._stop(STOP_GRACE_S)
+        except TPGroupError as cause:
+            return cause
+        return error
+
+    def _stop(self, wait_s: float) -> None:
+        try:
+            _collect(self.ranks, self.timeout_s, wait_s)
+        finally:
+            for r in self.ranks:
+                r.process.join(STOP_GRACE_S if r.report is not None and r.report[0] != "hung" else 0)
+                if r.process.is_alive():
+                    r.process.kill()
+                    r.process.join()
+                r.conn.close()
+        failed = [r for r in self.ranks if r.report is not None and r.report[0] != "ok"]
+        if failed:
+            raise _failure(failed, self.timeout_s)
+
+
+def _collect(ranks: list[_Rank], timeout_s: float, wait_s: float | None = None) -> None:
     """Fill every rank's ``report``: its own, ``("died", exit code)`` or, for a rank still running
-    ``timeout_s`` + ``STOP_GRACE_S`` after the first failure, ``("hung",)`` (then stopped)."""
+    ``timeout_s`` + ``STOP_GRACE_S`` after the first failure (or ``wait_s`` from now),
+    ``("hung",)`` (then stopped)."""
     pending = list(ranks)
-    deadline = None
+    deadline = None if wait_s is None else time.monotonic() + wait_s
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready = wait([r.conn for r in pending] + [r.process.sentinel for r in pending], left)

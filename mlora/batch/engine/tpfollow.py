@@ -1,0 +1,166 @@
+"""One engine over a tensor-parallel group: rank 0's messages to the other ranks, and their loop.
+
+Owns the message protocol between rank 0 (the process that runs the engine: scheduler, bank
+decisions, sampling, output) and the followers (ranks 1..N-1, each holding its part of the
+model, its KV cache and its cut of every resident adapter), rank 0's side of it (:class:`Leader`,
+:class:`LeaderBank`) and the followers' loop (:func:`follow`); docs/design.md, "The data path
+of a tensor-parallel job". Messages, broadcast by rank 0 over the group's control channel::
+
+    Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank)
+    ("forward", inputs, row slots)              every rank runs the same invocation of its part
+                                                of the model, so the layers' all-reduces pair up
+    ("load", slot, adapter id)                  every rank writes its cut of the adapter into the
+                                                slot and reports; published only if all did
+    ("stop",)                                   the follower returns
+
+Must not choose rows, slots or tokens: a follower does what rank 0 decided, in its order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
+from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
+from mlora.batch.engine.executor import Inputs, run_model
+from mlora.batch.errors import CodedError
+from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
+from mlora.batch.model.kvcache import KVCache
+from mlora.batch.model.tpgroup import LeadGroup, TPGroupError
+
+FORWARD, LOAD, STOP = "forward", "load", "stop"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What rank 0 decided before the first row, for every follower to build the same engine state."""
+
+    num_blocks: int  # KV blocks on every rank (the same block ids everywhere)
+    block_size: int
+    num_slots: int  # adapter slots (0: no adapter is served)
+    max_rank: int
+    pinned: dict[str, PinnedAdapter]  # the servable adapters a load may name
+
+
+class Leader:
+    """Rank 0 of ``group`` (a ``tpgroup.LeadGroup``): sends the messages, runs its own part of
+    each, and turns a failed collective into the group's failure (``E_TP_RANK_DIED``, ...)."""
+
+    def __init__(self, group: LeadGroup):
+        self.group = group
+        self.collective = group.collective
+        self.stopped = False
+
+    def setup(self, setup: Setup) -> None:
+        self._guard(lambda: self.collective.broadcast_object(setup))
+
+    def forward(self, x: Inputs, row_slots: list[int] | None, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Every follower runs the invocation ``x`` with ``row_slots``; ``run()`` is rank 0's."""
+        def both():
+            self.collective.broadcast_object((FORWARD, x, row_slots))
+            return run()
+        return self._guard(both)
+
+    def load(self, slot: int, p: PinnedAdapter, write: Callable[[], None]) -> None:
+        """Every rank writes its cut of ``p`` into ``slot`` (``write()``: rank 0's); raises the
+        first rank's error (an ``AdapterError`` fails the adapter's rows) unless all succeeded."""
+        def everywhere():
+            self.collective.broadcast_object((LOAD, slot, p.id))
+            try:
+                write()
+                mine = None
+            except CodedError as e:
+                mine = _report(e)
+            return self.collective.gather_objects(mine)
+        reports = self._guard(everywhere)
+        for rank, report in enumerate(reports):
+            if report is not None:
+                kind, code, message = report
+                where = f"rank {rank} of {len(reports)}: " if rank else ""
+                raise (AdapterError(code, where + message, p.id) if kind == "adapter"
+                       else BankError(code, where + message))
+
+    def stop(self) -> None:
+        """Tell the followers to return and wait for them; raise their failure, if any."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.collective.broadcast_object((STOP,))
+        except TPGroupError as e:
+            raise self.group.failure(e) from e
+        self.group.finish()
+
+    def abort(self, error: BaseException) -> BaseException:
+        """The group stopped after rank 0's ``error``: the cause to raise (tpgroup.LeadGroup.failure)."""
+        if self.stopped:
+            return error
+        self.stopped = True
+        return self.group.failure(error)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except TPGroupError as e:  # a follower died or failed: it is the cause
+            raise self.abort(e) from e
+
+
+def _report(e: CodedError) -> tuple[str, str, str]:
+    return ("adapter" if isinstance(e, AdapterError) else "bank", e.code, e.message)
+
+
+class LeaderBank(SlotBank):
+    """Rank 0's slot bank: it decides every slot, and a load is published only once every rank
+    holds its cut of the adapter there (``Leader.load``). A failed load leaves the slot empty on
+    rank 0 (its former occupant evicted), so no rank serves from it until it is loaded again."""
+
+    leader: Leader
+
+    def _load(self, key: str, p: PinnedAdapter, keep) -> None:
+        slot = lru_slot(self._lru, self.num_slots, keep, self.stats)
+        try:
+            self.leader.load(slot, p, lambda: self.load_into(slot, p))
+        except CodedError:
+            self._lru.pop(key, None)
+            raise
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """The device of a rank: its own GPU (``cuda:rank``), or the CPU."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def follow(collective, base: str, device_type: str, dtype_name: str) -> None:
+    """A follower rank (``tpgroup`` calls it with the rank's ``collective``): load the rank's part of
+    ``base``, build the KV cache and bank rank 0's ``Setup`` gives, then run the messages until stop."""
+    layout = collective.layout
+    device = rank_device(device_type, layout.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = DecoderModel.from_pretrained(base, device=device, dtype=DTYPES[dtype_name], tp=layout,
+                                         collective=collective)
+    setup: Setup = collective.broadcast_object()
+    c = model.config
+    kv = KVCache(c.num_layers, setup.num_blocks, setup.block_size, c.num_kv_heads, c.head_dim, model.dtype, device)
+    bank = None
+    if setup.num_slots:
+        shard = TPShard(load_config(base), layout, collective)
+        bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device)
+    while True:
+        msg = collective.broadcast_object()
+        if msg[0] == FORWARD:
+            _, x, row_slots = msg
+            run_model(model, kv, bank, x, row_slots)
+        elif msg[0] == LOAD:
+            _, slot, adapter_id = msg
+            try:
+                bank.load_into(slot, setup.pinned[adapter_id])
+                report = None
+            except CodedError as e:
+                report = _report(e)
+            collective.gather_objects(report)
+        else:
+            return None
