@@ -10,4 +10,4 @@ bash scripts/setup.sh --test
 .venv/bin/ruff check mlora tests scripts examples
 .venv/bin/lint-imports
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=15 "$@"  # the slowest tests listed: the suite must stay short
