@@ -3,6 +3,8 @@
 and Qwen2 (q/k/v bias) jobs with LoRA on all seven modules, mixed ranks and base rows give the
 tokens of N=1; options not served under TP yet are refused up front (E_TP_UNSUPPORTED, exit 2);
 a follower killed mid-job stops the job (E_TP_RANK_DIED, exit 3) and --resume completes it.
+Replicas: --num-workers 2 at N=2 (two workers, each rank 0 of two gloo ranks) gives the demo's
+expected rows; --gpus cuts its GPUs into groups of N (placement arithmetic, no GPU needed).
 """
 
 import multiprocessing
@@ -14,6 +16,7 @@ import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import DEMO
 from test_batch_model import random_model
 from test_batch_run import _demo_job_gives_the_expected_rows, _rows
@@ -23,6 +26,7 @@ from mlora.batch.config import JobConfig
 from mlora.batch.errors import JobError
 from mlora.batch.model.tpgroup import TPGroupError
 from mlora.batch.runner import run_job
+from mlora.batch.scaleout.placement import gpu_places, plan_workers
 from mlora.cli.app import app
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -80,8 +84,7 @@ def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path):
 @pytest.mark.parametrize("over, option", [
     (dict(memory_ledger="joint"), "--memory-ledger joint"),
     (dict(engine="ray"), "--engine ray"),
-    (dict(gpus="0,1"), "--gpus"),
-    (dict(num_workers=2), "--num-workers"),
+    (dict(engine="ray", num_workers=2), "--engine ray"),
 ])
 def test_options_not_served_under_tensor_parallelism_are_refused(tmp_path, over, option):
     opts = JobConfig(input="in.parquet", output=str(tmp_path / "out"), base="base", tensor_parallel_size=2, **over)
@@ -90,6 +93,68 @@ def test_options_not_served_under_tensor_parallelism_are_refused(tmp_path, over,
     assert e.value.code == "E_TP_UNSUPPORTED" and e.value.exit_code == 2 and option in e.value.message
     opts.tensor_parallel_size = 1
     opts.validate()  # the same job at one rank is fine
+
+
+def test_replicas_of_two_ranks_on_cpu_workers_give_the_expected_rows(tmp_path):
+    """--num-workers 2 --tensor-parallel-size 2: two worker processes, each rank 0 of its own
+    two-rank gloo group (two rendezvous stores at once), share the rows of the demo job."""
+    summary = _demo_job_gives_the_expected_rows(tmp_path, num_workers=2, tensor_parallel_size=2)
+    assert summary.device == "cpu x2 (2 ranks each)"
+    assert [w["status"] for w in summary.workers] == ["ok", "ok"]
+    assert sum(w["rows"] for w in summary.workers) == summary.rows and all(w["rows"] for w in summary.workers)
+    assert not multiprocessing.active_children()
+
+
+def _cuda_host(monkeypatch, count: int, visible: str | None = None):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+
+def test_gpus_split_into_groups_of_the_tensor_parallel_size(monkeypatch):
+    """One worker per N GPUs in --gpus order; it sees its group's GPUs (as CUDA_VISIBLE_DEVICES
+    names them) in rank order, so rank j of a group is its cuda:j."""
+    _cuda_host(monkeypatch, 4, "4,5,6,7")
+
+    def placed(gpus, size):
+        return [(p.index, p.cuda_visible, p.label) for p in gpu_places(gpus, "auto", size)]
+
+    two_groups = [(0, "4,5", "cuda:0+1"), (1, "6,7", "cuda:2+3")]
+    assert placed("0,1,2,3", 2) == placed("all", 2) == two_groups
+    assert placed("3,1,2,0", 2) == [(0, "7,5", "cuda:3+1"), (1, "6,4", "cuda:2+0")]
+    assert placed("all", 4) == [(0, "4,5,6,7", "cuda:0+1+2+3")]
+    assert placed("all", 1) == [(i, str(4 + i), f"cuda:{i}") for i in range(4)]
+    plan = plan_workers(JobConfig(input="", output="", base="", gpus="all", tensor_parallel_size=2))
+    assert [p.cuda_visible for p in plan.places] == ["4,5", "6,7"] and plan.device.type == "cuda"
+    _cuda_host(monkeypatch, 2)
+    assert placed("all", 2) == [(0, "0,1", "cuda:0+1")]
+
+
+@pytest.mark.parametrize("count, gpus, size, hint", [
+    (3, "all", 2, "give --gpus 0,1 (1 replica(s) of 2 ranks)"),
+    (4, "0,1,3", 2, "give --gpus 0,1 (1 replica(s) of 2 ranks)"),
+    (8, "2,0,5,1,7", 4, "give --gpus 2,0,5,1 (1 replica(s) of 4 ranks)"),
+    (4, "2", 2, "--tensor-parallel-size 1"),
+])
+def test_a_gpu_count_that_does_not_split_into_groups_is_refused(monkeypatch, tmp_path, count, gpus, size, hint):
+    _cuda_host(monkeypatch, count)
+    opts = JobConfig(input=os.path.join(DEMO, "prompts.parquet"), output=str(tmp_path / "out"),
+                     base=os.path.join(DEMO, "base"), gpus=gpus, tensor_parallel_size=size)
+    with pytest.raises(JobError) as e:
+        run_job(opts)
+    assert e.value.code == "E_SCALEOUT_USAGE" and e.value.exit_code == 2, e.value
+    assert f"groups of --tensor-parallel-size {size}" in e.value.message and hint in e.value.message
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_cpu_workers_share_the_cores_with_their_ranks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    plan = plan_workers(JobConfig(input="", output="", base="", num_workers=2, device="cpu",
+                                  tensor_parallel_size=4))
+    assert [(p.device, p.cuda_visible, p.threads) for p in plan.places] == [("cpu", None, 2)] * 2
 
 
 def _cli(tmp_path, *extra):

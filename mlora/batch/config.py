@@ -134,8 +134,7 @@ class JobConfig(EngineConfig):
         """Refuse (E_TP_UNSUPPORTED, exit 2) the options a tensor-parallel engine does not serve yet."""
         if self.tensor_parallel_size <= 1:
             return
-        drop = [(self.memory_ledger == "joint", "--memory-ledger joint"), (self.engine == "ray", "--engine ray"),
-                (self.gpus is not None, "--gpus"), (self.num_workers is not None, "--num-workers")]
+        drop = [(self.memory_ledger == "joint", "--memory-ledger joint"), (self.engine == "ray", "--engine ray")]
         for refused, option in drop:
             if refused:
                 raise JobError("E_TP_UNSUPPORTED", f"{option} does not run with --tensor-parallel-size "

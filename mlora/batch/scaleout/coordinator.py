@@ -134,16 +134,21 @@ class _Coordinator:
         self.workers = self._spawn(places)
         labels = [p.label for p in places]
         prep.summary.device = ",".join(labels) if places[0].device == "cuda" else f"cpu x{len(places)}"
+        if self.opts.tensor_parallel_size > 1:
+            prep.summary.device += f" ({self.opts.tensor_parallel_size} ranks each)"
 
     # -- processes ---------------------------------------------------------
 
     def _spawn(self, places: list[WorkerPlace]) -> list[_Worker]:
         ctx = multiprocessing.get_context("spawn")
         payload = pickle.dumps((self.opts, self.prep.pinned, self.prep.device.type, self.prep.dtype))
+        # a tensor-parallel worker starts its follower ranks, which a daemon process may not;
+        # shutdown() stops every worker either way
+        daemon = self.opts.tensor_parallel_size == 1
         workers = []
         for place in places:
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_main, name=f"mlora-worker-{place.index}", daemon=True,
+            proc = ctx.Process(target=worker_main, name=f"mlora-worker-{place.index}", daemon=daemon,
                                args=(place.index, child, place.cuda_visible, place.threads, payload))
             proc.start()
             child.close()  # only the worker holds its end: its death reads as end-of-file here

@@ -10,10 +10,13 @@ is a usage error (exit 2) with a stable code, decided before any work:
       --gpus 0,1 | all     one worker process per listed GPU; indices number the devices this process
                            sees (CUDA_VISIBLE_DEVICES applies). Needs CUDA (E_GPUS_NO_CUDA), every index
                            present (E_GPUS_UNAVAILABLE), a comma list of distinct integers or "all"
-                           (E_GPUS_INVALID); --device auto or cuda (E_GPUS_DEVICE)
+                           (E_GPUS_INVALID); --device auto or cuda (E_GPUS_DEVICE). With
+                           --tensor-parallel-size N: one worker per N GPUs in list order, each rank 0 of
+                           a group on its N GPUs; a count that is not a multiple of N: E_SCALEOUT_USAGE
       --num-workers N      N worker processes on the CPU (CI, tests, CPU hosts). --device cpu, or auto on a
                            host without CUDA; auto on a CUDA host is refused rather than silently run on the
-                           CPU: use --gpus, or say --device cpu (E_WORKERS_DEVICE)
+                           CPU: use --gpus, or say --device cpu (E_WORKERS_DEVICE). With
+                           --tensor-parallel-size M: each worker is rank 0 of M gloo ranks
       both                 E_SCALEOUT_USAGE
     --engine ray           --num-workers N actors (``ray.py`` picks the default and the device); --gpus is
                            refused (Ray places actors on GPUs itself: E_SCALEOUT_USAGE)
@@ -38,8 +41,10 @@ class WorkerPlace:
 
     index: int
     device: str  # "cuda" or "cpu": the torch device the worker's engine uses
-    cuda_visible: str | None  # CUDA_VISIBLE_DEVICES for the worker (it then sees exactly one GPU), None on CPU
-    label: str  # "cuda:1", "cpu": for messages and the summary
+    # CUDA_VISIBLE_DEVICES for the worker, None on CPU: it then sees exactly its GPU, or its tensor-parallel
+    # group's GPUs in rank order (rank j on cuda:j, engine/tpfollow.rank_device)
+    cuda_visible: str | None
+    label: str  # "cuda:1", "cuda:2+3" (a group), "cpu": for messages and the summary
     threads: int | None = None  # torch intra-op threads of a CPU worker (cores shared between workers)
 
 
@@ -67,7 +72,8 @@ def plan_workers(opts: JobConfig) -> WorkerPlan:
     if opts.gpus is not None and opts.num_workers is not None:
         raise _usage("E_SCALEOUT_USAGE", "give --gpus (one worker per GPU) or --num-workers (CPU workers), not both")
     if opts.gpus is not None:
-        return WorkerPlan("local", torch.device("cuda"), gpu_places(opts.gpus, opts.device))
+        return WorkerPlan("local", torch.device("cuda"),
+                          gpu_places(opts.gpus, opts.device, opts.tensor_parallel_size))
     if opts.num_workers is not None:
         if opts.device not in ("auto", "cpu"):
             raise _usage("E_WORKERS_DEVICE", f"--num-workers runs CPU workers, but --device is {opts.device!r}: "
@@ -76,14 +82,15 @@ def plan_workers(opts: JobConfig) -> WorkerPlan:
             raise _usage("E_WORKERS_DEVICE", "--num-workers runs CPU workers and this host has CUDA: use --gpus "
                          "0,1,... (or all) for GPU workers, or pass --device cpu to run on the CPU on purpose")
         n = opts.num_workers
-        threads = max(1, _cores() // n)
+        threads = max(1, _cores() // (n * opts.tensor_parallel_size))  # every rank process shares the cores
         return WorkerPlan("local", torch.device("cpu"),
                           [WorkerPlace(i, "cpu", None, "cpu", threads) for i in range(n)])
     return WorkerPlan("local", resolve_device(opts.device))
 
 
-def gpu_places(gpus: str, device: str) -> list[WorkerPlace]:
-    """One place per GPU of ``--gpus`` (``"0,1"`` or ``"all"``), checked against this host."""
+def gpu_places(gpus: str, device: str, tp_size: int = 1) -> list[WorkerPlace]:
+    """One place per GPU of ``--gpus`` (``"0,1"`` or ``"all"``), or per ``tp_size`` GPUs of it in
+    list order (a tensor-parallel group), checked against this host."""
     text = gpus.strip()
     if text != "all":
         try:
@@ -105,9 +112,26 @@ def gpu_places(gpus: str, device: str) -> list[WorkerPlace]:
     if missing:
         raise _usage("E_GPUS_UNAVAILABLE", f"--gpus {gpus}: no GPU {', '.join(map(str, missing))} on this host; "
                      f"it has {count} (indices 0..{count - 1}, as CUDA_VISIBLE_DEVICES shows them)")
+    if len(indices) % tp_size:
+        raise _usage("E_SCALEOUT_USAGE", f"--gpus {gpus} gives {len(indices)} GPU(s), which do not split into "
+                     f"groups of --tensor-parallel-size {tp_size}: {_group_hint(indices, tp_size)}")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = [v.strip() for v in visible.split(",")] if visible else None
-    return [WorkerPlace(k, "cuda", physical[i] if physical else str(i), f"cuda:{i}") for k, i in enumerate(indices)]
+    places = []
+    for k in range(len(indices) // tp_size):
+        group = indices[k * tp_size:(k + 1) * tp_size]
+        cuda_visible = ",".join(physical[i] if physical else str(i) for i in group)
+        places.append(WorkerPlace(k, "cuda", cuda_visible, "cuda:" + "+".join(map(str, group))))
+    return places
+
+
+def _group_hint(indices: list[int], tp_size: int) -> str:
+    """A --gpus that does split into groups of ``tp_size``, or the sizes that divide the count."""
+    if len(indices) >= tp_size:
+        usable = indices[:len(indices) - len(indices) % tp_size]
+        return f"give --gpus {','.join(map(str, usable))} ({len(usable) // tp_size} replica(s) of {tp_size} ranks)"
+    sizes = [d for d in range(1, len(indices) + 1) if len(indices) % d == 0]
+    return f"list at least {tp_size} GPUs, or use --tensor-parallel-size {' or '.join(map(str, sizes))}"
 
 
 def _cores() -> int:

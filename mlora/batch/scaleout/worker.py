@@ -10,7 +10,10 @@ Imports nothing heavy at module level, and receives its setup as pickled
 bytes that it loads only after setting ``CUDA_VISIBLE_DEVICES``: the spawned
 child imports this module (and would import torch while unpickling the
 setup) before :func:`worker_main` runs, and the variable must be set before
-torch initialises CUDA. The worker then sees exactly its one GPU as ``cuda:0``.
+torch initialises CUDA. The worker then sees exactly its one GPU as ``cuda:0``;
+with ``--tensor-parallel-size N`` it is rank 0 of a group and sees the group's
+N GPUs, rank j's as ``cuda:j``, and the follower ranks it starts inherit the
+variable (and, on the CPU, its share of the cores as ``OMP_NUM_THREADS``).
 
 Ctrl-C is ignored here (the coordinator handles it and stops the workers); a
 closed pipe (the coordinator died) ends the worker quietly.
@@ -35,6 +38,8 @@ def worker_main(index: int, conn, cuda_visible: str | None, threads: int | None,
     """Process entry point (spawn target). ``payload`` pickles (opts, pinned, device type, dtype)."""
     if cuda_visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    if threads:  # the follower ranks a tensor-parallel worker spawns start with its share of the cores
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _serve(index, conn, threads, payload)
@@ -65,9 +70,9 @@ def _serve(index: int, conn, threads: int | None, payload: bytes) -> None:
             torch.set_num_threads(threads)
         device = torch.device(device_type)
         if device.type == "cuda":
-            seen = torch.cuda.device_count()
-            if seen != 1:  # 0: a bad id; more: CUDA started before the variable was set (fail, never share a GPU)
-                raise RuntimeError(f"worker {index} sees {seen} CUDA devices, not its one "
+            seen, own = torch.cuda.device_count(), opts.tensor_parallel_size
+            if seen != own:  # fewer: a bad id; more: CUDA started before the variable was set (never share a GPU)
+                raise RuntimeError(f"worker {index} sees {seen} CUDA devices, not its {own} "
                                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(0)
         session = EngineSession(opts, pinned, device, dtype)
