@@ -214,22 +214,24 @@ def test_gpus_are_checked_against_the_visible_devices(monkeypatch):
     assert [p.device for p in plan.places] == ["cpu", "cpu"] and plan.places[0].threads >= 1
 
 
-def test_a_gpu_worker_pins_its_device_and_a_failing_worker_stops_the_job(tmp_path):
-    """The GPU path up to CUDA: a worker placed on GPU "0" sets CUDA_VISIBLE_DEVICES=0 before
-    torch starts CUDA and refuses to run unless it then sees exactly one device. On this
-    CPU-only host it sees none: the worker's error stops the job with its code (exit 3)."""
+@pytest.mark.parametrize("size, visible, label", [(1, "0", "cuda:0"), (2, "0,1", "cuda:0+1")])
+def test_a_gpu_worker_pins_its_device_and_a_failing_worker_stops_the_job(tmp_path, size, visible, label):
+    """The GPU path up to CUDA: a worker placed on GPU "0" (or, rank 0 of a tensor-parallel
+    group, on GPUs "0,1") sets CUDA_VISIBLE_DEVICES before torch starts CUDA and refuses to run
+    unless it then sees exactly its devices. On this CPU-only host it sees none: the worker's
+    error stops the job with its code (exit 3)."""
     from mlora.batch.job.prepare import prepare_job
     from mlora.batch.scaleout.coordinator import run_workers
     from mlora.batch.scaleout.placement import WorkerPlace
 
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA: the worker would find its GPU")
-    prep = prepare_job(_opts(tmp_path / "out", dtype="float32"), torch.device("cuda"))
+    prep = prepare_job(_opts(tmp_path / "out", dtype="float32", tensor_parallel_size=size), torch.device("cuda"))
     try:
         with pytest.raises(JobError) as e:
-            run_workers(prep, [WorkerPlace(0, "cuda", "0", "cuda:0")])
+            run_workers(prep, [WorkerPlace(0, "cuda", visible, label)])
     finally:
         prep.sink.close(final=False)
     assert e.value.exit_code == 3 and e.value.code == "E_RUNTIME"
-    assert "worker 0 (cuda:0)" in str(e.value) and "sees 0 CUDA devices" in str(e.value)
-    assert "CUDA_VISIBLE_DEVICES='0'" in str(e.value) and "--resume" in str(e.value)
+    assert f"worker 0 ({label})" in str(e.value) and f"sees 0 CUDA devices, not its {size}" in str(e.value)
+    assert f"CUDA_VISIBLE_DEVICES='{visible}'" in str(e.value) and "--resume" in str(e.value)

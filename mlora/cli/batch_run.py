@@ -85,7 +85,7 @@ def batch_run(
                                       help="Rows share the KV of identical prompt prefixes, computed once. Same outputs either way: --no-prefix-cache to compare."),
     alora_without_invocation: str = typer.Option("error", "--alora-without-invocation",
                                                   help="error | base: an aLoRA row whose prompt lacks the adapter's invocation tokens is an error row (E_ALORA_NO_INVOCATION) or, with base, runs on the base model as PEFT does (counted in _metrics.json)."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU: 0,1,... or all (docs/scaleout.md)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="One worker process per GPU (per N GPUs with --tensor-parallel-size N): 0,1,... or all (docs/scaleout.md)."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers",
                                               help="--engine local: N >= 1 worker processes on the CPU (--device cpu); --engine ray: N actors."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size",
