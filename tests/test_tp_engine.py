@@ -163,12 +163,15 @@ def _cli(tmp_path, *extra):
                                     "--device", "cpu", "--max-new-tokens", "4", *extra])
 
 
-@pytest.mark.parametrize("size, code", [("0", "E_OPTION_RANGE"), ("3", "E_TP_SHAPE")])
-def test_a_size_the_job_cannot_take_exits_2(tmp_path, size, code):
-    """0 is out of range; 3 does not divide the demo base's 4 heads (refused before any rank starts)."""
-    res = _cli(tmp_path, "--tensor-parallel-size", size)
+@pytest.mark.parametrize("size, code, workers", [("0", "E_OPTION_RANGE", ()), ("3", "E_TP_SHAPE", ()),
+                                                  ("3", "E_TP_SHAPE", ("--num-workers", "2"))])
+def test_a_size_the_job_cannot_take_exits_2(tmp_path, size, code, workers):
+    """0 is out of range; 3 does not divide the demo base's 4 heads (refused before any rank,
+    or any worker of replicas, starts)."""
+    res = _cli(tmp_path, "--tensor-parallel-size", size, *workers)
     assert res.exit_code == 2, res.output
     assert code in res.output and "tensor-parallel" in res.output
+    assert "E_TP_SHAPE: worker" not in res.output  # the coordinator's refusal, not a started worker's error
     assert not multiprocessing.active_children()
 
 
