@@ -127,7 +127,10 @@ def _rank_main(layout: TPLayout, port: int, backend: str, timeout_s: float, fn: 
         report = pickle.dumps(("error", e.code, e.message, traceback.format_exc()))
     except BaseException as e:  # anything else: reported with its type, raised by the launcher with the rank named
         report = pickle.dumps(("error", "E_TP_RANK_FAILED", f"{type(e).__name__}: {e}", traceback.format_exc()))
-    conn.send_bytes(report)
+    try:
+        conn.send_bytes(report)
+    except OSError:  # the launcher is gone (a killed scale-out worker): nobody to report to
+        pass
     conn.close()
 
 
