@@ -150,7 +150,7 @@ def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, ada
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=3)
     bank, pinned = random_bank(model, 2, 4, seed=3, backend="triton") if adapters else (None, {})
     names = [None, "bench-0", "bench-1"] if adapters else [None]
-    reqs = _requests(8 if adapters else 24, names, config.vocab_size, seed=4)
+    reqs = _requests(5 if adapters else 24, names, config.vocab_size, seed=4)  # interpreted kernels: few rows
     if eos:  # the three tokens the model generates most become end-of-sequence: many rows stop early
         free, _ = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
         common = Counter(t for toks, _ in free.values() for t in toks).most_common(3)
