@@ -13,6 +13,7 @@ import factory
 import pytest
 import safetensors
 import torch
+import tp_dies_early
 import tp_ranks
 from safetensors.torch import load_file
 from test_batch_model import Runner, hf_config, random_model, tokens
@@ -21,7 +22,7 @@ from mlora.batch.errors import ModelError
 from mlora.batch.model.decoder import DecoderModel, load_config
 from mlora.batch.model.lora import GROUPS, config_role_shapes, group_shapes
 from mlora.batch.model.tp import ROW_PARALLEL, TPLayout, lora_cuts, shard_config, shard_lora, weight_cuts
-from mlora.batch.model.tpgroup import TPGroupError, run_ranks
+from mlora.batch.model.tpgroup import LeadGroup, TPGroupError, run_ranks
 
 ATOL = 1e-5
 DECODE_STEPS = 3
@@ -242,3 +243,13 @@ def test_a_hung_rank_fails_its_peers_within_the_group_timeout_and_is_stopped():
     assert "rank 1 did not finish within the group's timeout (1 s) and was stopped" in e.value.message
     assert "rank 0: E_TP_PEER_LOST" in e.value.message
     assert time.monotonic() - start < 30
+
+
+def test_a_follower_that_dies_before_it_joins_fails_the_start_at_once():
+    """Rank 0 is this process: a follower that dies on its way in (here: as it imports its
+    function's module) fails the start with its exit code, not after the group's timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(TPGroupError) as failed:
+        LeadGroup(tp_dies_early.never_runs, 2, timeout_s=60)
+    assert failed.value.code == "E_TP_RANK_DIED" and "7" in failed.value.message
+    assert time.monotonic() - t0 < 30

@@ -103,9 +103,15 @@ def join_group(layout: TPLayout, port: int, backend: str = "gloo",
     _check_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, layout.size, is_master=False, timeout=timeout)
+    store.set(_joining(layout.rank), "1")  # a launcher waiting for its followers stops polling their liveness
     dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.size, timeout=timeout)
     control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return GroupCollective(layout, timeout_s, control)
+
+
+def _joining(rank: int) -> str:
+    """The rendezvous key a rank sets on its way into the group."""
+    return f"mlora/joining/{rank}"
 
 
 def leave_group() -> None:
@@ -188,6 +194,7 @@ class LeadGroup:
         ctx = torch.multiprocessing.get_context("spawn")
         self._store = dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
         self.ranks: list[_Rank] = []
+        self._stopped = False
         try:
             for rank in range(1, size):
                 mine, theirs = ctx.Pipe(duplex=False)
@@ -197,10 +204,24 @@ class LeadGroup:
                 process.start()
                 theirs.close()
                 self.ranks.append(_Rank(rank, process, mine))
+            self._await_followers()
             self.collective = join_group(TPLayout(0, size), self._store.port, backend, timeout_s)
         except BaseException:
-            self._stop(0)
+            if not self._stopped:
+                self._stop(0)
             raise
+
+    def _await_followers(self) -> None:
+        """Wait until every follower is on its way into the group; one that dies first (its
+        imports, its device) fails the start at once (E_TP_RANK_DIED) instead of leaving rank 0
+        in the rendezvous until the group's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        waiting = list(self.ranks)
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not self._store.check([_joining(r.rank)])]
+            if any(not r.process.is_alive() for r in waiting):
+                self._stop(0)  # raises the dead rank's TPGroupError
+            time.sleep(0.02)
 
     def finish(self) -> None:
         """Leave the group once the followers were told to stop; raise their failure, if any."""
@@ -219,6 +240,7 @@ class LeadGroup:
         return error
 
     def _stop(self, wait_s: float) -> None:
+        self._stopped = True
         try:
             _collect(self.ranks, self.timeout_s, wait_s)
         finally:
