@@ -6,6 +6,7 @@ rows). Also: a rank loads only its slices from the files, and a dead or hung ran
 with a clear error instead of a hang (mlora.batch.model.tpgroup).
 """
 
+import importlib
 import os
 import time
 
@@ -13,7 +14,6 @@ import factory
 import pytest
 import safetensors
 import torch
-import tp_dies_early
 import tp_ranks
 from safetensors.torch import load_file
 from test_batch_model import Runner, hf_config, random_model, tokens
@@ -248,6 +248,8 @@ def test_a_hung_rank_fails_its_peers_within_the_group_timeout_and_is_stopped():
 def test_a_follower_that_dies_before_it_joins_fails_the_start_at_once():
     """Rank 0 is this process: a follower that dies on its way in (here: as it imports its
     function's module) fails the start with its exit code, not after the group's timeout."""
+    # imported here, not at the top: the other tests' ranks import this module, and this one ends them
+    tp_dies_early = importlib.import_module("tp_dies_early")
     t0 = time.monotonic()
     with pytest.raises(TPGroupError) as failed:
         LeadGroup(tp_dies_early.never_runs, 2, timeout_s=60)
