@@ -17,7 +17,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import factory
 import pyarrow as pa
@@ -25,6 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO
+from test_batch_run import _greedy, kill_after
+from test_batch_run import _rows as _out
 
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.prefixcache import PrefixCache
@@ -40,20 +41,6 @@ ADAPTERS = {
     "al": dict(r=4, lora_alpha=8, seed=23, alora_invocation_tokens=INVOCATION, task_type="CAUSAL_LM",
                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
-
-
-def _greedy(model, prompt, eos, max_new, start=None):
-    """Greedy tokens of ``model`` after ``prompt``; ``start``: an aLoRA row's first adapted position."""
-    toks, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            kw = {} if start is None else {"alora_offsets": [len(toks) - start]}
-            t = int(model(input_ids=torch.tensor([toks]), **kw).logits[0, -1].argmax())
-            if t in eos:
-                break
-            toks.append(t)
-            out.append(t)
-    return out
 
 
 def _rows():
@@ -127,12 +114,6 @@ def _run(env, out, **kw):
                 dtype="float32", block_size=BLOCK)
     opts.update(kw)
     return run_job(JobConfig(**opts))
-
-
-def _out(out):
-    from mlora.batch.job.output import read_output
-
-    return {r["id"]: r for r in read_output(str(out)).to_pylist()}
 
 
 def _caches(monkeypatch) -> list[PrefixCache]:
@@ -250,14 +231,7 @@ def test_kill_9_then_resume_with_the_cache_equals_peft(env, tmp_path):
            "--adapters", env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu",
            "--max-new-tokens", str(MAX_NEW), "--shard-rows", "3", "--max-num-seqs", "3", "--quiet"]
     envv = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen(cmd, env=envv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if out.exists() and len([f for f in os.listdir(out) if f.startswith("part-")]) >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
+    proc = kill_after(cmd, envv, out, 2)
     assert proc.returncode == -signal.SIGKILL  # killed mid-job, not finished
     r = subprocess.run(cmd + ["--resume"], env=envv, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

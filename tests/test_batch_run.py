@@ -31,12 +31,15 @@ ADAPTERS = {
 ROW_ADAPTERS = ["a1", None, "a2", "__base__", "a3", "", "a1", "a2", "a3", None, "a2", "a1", "a3", "a2"]
 
 
-def _greedy(model, prompt, eos, max_new):
+def _greedy(model, prompt, eos, max_new, start=None):
+    """Greedy tokens of ``model`` after ``prompt``, a full forward per token; ``start``: a PEFT aLoRA
+    model's first adapted position (passed as PEFT's offset from the end, as its ``generate`` does)."""
     toks = list(prompt)
     out = []
     with torch.no_grad():
         for _ in range(max_new):
-            t = int(model(torch.tensor([toks])).logits[0, -1].argmax())
+            kw = {} if start is None else {"alora_offsets": [len(toks) - start]}
+            t = int(model(input_ids=torch.tensor([toks]), **kw).logits[0, -1].argmax())
             if t in eos:
                 break
             toks.append(t)
@@ -353,6 +356,21 @@ def test_cli_json_summary_and_resume_mismatch(env, tmp_path, run_cli):
     assert code == 1 and "E_RESUME_MISMATCH" in err
 
 
+def kill_after(cmd, envv, out, shards: int) -> subprocess.Popen:
+    """Run ``cmd`` and kill -9 it once OUTPUT ``out`` exists and holds ``shards`` committed shards
+    (or when it ends first); the finished process."""
+    proc = subprocess.Popen(cmd, env=envv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        done = [f for f in os.listdir(out) if f.startswith("part-")] if out.exists() else []
+        if len(done) >= shards and (shards or out.exists()):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    return proc
+
+
 @pytest.mark.parametrize("kill_after_shards", [0, 2])
 def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_after_shards):
     out = tmp_path / "out"
@@ -360,15 +378,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(env, tmp_path, kill_afte
            "--adapters", env["adapters"], "--prompt-ids-column", "prompt_ids", "--device", "cpu",
            "--max-new-tokens", str(MAX_NEW), "--shard-rows", "2", "--max-num-seqs", "2", "--quiet"]
     envv = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen(cmd, env=envv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        shards = [f for f in os.listdir(out) if f.startswith("part-")] if out.exists() else []
-        if len(shards) >= kill_after_shards and (kill_after_shards or out.exists()):
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
+    kill_after(cmd, envv, out, kill_after_shards)
     r = subprocess.run(cmd + ["--resume"], env=envv, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = _rows(out)
