@@ -26,7 +26,9 @@ GPU_TESTS="tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_b
   tests/test_kernels_triton.py tests/test_kernels_slices.py tests/test_kernels_act.py
   tests/test_kernels_pitch.py tests/test_kernels_spec.py tests/test_residency.py tests/test_residency_validate.py
   tests/test_residency_pinned.py tests/test_bundle_serving.py tests/test_bundle_triton.py tests/test_batch_prefix.py
-  tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too"
+  tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too
+  tests/test_tp_engine.py::test_demo_job_at_two_ranks_gives_the_expected_rows
+  tests/test_tp_engine.py::test_lora_on_all_modules_at_two_ranks_equals_one_rank"
 
 case "${1:-}" in
   tests)

@@ -5,6 +5,8 @@ tokens of N=1; options not served under TP yet are refused up front (E_TP_UNSUPP
 a follower killed mid-job stops the job (E_TP_RANK_DIED, exit 3) and --resume completes it.
 Replicas: --num-workers 2 at N=2 (two workers, each rank 0 of two gloo ranks) gives the demo's
 expected rows; --gpus cuts its GPUs into groups of N (placement arithmetic, no GPU needed).
+On a GPU, the demo and the tiny-model jobs also run with both ranks on one GPU over gloo
+(MLORA_TP_ONE_GPU=1): the sharded model and kernels on CUDA, still equal to N=1 in float32.
 """
 
 import multiprocessing
@@ -24,6 +26,7 @@ from typer.testing import CliRunner
 
 from mlora.batch.config import JobConfig
 from mlora.batch.errors import JobError
+from mlora.batch.job.sizing import rank_usable
 from mlora.batch.model.tpgroup import TPGroupError
 from mlora.batch.runner import run_job
 from mlora.batch.scaleout.placement import gpu_places, plan_workers
@@ -31,10 +34,14 @@ from mlora.cli.app import app
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_NEW = 10
+# on a GPU both ranks share it (MLORA_TP_ONE_GPU=1, gloo): the sharded model and kernels on CUDA
+ONE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: two ranks sharing one GPU over gloo")
 
 
-def test_demo_job_at_two_ranks_gives_the_expected_rows(tmp_path):
-    summary = _demo_job_gives_the_expected_rows(tmp_path, tensor_parallel_size=2)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ONE_GPU)])
+def test_demo_job_at_two_ranks_gives_the_expected_rows(tmp_path, monkeypatch, device):
+    monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")  # on a GPU: both ranks on cuda:0 (the CPU ignores it)
+    summary = _demo_job_gives_the_expected_rows(tmp_path, device, tensor_parallel_size=2)
     assert summary.bank["loads"] == 4  # the four adapters, each loaded on both ranks at once
 
 
@@ -62,14 +69,17 @@ def workspace(request, tmp_path_factory):
 
 
 def _job(root, out, **over) -> JobConfig:
+    over = {"device": "cpu", **over}
     return JobConfig(input=str(root / "in.parquet"), output=str(out), base=str(root / "base"),
                      adapters_dir=str(root / "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
-                     max_new_tokens=MAX_NEW, device="cpu", dtype="float32", **over)
+                     max_new_tokens=MAX_NEW, dtype="float32", **over)
 
 
-def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path):
-    run_job(_job(workspace, tmp_path / "one"))
-    run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2, max_num_seqs=5))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ONE_GPU)])
+def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path, monkeypatch, device):
+    monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")
+    run_job(_job(workspace, tmp_path / "one", device=device))
+    run_job(_job(workspace, tmp_path / "two", device=device, tensor_parallel_size=2, max_num_seqs=5))
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert set(one) == set(two) and len(one) == 18
     for rid in one:
@@ -197,3 +207,16 @@ def test_a_killed_rank_stops_the_job_and_resume_completes_it(tmp_path):
     assert not multiprocessing.active_children()
     summary = _demo_job_gives_the_expected_rows(tmp_path, resume=True, shard_rows=2, max_num_seqs=8)
     assert 0 < summary.resumed_from_row < summary.rows  # the rows committed before the kill were kept
+
+
+def test_each_rank_takes_its_share_of_the_tightest_gpu():
+    """Every rank allocates the same KV blocks and slots: the budget is the least usable memory over
+    the group's GPUs, split among the ranks sharing a GPU; the CPU has none."""
+    gib = 2**30
+    # two GPUs of 80 GiB at utilization 0.9 (8 GiB kept free): 30 and 20 GiB free -> 22 and 12 usable
+    assert rank_usable([(0, 30 * gib, 80 * gib), (1, 20 * gib, 80 * gib)], 0.9) == pytest.approx(12 * gib)
+    # two ranks on GPU 0 (its 22 usable GiB halved) beside one rank on GPU 1 with 20 usable
+    assert rank_usable([(0, 30 * gib, 80 * gib), (0, 30 * gib, 80 * gib), (1, 28 * gib, 80 * gib)],
+                       0.9) == pytest.approx(11 * gib)
+    assert rank_usable([(0, 4 * gib, 80 * gib)], 0.9) == 0.0  # less free than the kept share: nothing
+    assert rank_usable([None, None], 0.9) is None

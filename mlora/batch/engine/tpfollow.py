@@ -6,6 +6,8 @@ model, its KV cache and its cut of every resident adapter), rank 0's side of it 
 :class:`LeaderBank`) and the followers' loop (:func:`follow`); docs/design.md, "The data path
 of a tensor-parallel job". Messages, broadcast by rank 0 over the group's control channel::
 
+    (gathers)                                   once, before Setup: every rank holds its weights,
+                                                then each rank's GPU memory (``rank_memory``)
     Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank)
     ("forward", inputs, row slots)              every rank runs the same invocation of its part
                                                 of the model, so the layers' all-reduces pair up
@@ -18,6 +20,7 @@ Must not choose rows, slots or tokens: a follower does what rank 0 decided, in i
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +56,14 @@ class Leader:
         self.group = group
         self.collective = group.collective
         self.stopped = False
+
+    def memory(self, device: torch.device) -> list[tuple[int, int, int] | None]:
+        """Every rank's ``rank_memory``, measured once all ranks hold their weights (ranks that
+        share a GPU then see what all their weights left), in rank order."""
+        def both():
+            self.collective.gather_objects(None)
+            return self.collective.gather_objects(rank_memory(device))
+        return self._guard(both)
 
     def setup(self, setup: Setup) -> None:
         self._guard(lambda: self.collective.broadcast_object(setup))
@@ -128,20 +139,37 @@ class LeaderBank(SlotBank):
             raise
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
-    """The device of a rank: its own GPU (``cuda:rank``), or the CPU."""
-    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+def rank_devices(device_type: str, size: int, one_gpu: bool = False) -> tuple[str, ...]:
+    """Each rank's device: rank j on its own GPU (``cuda:j``), or the CPU; ``one_gpu``: every
+    rank on ``cuda:0`` (a debugging run of the sharded kernels on one GPU, over gloo)."""
+    if device_type != "cuda":
+        return ("cpu",) * size
+    return tuple(f"cuda:{0 if one_gpu else j}" for j in range(size))
 
 
-def follow(collective, base: str, device_type: str, dtype_name: str) -> None:
+def rank_memory(device: torch.device) -> tuple[int, int, int] | None:
+    """(GPU index, free bytes, total bytes) of a rank's GPU, the allocator's cached blocks
+    given back first; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    gc.collect()  # load temporaries held by reference cycles
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return device.index, free, total
+
+
+def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> None:
     """A follower rank (``tpgroup`` calls it with the rank's ``collective``): load the rank's part of
-    ``base``, build the KV cache and bank rank 0's ``Setup`` gives, then run the messages until stop."""
+    ``base`` onto ``devices[rank]``, report its GPU memory, build the KV cache and bank rank 0's
+    ``Setup`` gives, then run the messages until stop."""
     layout = collective.layout
-    device = rank_device(device_type, layout.rank)
+    device = torch.device(devices[layout.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = DecoderModel.from_pretrained(base, device=device, dtype=DTYPES[dtype_name], tp=layout,
                                          collective=collective)
+    collective.gather_objects(None)  # every rank holds its weights (Leader.memory)
+    collective.gather_objects(rank_memory(device))
     setup: Setup = collective.broadcast_object()
     c = model.config
     kv = KVCache(c.num_layers, setup.num_blocks, setup.block_size, c.num_kv_heads, c.head_dim, model.dtype, device)

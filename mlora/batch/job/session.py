@@ -30,13 +30,13 @@ from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_device
+from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_devices
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import BASE_IDS, Tokenizer
-from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots
+from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots, rank_usable
 from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
 from mlora.batch.model.lora import held_slices
 from mlora.batch.model.tp import TPLayout, bank_shapes, check_size
@@ -82,14 +82,16 @@ class EngineSession:
     def _tensor_parallel(self, good: dict[str, PinnedAdapter], bundle) -> None:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
         started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``),
-        the KV blocks and slots sized here and sent to the followers; no decode graphs or
-        lookahead (same outputs)."""
+        the KV blocks and slots sized here from every rank's memory and sent to the followers; no
+        decode graphs or lookahead (same outputs). ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every
+        rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         if bundle is not None:
             raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not serve a bundle's members "
                            "with the three-stage operator yet: add --bundle-operator materialized (the members "
                            "through slots), or run with --tensor-parallel-size 1", 2)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
+        one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
+        if device.type == "cuda" and not one_gpu and torch.cuda.device_count() < size:
             raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} puts one rank on each GPU, but "
                            f"{torch.cuda.device_count()} are visible: use at most that many", 2)
         try:
@@ -97,25 +99,29 @@ class EngineSession:
             check_size(config, size)
         except ModelError as e:
             raise JobError(e.code, e.message, 2) from e
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" and not one_gpu else "gloo"
         dtype_name = next(n for n, d in DTYPES.items() if d == dtype)
-        self.tp = Leader(LeadGroup(follow, size, (opts.base, device.type, dtype_name), backend))
+        devices = rank_devices(device.type, size, one_gpu)
+        self.tp = Leader(LeadGroup(follow, size, (opts.base, devices, dtype_name), backend))
         try:
+            self.device = device = torch.device(devices[0])
             if device.type == "cuda":
-                self.device = device = rank_device("cuda", 0)
                 torch.cuda.set_device(device)
             self.model = DecoderModel.from_pretrained(opts.base, device=device, dtype=dtype, tp=TPLayout(0, size),
                                                       collective=self.tp.collective)
+            usable = rank_usable(self.tp.memory(device), opts.gpu_memory_utilization)
             max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
             self.bank = None
             if good:
                 shard = TPShard(config, TPLayout(0, size), self.tp.collective)
                 shapes = bank_shapes(config, shard.layout)[0]
                 slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
-                self.bank = LeaderBank.for_rank(shard, num_slots(opts, len(good), slot_bytes, device), max_rank,
-                                                dtype, device)
+                slots = num_slots(opts, len(good), slot_bytes, device, usable)
+                self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device)
                 self.bank.leader = self.tp
-            num_blocks = kv_blocks(opts, self.model.config, dtype, device)
+                if usable is not None:
+                    usable -= slots * slot_bytes
+            num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
                                 good))
             if self.bank is not None and opts.preload_adapters:

@@ -42,24 +42,26 @@ def release_device_memory(device) -> None:
 ADAPTER_MEMORY_SHARE = 0.25  # of the usable free GPU memory, for adapter slots when --max-gpu-adapters is not given
 
 
-def num_slots(opts: EngineConfig, adapters: int, slot_bytes: int, device) -> int:
+def num_slots(opts: EngineConfig, adapters: int, slot_bytes: int, device, usable: float | None = None) -> int:
     """GPU adapter slots: ``--max-gpu-adapters`` (at most one per adapter), else on CUDA as
     many as fit in the adapters' share of the usable free memory (the residency engine swaps
     adapters through the slots), else (CPU) one per adapter. The share is a quarter, the rest
     being the KV cache's; with ``--kv-cache-gb`` the KV cache takes exactly that, and the
-    adapters have everything else (at least one slot)."""
+    adapters have everything else (at least one slot). ``usable``: the usable bytes
+    (:func:`rank_usable`) instead of this device's."""
     if opts.max_gpu_adapters is not None:
         return max(1, min(adapters, opts.max_gpu_adapters))
     if device.type == "cuda":
-        return max(1, min(adapters, int(adapter_share_bytes(opts, device) // max(slot_bytes, 1))))
+        return max(1, min(adapters, int(adapter_share_bytes(opts, device, usable) // max(slot_bytes, 1))))
     return max(1, adapters)
 
 
-def adapter_share_bytes(opts: EngineConfig, device) -> float:
+def adapter_share_bytes(opts: EngineConfig, device, usable: float | None = None) -> float:
     """Device bytes adapter slots (or a bundle's bases and core slots) may take on CUDA: a
-    quarter of the usable free memory, or, when ``--kv-cache-gb`` fixes the KV cache, what
-    the usable memory holds beside it (one budget: the two never add up to more than it)."""
-    usable = usable_gpu_bytes(opts, device)
+    quarter of the usable free memory (``usable``, else this device's now), or, when
+    ``--kv-cache-gb`` fixes the KV cache, what the usable memory holds beside it (one
+    budget: the two never add up to more than it)."""
+    usable = usable_gpu_bytes(opts, device) if usable is None else usable
     if opts.kv_cache_gb:
         return max(0.0, usable - opts.kv_cache_gb * 2**30)
     return ADAPTER_MEMORY_SHARE * usable
@@ -76,9 +78,25 @@ def usable_gpu_bytes(opts: EngineConfig, device) -> float:
     return max(0.0, free - (1 - opts.gpu_memory_utilization) * total)
 
 
-def kv_blocks(opts: EngineConfig, config, dtype, device) -> int:
-    """KV blocks: from --kv-cache-gb, else on CUDA from free memory, else enough for
-    max_num_seqs full contexts (CPU)."""
+def rank_usable(memories: list[tuple[int, int, int] | None], utilization: float) -> float | None:
+    """What each rank of a tensor-parallel group may take (every rank allocates the same KV
+    blocks and slots): the least, over the group's GPUs, of what ``--gpu-memory-utilization``
+    lets a job take of the GPU's free memory, split evenly among the ranks on it (ranks
+    sharing one GPU in a debugging run). ``memories``: each rank's (GPU index, free, total)
+    with every rank's weights loaded (``tpfollow.rank_memory``); None on the CPU."""
+    gpus: dict[int, list] = {}
+    for m in memories:
+        if m is not None:
+            gpus.setdefault(m[0], []).append(m)
+    if not gpus:
+        return None
+    return min(max(0.0, free - (1 - utilization) * total) / len(ranks)
+               for ranks in gpus.values() for _, free, total in ranks[:1])
+
+
+def kv_blocks(opts: EngineConfig, config, dtype, device, usable: float | None = None) -> int:
+    """KV blocks: from --kv-cache-gb, else on CUDA from free memory (``usable``, else this
+    device's now), else enough for max_num_seqs full contexts (CPU)."""
     def fit(budget_bytes) -> int:
         return max(1, KVCache.blocks_for_budget(budget_bytes, config.num_layers, opts.block_size,
                                                 config.num_kv_heads, config.head_dim, dtype))
@@ -86,7 +104,7 @@ def kv_blocks(opts: EngineConfig, config, dtype, device) -> int:
     if opts.kv_cache_gb:
         return fit(opts.kv_cache_gb * 2**30)
     if device.type == "cuda":
-        return fit(usable_gpu_bytes(opts, device))
+        return fit(usable_gpu_bytes(opts, device) if usable is None else usable)
     per_seq = -(-config.max_position_embeddings // opts.block_size)
     return max(1, opts.max_num_seqs * per_seq)
 

@@ -42,7 +42,7 @@ class WorkerPlace:
     index: int
     device: str  # "cuda" or "cpu": the torch device the worker's engine uses
     # CUDA_VISIBLE_DEVICES for the worker, None on CPU: it then sees exactly its GPU, or its tensor-parallel
-    # group's GPUs in rank order (rank j on cuda:j, engine/tpfollow.rank_device)
+    # group's GPUs in rank order (rank j on cuda:j, engine/tpfollow.rank_devices)
     cuda_visible: str | None
     label: str  # "cuda:1", "cuda:2+3" (a group), "cpu": for messages and the summary
     threads: int | None = None  # torch intra-op threads of a CPU worker (cores shared between workers)
