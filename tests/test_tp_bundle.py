@@ -186,8 +186,8 @@ MAX_NEW = 8
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def bundle_job(request, tmp_path_factory):
     """A random tiny base (Qwen2: q/k/v biases), three adapters on all seven modules fitted into
-    one bundle of two clusters (``mlora compress fit``), and rows naming each member and the
-    base, several on the same prompt."""
+    one bundle of two clusters (``mlora compress fit``), rows naming each member and the base,
+    several on the same prompt, and the job's rows at one rank (the reference)."""
     root = tmp_path_factory.mktemp(f"tp-bundle-{request.param}")
     base = factory.save_base(random_model(factory.tiny_config(request.param), seed=4), str(root / "base"))
     factory.make_adapters(str(root / "adapters"), base, {
@@ -207,37 +207,52 @@ def bundle_job(request, tmp_path_factory):
             adapters.append(adapter)
     pq.write_table(pa.table({"id": ids, "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
                              "adapter": pa.array(adapters, pa.string())}), str(root / "in.parquet"))
-    return root
+    one = run_job(_job(root, root / "one"))
+    assert one.bank["loads"] == 0  # every core resident from the start
+    reference = _rows(root / "one")
+    assert len(reference) == 16 and all(r["finish_reason"] != "error" for r in reference.values())
+    # the members change the tokens (so their sharded deltas are checked, not just the base's)
+    for i in range(4):
+        tokens = {a: reference[f"{i}-{a}"]["completion_token_ids"] for a in ("a", "b", "c", None)}
+        assert all(tokens[a] != tokens[None] for a in "abc"), tokens
+    return root, reference
 
 
 def _job(root, out, **over) -> JobConfig:
+    over.setdefault("bundle_operator", "three-stage")  # never served another way: a fallback fails the job
     return JobConfig(input=str(root / "in.parquet"), output=str(out), base=str(root / "base"),
                      adapters_dir=str(root / "bundle"), prompt_column=None, prompt_ids_column="prompt_ids",
-                     max_new_tokens=MAX_NEW, device="cpu", dtype="float32", bundle_operator="three-stage", **over)
+                     max_new_tokens=MAX_NEW, device="cpu", dtype="float32", **over)
+
+
+def _same_tokens(rows: dict, reference: dict) -> None:
+    assert set(rows) == set(reference)
+    for rid, want in reference.items():
+        assert rows[rid]["finish_reason"] != "error", rows[rid]
+        assert rows[rid]["completion_token_ids"] == want["completion_token_ids"], rid
 
 
 def test_a_bundle_job_at_two_ranks_equals_one_rank(bundle_job, tmp_path):
-    one = run_job(_job(bundle_job, tmp_path / "one"))
-    two = run_job(_job(bundle_job, tmp_path / "two", tensor_parallel_size=2, max_num_seqs=5))
-    few = run_job(_job(bundle_job, tmp_path / "few", tensor_parallel_size=2, max_num_seqs=2, max_gpu_adapters=2))
-    rows = {name: _rows(tmp_path / name) for name in ("one", "two", "few")}
-    assert len(rows["one"]) == 16 and set(rows["two"]) == set(rows["few"]) == set(rows["one"])
-    for rid, want in rows["one"].items():
-        for name in ("two", "few"):
-            got = rows[name][rid]
-            assert got["finish_reason"] != "error", got
-            assert got["completion_token_ids"] == want["completion_token_ids"], (name, rid)
-    # the members change the tokens (their sharded deltas were checked, not just the base's)
-    for i in range(4):
-        tokens = {a: rows["one"][f"{i}-{a}"]["completion_token_ids"] for a in ("a", "b", "c", None)}
-        assert all(tokens[a] != tokens[None] for a in "abc"), tokens
-    assert one.bank["loads"] == two.bank["loads"] == 0  # every core resident on every rank from the start
-    assert few.bank["loads"] >= 3 and few.bank["evictions"] >= 1  # two core slots: loads through rank 0
+    root, reference = bundle_job
+    two = run_job(_job(root, tmp_path / "two", tensor_parallel_size=2, max_num_seqs=5))
+    _same_tokens(_rows(tmp_path / "two"), reference)
+    assert two.bank["loads"] == 0  # every core resident on every rank from the start
 
 
+@pytest.mark.parametrize("bundle_job", ["llama"], indirect=True)
+def test_fewer_core_slots_than_members_at_two_ranks(bundle_job, tmp_path):
+    """Two core slots for three members: rank 0 loads and evicts cores as rows need them, each
+    load published once both ranks hold the member's cores in the slot rank 0 chose."""
+    root, reference = bundle_job
+    few = run_job(_job(root, tmp_path / "few", tensor_parallel_size=2, max_num_seqs=2, max_gpu_adapters=2))
+    _same_tokens(_rows(tmp_path / "few"), reference)
+    assert few.bank["loads"] >= 3 and few.bank["evictions"] >= 1
+
+
+@pytest.mark.parametrize("bundle_job", ["llama"], indirect=True)
 def test_the_triton_operator_under_tensor_parallelism_is_refused(bundle_job, tmp_path):
     with pytest.raises(JobError) as e:
-        run_job(_job(bundle_job, tmp_path / "out", tensor_parallel_size=2, bundle_operator="three-stage-triton"))
+        run_job(_job(bundle_job[0], tmp_path / "out", tensor_parallel_size=2, bundle_operator="three-stage-triton"))
     assert e.value.code == "E_TP_UNSUPPORTED" and e.value.exit_code == 2
     assert "three-stage-triton" in e.value.message and "--bundle-operator three-stage" in e.value.message
     assert not (tmp_path / "out" / "_SUCCESS").exists()
