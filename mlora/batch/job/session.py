@@ -120,7 +120,8 @@ class EngineSession:
                 self.bank.leader = self.tp
             num_blocks = kv_blocks(opts, self.model.config, dtype, device)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
-                                good, bundle=next(iter(good.values())) if bundle is not None else None))
+                                good, bundle=next(iter(good.values())) if bundle is not None else None,
+                                bundle_operator=getattr(self.bank, "operator", "torch")))
             if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
