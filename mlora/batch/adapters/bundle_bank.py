@@ -47,6 +47,15 @@ copy, so stream order retires them first. More distinct members in one call
 than slots is E_BANK_FULL (the scheduler admits at most ``num_slots``). Not
 built yet: eviction of bases (they must fit: ``E_BUNDLE_TOO_LARGE``).
 
+Tensor parallelism (``BundleBank.for_rank``; docs/scaleout.md, "Tensor parallelism: how
+adapters are placed"): the shared bases follow the base projection as a LoRA's A and B do
+(``V_c`` as A, ``U_c`` as B, cut by ``mlora.batch.model.tp.shard_lora``), the cores are whole
+on every rank. q/k/v and gate/up: ``V`` whole (each rank projects itself), ``U`` the rank's
+output rows. o and down: ``V`` the rank's input columns, so ``h_t`` is a partial sum; the
+gathered ``h_t`` (``n R`` columns, not the ``K R`` of ``H_t``: the gather only selects, so
+summing after it is exact and K times smaller) is all-reduced before the core, and ``U``'s
+rows ``[j h/N, (j+1) h/N)`` add into those columns of the rank's base partial.
+
 Two operators, chosen per bank (``operator=``; the engine always takes the default):
 
 * ``"torch"`` (default): the grouped dense GEMMs above, on either device.
@@ -76,8 +85,9 @@ import torch
 
 from mlora.batch.adapters.catalog import PinnedAdapter
 from mlora.batch.adapters.protocol import BlockingLoads, GraphLora
-from mlora.batch.adapters.slots import BankError, BankStats, lru_slot
-from mlora.batch.model.lora import GROUPS, ROLE_SLICE, module_layer_role
+from mlora.batch.adapters.slots import BankError, BankStats, TPShard, lru_slot
+from mlora.batch.model.lora import GROUPS, ROLE_SLICE, config_role_shapes, module_layer_role
+from mlora.batch.model.tp import bank_shapes, lora_cuts, shard_lora
 from mlora.kernels import LaunchPlan, build_plan, empty_launch_plan, make_launch_plan, tile_capacity
 from mlora.kernels.launch import DECODE_BLOCK_M
 from mlora.kernels.triton_sgmv import _INTERPRET, add_bundle_slices_triton
@@ -93,7 +103,9 @@ class _Group:
     its ``_Module``), ``V`` [d_in, sum_j K_j*R] every role's clusters side by side,
     ``voff`` each role's first column in it, ``lo:hi`` the roles' columns in the slot
     tables, ``col_module`` int64 [group width]: each output column's table column (``M``,
-    the tables' always-False extra column, where the bank holds no module)."""
+    the tables' always-False extra column, where the bank holds no module). On a
+    tensor-parallel rank's o or down: ``reduce`` (the gathered projections are partial sums)
+    and ``out_start``, the first column of the base partial the group's columns add at."""
 
     roles: list
     V: torch.Tensor
@@ -101,6 +113,8 @@ class _Group:
     lo: int
     hi: int
     col_module: torch.Tensor
+    reduce: bool = False
+    out_start: int = 0
 
 
 @dataclass
@@ -151,15 +165,22 @@ def _columns(indices: list[int]) -> tuple[int, int]:
 class BundleBank(BlockingLoads):
     """One bundle's shared bases resident and its members' cores in ``num_slots`` slots
     (``core_slots``; default one per member, loaded at start, slot = member index).
-    An ``AdapterBank`` (``mlora.batch.adapters.protocol``) whose loads happen inside ``ensure``."""
+    An ``AdapterBank`` (``mlora.batch.adapters.protocol``) whose loads happen inside ``ensure``.
+    With ``tp`` (:meth:`for_rank`) it holds one tensor-parallel rank's cut of the bases."""
 
     error = BankError
 
     def __init__(self, bundle, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype,
                  device, pinned: dict[str, PinnedAdapter] | None = None, core_slots: int | None = None,
-                 operator: str = "torch"):
+                 operator: str = "torch", tp: TPShard | None = None):
         if operator not in OPERATORS:
             raise ValueError(f"unknown bundle operator {operator!r}; expected one of {OPERATORS}")
+        self.tp = tp if tp is not None and tp.layout.size > 1 else None
+        if self.tp is not None and operator != "torch":
+            raise ValueError("the triton bundle operator does not sum the o and down projections over "
+                             "tensor-parallel ranks; use the torch operator there")
+        # row-parallel group -> the first column of the rank's base partial its columns add at
+        self.out_start = bank_shapes(tp.config, tp.layout)[1] if self.tp is not None else {}
         self.operator = operator
         self.device = torch.device(device)
         self.dtype = dtype
@@ -191,19 +212,23 @@ class BundleBank(BlockingLoads):
         host_ranks = torch.zeros(M, len(names), dtype=torch.int32)
         host_adapts = torch.zeros(M, len(names), dtype=torch.bool)
         bases = {}
+        whole = config_role_shapes(self.tp.config) if self.tp is not None else None  # role -> (d_out, d_in)
         for mi, name in enumerate(names):
             mod = bundle.manifest["modules"][name]
             layer, role = module_layer_role(name)
             group, j = ROLE_SLICE.get(role, ("", -1))
             if group not in self.widths or layer is None or not 0 <= layer < num_layers:
                 raise BankError("E_BANK_SHAPE", f"bundle module {name} does not fit the model")
-            d_out, d_in = self.widths[group][j], int(shapes[group][0])
+            d_out, d_in = whole[role] if whole is not None else (self.widths[group][j], int(shapes[group][0]))
             if (int(mod["d_out"]), int(mod["d_in"])) != (d_out, d_in):
                 raise BankError("E_BANK_SHAPE", f"bundle module {name} is [{mod['d_out']}, {mod['d_in']}], the model "
                                 f"has [{d_out}, {d_in}]")
             K = int(mod["clusters"])
             V = torch.cat([bundle.bases[f"{name}/cluster{k}/V"] for k in range(K)], dim=1)  # [d_in, K*R]
             Ut = torch.cat([bundle.bases[f"{name}/cluster{k}/U"] for k in range(K)], dim=1).T  # [K*R, d_out]
+            if self.tp is not None:  # V^T as a LoRA's A [K*R, d_in], U as its B [d_out, K*R]: the rank's cut
+                a, b = shard_lora(role, V.T, Ut.T, self.tp.config, self.tp.layout)
+                V, Ut = a.T, b.T
             for member, c in mod["assignments"].items():
                 i = self.index[member]
                 host_cores[i, mi] = bundle.cores[f"{name}/{member}"]
@@ -257,7 +282,8 @@ class BundleBank(BlockingLoads):
                 col_module[off : off + self.widths[group][j]] = m.index
             lo, hi = _columns([m.index for _, m in roles])
             grp = self.groups_of[(layer, group)] = _Group(
-                roles, torch.cat([m.V for _, m in roles], dim=1).contiguous(), voff, lo, hi, col_module.to(self.device))
+                roles, torch.cat([m.V for _, m in roles], dim=1).contiguous(), voff, lo, hi, col_module.to(self.device),
+                reduce=group in self.out_start, out_start=self.out_start.get(group, 0))
             for (_, m), v in zip(roles, voff):
                 m.V = grp.V[:, v : v + m.K * m.R]  # a view: the bases are held once
         # each table column's first column in its group's projection, plus 0 .. R-1: the
@@ -293,6 +319,14 @@ class BundleBank(BlockingLoads):
                 [self.offsets[group][j] for j, _ in held], self.slot_ranks[:, lo:hi].t(),
                 self.slot_cluster[:, lo:hi].t(), self.slot_cores[:, lo:hi], self.method == "jd-diag")
 
+    @classmethod
+    def for_rank(cls, bundle, tp: TPShard, dtype: torch.dtype, device, pinned: dict[str, PinnedAdapter] | None = None,
+                 core_slots: int | None = None, operator: str = "torch") -> BundleBank:
+        """The bank of one tensor-parallel rank: its cut of every basis (module docstring), at
+        the shapes of the rank's part of the model (``tp.bank_shapes``), every core whole."""
+        return cls(bundle, tp.config.num_layers, bank_shapes(tp.config, tp.layout)[0], dtype, device, pinned,
+                   core_slots, operator, tp)
+
     @staticmethod
     def bytes_needed(bundle, dtype: torch.dtype, operator: str = "torch") -> int:
         """Device bytes of the bank with one core slot per member (and the base model's zero row)."""
@@ -300,12 +334,14 @@ class BundleBank(BlockingLoads):
         return bases + (len(bundle.member_ids()) + 1) * per_slot
 
     @staticmethod
-    def split_bytes(bundle, dtype: torch.dtype, operator: str = "torch") -> tuple[int, int]:
+    def split_bytes(bundle, dtype: torch.dtype, operator: str = "torch", tp: TPShard | None = None
+                    ) -> tuple[int, int]:
         """(device bytes of the shared bases, device bytes of one core slot: every module's
         core, cluster, rank and adapts entries) for ``operator``. The torch operator holds
-        each module's K clusters; the Triton operator's banks hold, per (layer, group), the
-        group's most clusters for every slice it adapts (``[K_max, n, R, d_in]`` and
-        ``[K_max, sum(widths), R]``), more where the slices' cluster counts differ."""
+        each module's K clusters (with ``tp``: the rank's cut of them); the Triton operator's
+        banks hold, per (layer, group), the group's most clusters for every slice it adapts
+        (``[K_max, n, R, d_in]`` and ``[K_max, sum(widths), R]``), more where the slices'
+        cluster counts differ."""
         if operator not in OPERATORS:
             raise ValueError(f"unknown bundle operator {operator!r}; expected one of {OPERATORS}")
         elem = torch.empty((), dtype=dtype).element_size()
@@ -314,7 +350,15 @@ class BundleBank(BlockingLoads):
         modules = bundle.manifest["modules"]
         per_slot = len(modules) * (core * elem + 9)
         if operator == "torch":
-            bases = sum(int(m["clusters"]) * R * (int(m["d_in"]) + int(m["d_out"])) * elem for m in modules.values())
+            cuts = lora_cuts(tp.config, tp.layout) if tp is not None else {}
+
+            def held(name: str, m: dict) -> int:  # d_in + d_out of the bases the rank holds
+                cut = cuts.get(module_layer_role(name)[1])
+                if cut is None:
+                    return int(m["d_in"]) + int(m["d_out"])
+                return (int(m["d_in"]) if cut.a is None else cut.a.length) + cut.b.length
+
+            bases = sum(int(m["clusters"]) * R * held(name, m) * elem for name, m in modules.items())
             return bases, per_slot
         groups: dict[tuple, list] = {}  # (layer, group) -> its modules
         for name, m in modules.items():
@@ -348,7 +392,7 @@ class BundleBank(BlockingLoads):
         slot (LRU eviction among members this call does not name). An id that is not a
         servable member of this bundle raises BankError (never served as the base model or
         another member); more distinct members than slots raise E_BANK_FULL."""
-        member_of = {}
+        member_of, pin_of = {}, {}
         for adapter_id in adapter_ids:
             p = pinned.get(adapter_id)
             if p is None:
@@ -361,6 +405,7 @@ class BundleBank(BlockingLoads):
                                 f"{self.bundle_sha256[:16]} this job serves with the three-stage operator; serve "
                                 "mixed jobs with --bundle-operator materialized")
             member_of[adapter_id] = self.index[p.bundle_member]
+            pin_of.setdefault(member_of[adapter_id], p)
         wanted = dict.fromkeys(member_of.values())
         if len(wanted) > self.num_slots:
             raise BankError("E_BANK_FULL", f"{len(wanted)} distinct bundle members requested at once, the bank has "
@@ -371,17 +416,29 @@ class BundleBank(BlockingLoads):
                 self._slot_of.move_to_end(i)
             else:
                 self.stats.misses += 1
-                self._load(i, wanted)
+                self._load(i, pin_of[i], wanted)
+                self.stats.loads += 1
         return {a: self._slot_of[i] for a, i in member_of.items()}
 
-    def _load(self, member: int, keep) -> None:
-        """Copy ``member``'s cores into a free slot, else into the least recently used slot of
-        a member not in ``keep``."""
-        free = lru_slot(self._slot_of, self.num_slots, keep, self.stats)
+    def _load(self, member: int, p: PinnedAdapter, keep) -> None:
+        """Copy ``member``'s cores (``p``: a pin naming it) into a free slot, else into the least
+        recently used slot of a member not in ``keep``."""
+        self._write(lru_slot(self._slot_of, self.num_slots, keep, self.stats), member)
+
+    def load_into(self, slot: int, p: PinnedAdapter) -> None:
+        """Copy the cores of ``p``'s member into ``slot``, whatever it held (a tensor-parallel
+        follower: rank 0's bank chose the slot)."""
+        if p.artifact_sha256 != self.bundle_sha256 or p.bundle_member not in self.index:
+            raise BankError("E_BANK_BUNDLE_MISMATCH", f"adapter {p.id!r} is not a member of the bundle "
+                            f"{self.bundle_sha256[:16]} this bank serves")
+        for member in [i for i, s in self._slot_of.items() if s == slot]:
+            del self._slot_of[member]
+        self._write(slot, self.index[p.bundle_member])
+
+    def _write(self, slot: int, member: int) -> None:
         for table, host in zip(self._tables, self._host):
-            table[free].copy_(host[member], non_blocking=True)
-        self._slot_of[member] = free
-        self.stats.loads += 1
+            table[slot].copy_(host[member], non_blocking=True)
+        self._slot_of[member] = slot
 
     def close(self) -> None:
         """Nothing runs in the background (no loads, no prefetch threads)."""
@@ -484,6 +541,9 @@ class BundleContext:
         cols, adapts = self._row_tables((layer, group), T)
         H = x @ grp.V  # [T, sum_j K_j R]: every role's every cluster
         h = H.gather(1, cols[:, grp.lo : grp.hi].reshape(T, n * R))  # [T, n R]: each role's row cluster
+        if grp.reduce:  # o or down on a tensor-parallel rank: h of its input columns, summed over the ranks
+            bank.tp.collective.all_reduce(h)  # on every rank alike: the same rows and (layer, group)s
+            y = y[:, grp.out_start : grp.out_start + grp.col_module.numel()]  # the rank's columns of its partial
         core = bank.slot_cores[:, grp.lo : grp.hi][self.row_members]  # [T, n, R] or [T, n, R, R]
         if core.dim() == 3:  # JD-Diag
             h = h * core.reshape(T, n * R)

@@ -8,11 +8,14 @@ of a tensor-parallel job". Messages, broadcast by rank 0 over the group's contro
 
     (gathers)                                   once, before Setup: every rank holds its weights,
                                                 then each rank's GPU memory (``rank_memory``)
-    Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank)
+    Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank),
+                                                and the bundle it serves with the three-stage
+                                                operator, if any
     ("forward", inputs, row slots)              every rank runs the same invocation of its part
                                                 of the model, so the layers' all-reduces pair up
-    ("load", slot, adapter id)                  every rank writes its cut of the adapter into the
-                                                slot and reports; published only if all did
+    ("load", slot, adapter id)                  every rank writes its cut of the adapter (a bundle
+                                                member: its cores) into the slot and reports;
+                                                published only if all did
     ("stop",)                                   the follower returns
 
 Must not choose rows, slots or tokens: a follower does what rank 0 decided, in its order.
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlora.batch.adapters.bundle_bank import BundleBank
+from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
 from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
@@ -43,9 +48,13 @@ class Setup:
 
     num_blocks: int  # KV blocks on every rank (the same block ids everywhere)
     block_size: int
-    num_slots: int  # adapter slots (0: no adapter is served)
+    num_slots: int  # adapter slots, or a bundle's core slots (0: no adapter is served)
     max_rank: int
     pinned: dict[str, PinnedAdapter]  # the servable adapters a load may name
+    # a member's pin (the bundle's path and identity) when every rank serves that bundle with the
+    # three-stage operator (BundleBank.for_rank, each rank verifying the bundle itself); None: slots
+    bundle: PinnedAdapter | None = None
+    bundle_operator: str = "torch"
 
 
 class Leader:
@@ -139,6 +148,22 @@ class LeaderBank(SlotBank):
             raise
 
 
+class LeaderBundleBank(BundleBank):
+    """Rank 0's bundle bank: as :class:`LeaderBank`, a member's cores loaded into a core slot
+    are published only once every rank holds them there. With a core slot per member (the
+    default) every core is resident from the start on every rank and no load happens."""
+
+    leader: Leader
+
+    def _load(self, member: int, p: PinnedAdapter, keep) -> None:
+        slot = lru_slot(self._slot_of, self.num_slots, keep, self.stats)
+        try:
+            self.leader.load(slot, p, lambda: self.load_into(slot, p))
+        except CodedError:
+            self._slot_of.pop(member, None)
+            raise
+
+
 def rank_devices(device_type: str, size: int, one_gpu: bool = False) -> tuple[str, ...]:
     """Each rank's device: rank j on its own GPU (``cuda:j``), or the CPU; ``one_gpu``: every
     rank on ``cuda:0`` (a debugging run of the sharded kernels on one GPU, over gloo)."""
@@ -174,8 +199,11 @@ def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> 
     c = model.config
     kv = KVCache(c.num_layers, setup.num_blocks, setup.block_size, c.num_kv_heads, c.head_dim, model.dtype, device)
     bank = None
-    if setup.num_slots:
-        shard = TPShard(load_config(base), layout, collective)
+    shard = TPShard(load_config(base), layout, collective)
+    if setup.bundle is not None:
+        bank = BundleBank.for_rank(pinned_bundle(setup.bundle), shard, model.dtype, device, pinned=setup.pinned,
+                                   core_slots=setup.num_slots, operator=setup.bundle_operator)
+    elif setup.num_slots:
         bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device)
     while True:
         msg = collective.broadcast_object()

@@ -30,7 +30,7 @@ from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_devices
+from mlora.batch.engine.tpfollow import Leader, LeaderBank, LeaderBundleBank, Setup, follow, rank_devices
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
@@ -81,15 +81,15 @@ class EngineSession:
 
     def _tensor_parallel(self, good: dict[str, PinnedAdapter], bundle) -> None:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
-        started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``),
-        the KV blocks and slots sized here from every rank's memory and sent to the followers; no
-        decode graphs or lookahead (same outputs). ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every
-        rank on ``cuda:0``, over gloo."""
+        started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``)
+        or of a bundle's bases (``LeaderBundleBank``), the KV blocks and slots sized here from
+        every rank's memory and sent to the followers; no decode graphs or lookahead (same
+        outputs). ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
-        if bundle is not None:
-            raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not serve a bundle's members "
-                           "with the three-stage operator yet: add --bundle-operator materialized (the members "
-                           "through slots), or run with --tensor-parallel-size 1", 2)
+        if bundle is not None and opts.bundle_operator == "three-stage-triton":
+            raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not run the Triton kernels of "
+                           "--bundle-operator three-stage-triton yet: use --bundle-operator three-stage (the torch "
+                           "operator, served under tensor parallelism), or run with --tensor-parallel-size 1", 2)
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
         if device.type == "cuda" and not one_gpu and torch.cuda.device_count() < size:
             raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} puts one rank on each GPU, but "
@@ -112,8 +112,13 @@ class EngineSession:
             usable = rank_usable(self.tp.memory(device), opts.gpu_memory_utilization)
             max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
             self.bank = None
-            if good:
-                shard = TPShard(config, TPLayout(0, size), self.tp.collective)
+            shard = TPShard(config, TPLayout(0, size), self.tp.collective)
+            if bundle is not None:
+                self.bank = self._bundle_bank(bundle, good, shard, usable)
+                self.bank.leader = self.tp
+                if usable is not None:
+                    usable -= self.bank.nbytes()
+            elif good:
                 shapes = bank_shapes(config, shard.layout)[0]
                 slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
                 slots = num_slots(opts, len(good), slot_bytes, device, usable)
@@ -123,8 +128,9 @@ class EngineSession:
                     usable -= slots * slot_bytes
             num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
-                                good))
-            if self.bank is not None and opts.preload_adapters:
+                                good, bundle=next(iter(good.values())) if bundle is not None else None,
+                                bundle_operator=getattr(self.bank, "operator", "torch")))
+            if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
             self.engine = self._engine(num_blocks)
@@ -133,9 +139,12 @@ class EngineSession:
         self.pauses = RunPauses()
         self.pauses.start()
 
-    def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter]) -> BundleBank:
+    def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter], shard: TPShard | None = None,
+                     usable: float | None = None) -> BundleBank:
         """The bundle's shared bases resident and as many core slots as the adapters' share
-        of GPU memory holds beside them (one per member at most, ``--max-gpu-adapters``)."""
+        of GPU memory holds beside them (one per member at most, ``--max-gpu-adapters``);
+        with ``shard``, rank 0's bank of a tensor-parallel group (its cut of the bases), sized
+        from each rank's ``usable`` bytes (``sizing.rank_usable``)."""
         opts, device, dtype = self.opts, self.device, self.dtype
         if opts.memory_ledger == "joint":
             raise JobError("E_MEMORY_LEDGER", "--memory-ledger joint carves adapter slots and KV blocks from one "
@@ -149,8 +158,8 @@ class EngineSession:
         members = len(bundle.member_ids())
         core_slots = members if opts.max_gpu_adapters is None else max(1, min(members, opts.max_gpu_adapters))
         if device.type == "cuda":  # the bases stay resident; cores get as many slots as the rest holds
-            share = adapter_share_bytes(opts, device)
-            bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator)
+            share = adapter_share_bytes(opts, device, usable)
+            bases, per_slot = BundleBank.split_bytes(bundle, dtype, operator, shard)
             fit = int((share - bases) // per_slot) - 1  # one more row: the base model's zero core
             if fit < 1:
                 raise JobError("E_BUNDLE_TOO_LARGE", f"the bundle's shared bases and one core slot need "
@@ -159,6 +168,9 @@ class EngineSession:
                                "slots with --bundle-operator materialized, raise --gpu-memory-utilization, or "
                                "give the KV cache less with --kv-cache-gb")
             core_slots = min(core_slots, fit)
+        if shard is not None:
+            return LeaderBundleBank.for_rank(bundle, shard, dtype, device, pinned=good, core_slots=core_slots,
+                                             operator=operator)
         return BundleBank(bundle, self.model.config.num_layers, self.model.group_shapes(), dtype, device, pinned=good,
                           core_slots=core_slots, operator=operator)
 
