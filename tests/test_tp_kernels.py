@@ -12,14 +12,21 @@ import torch
 from test_batch_model import Runner, random_model, tokens
 from test_bundle_triton import _bits, _case, _oracle
 from test_kernels_reference import TOL
-from test_kernels_slices import DEVICE, sliced_case, sliced_oracle
+from test_kernels_slices import DEVICE, poison_rank_tails, sliced_case, sliced_oracle
 
 from mlora.batch.adapters.catalog import load_catalog
 from mlora.batch.adapters.slots import SlotBank, TPShard
 from mlora.batch.model.decoder import DecoderModel, load_config
 from mlora.batch.model.tp import TPLayout
 from mlora.batch.model.tpgroup import run_ranks
-from mlora.kernels import add_lora_slices, build_plan, empty_launch_plan, make_launch_plan, tile_capacity, to_rank_pitched
+from mlora.kernels import (
+    add_lora_slices,
+    build_plan,
+    empty_launch_plan,
+    make_launch_plan,
+    tile_capacity,
+    to_rank_pitched,
+)
 from mlora.kernels.triton_sgmv import add_bundle_slices_triton
 
 
@@ -56,7 +63,8 @@ class FakeAllReduce:
 
 def _slice_cases():
     one = list(sliced_case(31, T=23, S=5, R=8, d_in=32, widths=(24,), base_frac=0.25))  # o/down: one slice
-    one[5][0, 1] = 0  # slot 1 does not adapt the module (its rows pass through untouched)
+    one[5][0] = torch.tensor([8, 0, 3, 5, 6], dtype=torch.int32)  # slot 1 does not adapt the module
+    poison_rank_tails(one[2], one[3], one[5], one[7])
     one[4][:3] = torch.tensor([1, -1, 1], dtype=torch.int32)
     three = list(sliced_case(32, T=17, S=4, R=16, d_in=32, widths=(16, 8, 8)))
     return {"one-slice": one, "three-slices": three}
@@ -130,6 +138,40 @@ def test_bundle_partial_projections_summed_before_the_core(diag):
     assert torch.allclose(y[act].double(), want[act], rtol=1e-4, atol=1e-4), float((y[act] - want[act]).abs().max())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (runs on the device)")
+def test_cuda_graph_replays_the_reduction_between_the_launches():
+    """A call with ``reduce_z`` is captured once over static launch buffers (the reduction adds
+    rank 1's bottleneck from a static tensor inside the graph) and replayed with new row slots."""
+    T, S = 40, 5
+    y, x, a, b, rs, ranks, scales, widths = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in
+                                             sliced_case(9, T=T, S=S, R=16, d_in=64, widths=(48,), dtype=torch.bfloat16))
+    cut, R = x.shape[1] // 2, a.shape[2]
+    static = empty_launch_plan(T, tile_capacity(T, S, 16), 16, DEVICE)
+    other = torch.zeros(T, R, dtype=torch.float32, device=DEVICE)  # rank 1's z, refilled before each replay
+    kw = dict(widths=widths, ranks=ranks, scales=scales, backend="triton", plan=static, check_values=False)
+    y_static = y.clone()
+    static.copy_from(make_launch_plan(build_plan(rs), 16))
+    add_lora_slices(y_static, x[:, :cut], a[..., :cut], b, rs, reduce_z=lambda z: z.add_(other), **kw)  # warm-up: compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_lora_slices(y_static, x[:, :cut], a[..., :cut], b, rs, reduce_z=lambda z: z.add_(other), **kw)
+    for seed in range(3):
+        rs_new = torch.randint(-1, S, (T,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32).to(DEVICE)
+        static.copy_from(make_launch_plan(build_plan(rs_new), 16))
+        add_lora_slices(torch.zeros_like(y), x[:, cut:], a[..., cut:], b, rs_new, reduce_z=other.copy_, **kw)
+        y_static.copy_(y)
+        graph.replay()
+        uncut = add_lora_slices(y.clone(), x, a, b, rs_new, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(y_static[rs_new < 0], y[rs_new < 0])
+        act = rs_new >= 0
+        err = (y_static[act].double() - uncut[act].double()).abs().max() / uncut[act].double().abs().max()
+        assert err < TOL[torch.bfloat16], float(err)
+        ref = sliced_oracle(y.cpu(), x.cpu(), a.cpu(), b.cpu(), rs_new.cpu(), ranks.cpu(), scales.cpu(), widths)
+        err = (y_static.cpu()[act.cpu()].double() - ref[act.cpu()]).abs().max() / ref.abs().max()
+        assert err < TOL[torch.bfloat16], float(err)
+
+
 # ---------------------------------------------------------------- two gloo ranks, Triton banks
 
 ROWS = {"r4": (6, 1), "r6": (5, 2), None: (4, 3)}  # adapter -> (prompt length, seed): mixed ranks, a base row
@@ -165,8 +207,9 @@ def rank_prefill(collective, base: str, adapters: str) -> dict:
     return {backend: prefill(model, base, adapters, backend, shard) for backend in ("triton", "torch")}
 
 
-def test_two_ranks_with_triton_banks_give_the_logits_of_one_rank(workspace):
+def test_two_ranks_with_triton_banks_give_the_logits_of_one_rank(workspace, monkeypatch):
     base, adapters = workspace
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' banks are on the CPU, also where there is a GPU
     ranks = run_ranks(rank_prefill, 2, (base, adapters), timeout_s=120)
     torch.set_num_threads(1)
     model = DecoderModel.from_pretrained(base, dtype=torch.float32)
