@@ -17,7 +17,7 @@ Public entry points::
       rows with s = -1 are left exactly as they were.
 
     add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None, b_layout="padded") -> y
+                    plan=None, check_values=True, out_offsets=None, b_layout="padded", reduce_z=None) -> y
       the fused multi-slice form (q/k/v, gate/up) in one shrink and one expand launch:
       lora_a [S, n, R, d_in], lora_b [S, sum(widths), R], ranks and scales [n, S];
       slice j owns the output columns [off_j, off_j + widths[j]) with off_j = sum(widths[:j]):
@@ -30,6 +30,15 @@ Public entry points::
       ``b_layout="rank-pitched"``: lora_b holds each slot's slices with row stride = the slice's rank
       rounded up to 8 (``mlora.kernels.pitch``: contiguous rows for low-rank slots in a wide bank);
       ``lora_b[s, off_j:off_j+w_j, :r]`` above then means ``pitch.pitched_view(lora_b, s, off_j, w_j, r)``.
+      ``reduce_z`` (optional, a callable): runs between the shrink of every row and the
+      expands (once a call; Triton: once per launch pair of up to four slices) on the float32
+      bottleneck z ``[rows, n * R]`` (slice j at columns j * R; row order and height are the
+      backend's own) and updates it in place, e.g. sums it with the same call's z on the
+      other ranks of a tensor-parallel group: the semantics above with
+      ``x[t] @ lora_a[s, j, :r].T`` replaced by its result (a row-parallel module's partial
+      shrinks summed before the expand). Entries past a slot's rank and rows of no tile may
+      hold anything and never reach y; whether it is called depends only on the plan and
+      the shapes, so ranks making the same call call it alike.
 
 Backends: ``"torch"`` (the per-slot loop over a SegmentPlan; CPU and GPU) and
 ``"triton"`` (segmented split-K shrink and multi-slice expand over a
@@ -50,7 +59,7 @@ import torch
 from mlora.kernels.launch import LaunchPlan, choose_block_m, empty_launch_plan, make_launch_plan, tile_capacity
 from mlora.kernels.pitch import B_LAYOUTS, b_pitch, check_pitched, pitched_span, pitched_view, to_rank_pitched
 from mlora.kernels.plan import PlanError, SegmentPlan, build_plan, validate_plan
-from mlora.kernels.reference import lora_gather_bmm, lora_loop, lora_oracle_f64
+from mlora.kernels.reference import lora_gather_bmm, lora_loop, lora_loop_reduced, lora_oracle_f64
 from mlora.kernels.triton_act import lora_silu_mul_triton
 from mlora.kernels.triton_sgmv import add_lora_slices_triton
 
@@ -145,9 +154,10 @@ def add_lora(y, x, lora_a, lora_b, row_slots, *, ranks=None, scales=None, backen
 
 
 def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scales=None, backend="auto",
-                    plan=None, check_values=True, out_offsets=None, b_layout="padded"):
+                    plan=None, check_values=True, out_offsets=None, b_layout="padded", reduce_z=None):
     """Add the fused multi-slice LoRA delta to ``y`` in place and return it (semantics above).
-    ``b_layout``: ``"padded"`` or ``"rank-pitched"`` (``mlora.kernels.pitch``)."""
+    ``b_layout``: ``"padded"`` or ``"rank-pitched"`` (``mlora.kernels.pitch``). ``reduce_z``:
+    an in-place reduction of the bottleneck between the shrink and the expand (above)."""
     widths = [int(w) for w in widths]
     _check_shapes(y, x, lora_a, lora_b, row_slots, widths, ranks, scales, out_offsets)
     ranks, scales, pitched = _bank_tables(lora_a, lora_b, row_slots, ranks, scales, b_layout, check_values)
@@ -159,6 +169,10 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
         if isinstance(plan, LaunchPlan):
             raise ValueError("the torch backend takes a SegmentPlan, not a LaunchPlan")
         plan = plan or build_plan(row_slots)
+        if reduce_z is not None:
+            view = (lambda s, off, w, r: pitched_view(lora_b, s, off, w, r)) if pitched else None
+            return lora_loop_reduced(y, x, lora_a, lora_b, plan, ranks, scales, widths, out_offsets, reduce_z,
+                                     b_view=view)
         off = 0
         for j, w in enumerate(widths):
             col = out_offsets[j]
@@ -171,7 +185,7 @@ def add_lora_slices(y, x, lora_a, lora_b, row_slots, *, widths, ranks=None, scal
     if plan.row_capacity < 1 or plan.tile_capacity < 1:
         return y
     return add_lora_slices_triton(y, x, lora_a, lora_b, plan, ranks.to(torch.int32), scales.to(torch.float32), widths,
-                                  out_offsets=out_offsets, b_pitched=pitched)
+                                  out_offsets=out_offsets, b_pitched=pitched, reduce_z=reduce_z)
 
 
 def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:

@@ -13,6 +13,9 @@ against. All share the semantics of :func:`mlora.kernels.add_lora`::
   with float32 accumulation (PEFT's way: one pair of GEMMs per adapter).
 * :func:`lora_gather_bmm` - gather each row's factors (tails masked to zero
   with ``where``, so NaN tails cannot leak) and run two batched matmuls.
+* :func:`lora_loop_reduced` - :func:`lora_loop` over every slice in two phases, all
+  shrinks, then a caller's in-place reduction of z, then all expands (the torch
+  backend of ``add_lora_slices(..., reduce_z=...)``).
 """
 
 from __future__ import annotations
@@ -81,4 +84,41 @@ def lora_gather_bmm(y, x, lora_a, lora_b, row_slots, ranks=None, scales=None):
     z = torch.bmm(a, x[rows].float()[:, :, None])  # [N, R, 1]
     delta = torch.bmm(b, z)[:, :, 0] * scales[slots].float()[:, None]
     y[rows] = (y[rows].float() + delta).to(y.dtype)
+    return y
+
+
+def lora_loop_reduced(y, x, lora_a, lora_b, plan: SegmentPlan, ranks, scales, widths, out_offsets, reduce_z,
+                      b_view=None):
+    """The multi-slice update (``lora_a`` [S, n, R, d_in], ``lora_b`` [S, sum(widths), R], ranks
+    and scales [n, S]) with ``reduce_z`` between the shrinks and the expands; y updated in place.
+
+    Every segment's shrink goes into one float32 z ``[N, n * R]`` (row u = the plan's grouped
+    row u, slice j at columns ``j * R``, zero past each rank), then ``reduce_z(z)`` updates it
+    in place, then every segment's expand reads it (float32, as :func:`lora_loop`), slice j
+    into y's columns from ``out_offsets[j]``. ``b_view(s, off, w, r)``: slot ``s``'s ``[w, r]``
+    B of the slice at row ``off`` (default ``lora_b[s, off:off + w, :r]``)."""
+    n, R = lora_a.shape[1], lora_a.shape[2]
+    rows_all = plan.sorted_rows.long()
+    starts = plan.starts.tolist()
+    slots = plan.slot_ids.tolist()
+    host_ranks, host_scales = ranks.tolist(), scales.tolist()
+    z = torch.zeros((rows_all.numel(), n * R), dtype=torch.float32, device=x.device)
+    for t, s in enumerate(slots):
+        xs = x[rows_all[starts[t] : starts[t + 1]]].float()
+        for j in range(n):
+            r = int(host_ranks[j][s])
+            if r:
+                z[starts[t] : starts[t + 1], j * R : j * R + r] = xs @ lora_a[s, j, :r].float().T
+    reduce_z(z)
+    for t, s in enumerate(slots):
+        rows = rows_all[starts[t] : starts[t + 1]]
+        off = 0
+        for j, w in enumerate(widths):
+            r = int(host_ranks[j][s])
+            if r:
+                b = lora_b[s, off : off + w, :r] if b_view is None else b_view(s, off, w, r)
+                delta = (z[starts[t] : starts[t + 1], j * R : j * R + r] @ b.float().T) * host_scales[j][s]
+                cols = slice(out_offsets[j], out_offsets[j] + w)
+                y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+            off += w
     return y

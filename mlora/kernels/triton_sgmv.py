@@ -9,6 +9,9 @@ gate/up share one launch), tile ``i`` with slot ``s`` and grouped rows ``u``::
                                                  @ lora_b[s, off_j : off_j + w_j, :ranks[j,s]].T
     rows outside the plan (base-only rows) are never touched.
 
+A caller's ``reduce_z`` (a tensor-parallel rank's all-reduce of the row-parallel o and down
+shrinks) runs on the summed fp32 z between the two launches (``_shrink_expand``).
+
 Local kernel ABI (docs/kernels.md, Local kernel ABI), recorded here and in ``KERNEL_ABI``:
   * A bank ``[S, n, R, d_in]`` and B bank ``[S, sum(w_j), R]``, row-major, the
     logical orientation of PEFT checkpoints; slice ``j`` of B is the row block
@@ -553,14 +556,16 @@ COMPILE_KEYS = ("rank_tiles", "block_r", "block_k", "rank_class", "block_n", "bl
 
 
 def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, config=None,
-                           out_offsets=None, b_pitched: bool = False):
+                           out_offsets=None, b_pitched: bool = False, reduce_z=None):
     """Shrink then expand over ``lp``; y updated in place and returned. No host
     synchronisation: capturable in a CUDA graph. Callers have checked shapes,
     dtypes, devices and value ranges (add_lora_slices). ``config`` overrides
     entries of :func:`launch_config`. ``out_offsets``: each slice's first column
     in y (default: side by side from 0). More than ``MAX_SLICES`` slices run as
-    several launches of at most that many. ``b_pitched``: ``lora_b`` is
-    rank-pitched (``mlora.kernels.pitch``)."""
+    several launches of at most that many (``reduce_z`` then runs once per launch
+    pair). ``b_pitched``: ``lora_b`` is rank-pitched (``mlora.kernels.pitch``).
+    ``reduce_z``: an in-place reduction of the summed z between the launches
+    (:func:`_shrink_expand`)."""
     S, n, R, d_in = lora_a.shape
     if out_offsets is None:
         out_offsets = [sum(widths[:j]) for j in range(n)]
@@ -571,7 +576,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
             add_lora_slices_triton(y, x, lora_a[:, j0 : j0 + MAX_SLICES],
                                    lora_b[:, off : off + sum(ws)], lp, ranks[j0 : j0 + MAX_SLICES],
                                    scales[j0 : j0 + MAX_SLICES], ws, config, out_offsets[j0 : j0 + MAX_SLICES],
-                                   b_pitched=b_pitched)
+                                   b_pitched=b_pitched, reduce_z=reduce_z)
             off += sum(ws)
         return y
     assert y.stride(1) == 1, "y must be row-major"
@@ -581,7 +586,7 @@ def add_lora_slices_triton(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, 
     x, lora_a, lora_b, ranks, scales, native_a, native_b = _kernel_operands(x, lora_a, lora_b, ranks, scales)
     cfg = _config(lp, x, lora_a, widths, native_a, config)
     return _shrink_expand(y, x, lora_a, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_a, native_b,
-                          b_pitched=pitched)
+                          b_pitched=pitched, reduce_z=reduce_z)
 
 
 def _config(lp: LaunchPlan, x, lora_a, widths, native_a: bool, config: dict | None) -> dict:
@@ -616,14 +621,27 @@ def _kernel_operands(x, a, b, table, other):
 
 def _shrink_expand(y, x, lora_a, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, cfg: dict,
                    native_a: bool, native_b: bool, bank_rows=None, cores=None, core_kind: int = 0,
-                   b_pitched: bool = False):
+                   b_pitched: bool = False, reduce_z=None):
     """The two launches (split-K shrink, then expand) of ``cfg`` (:func:`launch_config`) over
     ``lp``; y updated in place and returned. ``bank_rows`` (an ``[n, S]`` table with the
     strides of ``ranks``): the A and B rows to read per slice and slot instead of the slot.
     ``cores`` with ``core_kind`` 1 (JD-Diag, ``[S, n, R]``) or 2 (JD-Full, ``[S, n, R, R]``):
-    the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update."""
-    pdl = cfg["pdl"] and _pdl_supported(x.device)
+    the slot's core applied to z in place of ``scales``. Without them: the plain LoRA update.
+
+    ``reduce_z(z)``, when given, runs on the current stream between the two launches with
+    ``z = zp[0]``, the summed fp32 partial ``[lp.row_capacity, n * R]`` (contiguous; row u is
+    grouped row u of ``lp``, slice j at columns ``j * R``), and must update it in place (a
+    tensor-parallel rank's all-reduce: every rank's partial shrink summed, then each rank's
+    expand; docs/kernels.md, Reducing z between the launches). The expand reads only the rows
+    of ``lp``'s tiles and, of each, slice j's columns below its slot's rank (loaded up to the
+    rank rounded up to 8, those past the rank replaced by zero): every other entry is never
+    written by the shrink and may hold anything (NaN included), so summing the whole tensor
+    is right and no entry needs clearing first. The expand is then an ordinary launch (no
+    programmatic dependence on the shrink: other work sits between them on the stream)."""
+    pdl = cfg["pdl"] and _pdl_supported(x.device) and reduce_z is None
     zp = _shrink(x, lora_a, lp, ranks, cfg, native_a, pdl, bank_rows)
+    if reduce_z is not None:
+        reduce_z(zp[0])
     return _expand(y, zp, lora_b, lp, ranks, scales, widths, out_offsets, cfg, native_b, pdl, bank_rows, cores,
                    core_kind, b_pitched)
 
@@ -674,7 +692,7 @@ def _expand(y, zp, lora_b, lp: LaunchPlan, ranks, scales, widths, out_offsets, c
 
 
 def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank_rows, cores, widths,
-                             out_offsets=None, diag: bool = False, config=None):
+                             out_offsets=None, diag: bool = False, config=None, reduce_z=None):
     """The three-stage bundle operator (docs/design.md, Bundle and three-stage operator) of one
     (layer, group) as one shrink and
     one expand launch over ``lp``, the slot being the member; y updated in place and returned.
@@ -695,7 +713,9 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
     plan and slices with ``ranks[j, s] == 0`` are never touched (bit-identical); bank rows,
     cores and rank tails no (slot, slice) of the plan names are never read (may hold NaN). No host
     synchronisation, grids from static shapes: capturable in a CUDA graph. ``config``
-    overrides :func:`launch_config` entries. At most ``MAX_SLICES`` slices."""
+    overrides :func:`launch_config` entries. At most ``MAX_SLICES`` slices. ``reduce_z``:
+    an in-place reduction of the summed fp32 ``h`` before the core (:func:`_shrink_expand`;
+    a row-parallel rank sums its partial projections ``V_c^T x`` with the other ranks')."""
     _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag)
     _, n, R, d_in = bases_a.shape
     if out_offsets is None:
@@ -705,7 +725,7 @@ def add_bundle_slices_triton(y, x, bases_a, bases_b, lp: LaunchPlan, ranks, bank
                                                                                  bank_rows)
     cfg = _config(lp, x, bases_a, widths, native_a, config)
     return _shrink_expand(y, x, bases_a, bases_b, lp, ranks, ranks, widths, out_offsets, cfg, native_a, native_b,
-                          bank_rows=bank_rows, cores=cores, core_kind=1 if diag else 2)
+                          bank_rows=bank_rows, cores=cores, core_kind=1 if diag else 2, reduce_z=reduce_z)
 
 
 def _check_bundle(y, x, bases_a, bases_b, ranks, bank_rows, cores, widths, diag: bool) -> None:

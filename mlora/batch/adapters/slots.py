@@ -69,7 +69,7 @@ from mlora.kernels.launch import DECODE_BLOCK_M
 # Invocations of at least this many rows add the gate/up deltas inside the SiLU product
 # (BankContext.apply_silu_mul): it pays for prefill-sized batches, not for decode steps.
 FUSE_SILU_MIN_ROWS = 1024
-# the row-parallel groups of a tensor-parallel bank: shrink, all-reduce, expand (BankContext._row_parallel)
+# the row-parallel groups of a tensor-parallel bank: shrink, all-reduce of z, expand (BankContext.apply)
 ROW_PARALLEL_GROUPS = ("o", "down")
 
 
@@ -271,8 +271,9 @@ class SlotBank(SlotTensors, BlockingLoads):
 
     With ``tp`` (:meth:`for_rank`) the slots hold one tensor-parallel rank's cut of every adapter
     (docs/scaleout.md, "Tensor parallelism: how adapters are placed"): q/k/v and gate/up on the
-    rank's output widths with the segmented kernels, o and down as shrink, all-reduce of the
-    rank-width partial, expand into the rank's ``h/N`` output columns (:class:`BankContext`)."""
+    rank's output widths with the segmented kernels, o and down as the same kernels' shrink,
+    all-reduce of the rank-width partial between the two launches, expand into the rank's
+    ``h/N`` output columns (:class:`BankContext`)."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
                  max_rank: int, dtype: torch.dtype, device, backend: str = "auto", tp: TPShard | None = None):
@@ -384,55 +385,26 @@ class BankContext:
 
     def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
         self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
-        self._slot_rows: list[tuple[int, torch.Tensor]] | None = None  # (slot, its rows): row-parallel TP groups
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the LoRA deltas of this invocation's rows to ``y`` in place."""
+        """Add the LoRA deltas of this invocation's rows to ``y`` in place.
+
+        o and down on a tensor-parallel rank hold the rank's input columns of A: the kernels'
+        bottleneck ``z = x A_s^T`` is that rank's partial, summed over the group between the
+        shrink and the expand (``reduce_z``; every rank makes the same calls with the same
+        plan), then ``y[:, o:o+w] += scale_s * z B_s^T`` with the rank's ``h/N`` rows of B at
+        its columns (docs/scaleout.md, "Tensor parallelism: how adapters are placed")."""
         if (layer, group) not in self.targeted:  # no active slot adapts this module: nothing to add
             return
         bank = self.bank
-        if bank.tp is not None and group in ROW_PARALLEL_GROUPS:
-            self._row_parallel(layer, group, x, y)
-            return
+        reduce_z = bank.tp.collective.all_reduce if bank.tp is not None and group in ROW_PARALLEL_GROUPS else None
         ranks, scales = bank.layer_tables(group, layer)
         add_lora_slices(
             y, x, bank.A[group][:, layer], bank.B[group][:, layer], self.row_slots, widths=bank.widths[group],
             ranks=ranks, scales=scales, backend=bank.backend,
             plan=self.plan, check_values=False,  # ranks checked when written, row slots in context()
-            out_offsets=bank.out_offsets[group], b_layout=bank.b_layout,
+            out_offsets=bank.out_offsets[group], b_layout=bank.b_layout, reduce_z=reduce_z,
         )
-
-    def _row_parallel(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """o or down on a tensor-parallel rank, in torch (the fused kernel cannot stop between
-        shrink and expand). Semantics, per slot s and its rows::
-
-            P = x A_s^T                      [T_s, r]  (the rank's input columns of A)
-            Z = all_reduce(P)                           (every rank's partial, summed)
-            y[:, o:o+w] += scale_s * Z B_s^T            (the rank's h/N rows of B, at its columns)
-        """
-        bank = self.bank
-        a, b = bank.A[group][:, layer], bank.B[group][:, layer]
-        ranks, scales = bank.layer_tables(group, layer)
-        segments = self._segments()
-        z = torch.zeros((x.shape[0], bank.max_rank), dtype=x.dtype, device=x.device)
-        for s, rows in segments:
-            r = int(ranks[0, s])
-            if r:
-                z[rows, :r] = x[rows] @ a[s, 0, :r].T
-        bank.tp.collective.all_reduce(z)  # on every rank alike: the same rows, slots and ranks
-        off, w = bank.out_offsets[group][0], bank.widths[group][0]
-        for s, rows in segments:
-            r = int(ranks[0, s])
-            if r:
-                y[rows, off:off + w] += float(scales[0, s]) * (z[rows, :r] @ pitched_view(b, s, 0, w, r).T)
-
-    def _segments(self) -> list[tuple[int, torch.Tensor]]:
-        """(slot, the indices of its rows) of every slot this invocation's rows name, once per invocation."""
-        if self._slot_rows is None:
-            host = self.row_slots.to("cpu")
-            self._slot_rows = [(int(s), (host == s).nonzero().flatten().to(self.row_slots.device))
-                               for s in host.unique().tolist() if s >= 0]
-        return self._slot_rows
 
     def apply_silu_mul(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, inter: int, ops) -> torch.Tensor:
         """``ops.silu_mul`` of ``gate_up`` plus this invocation's gate/up deltas. With the
