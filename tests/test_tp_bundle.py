@@ -4,7 +4,7 @@ are placed"), the cores whole. Two ranks of one module (threads sharing a summin
 give the unsharded operator's output for every kind of module; a bundle job at two gloo ranks
 gives the tokens of one rank on a tiny Llama and a tiny Qwen2 (q/k/v bias), with every core
 resident and with fewer core slots than members (loads published by rank 0 only once both
-ranks hold them); the Triton operator is refused under tensor parallelism (E_TP_UNSUPPORTED)."""
+ranks hold them); the Triton operator's ranks (interpreted) equal the unsharded operator too."""
 
 import json
 import random
@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
-from mlora.batch.errors import JobError
 from mlora.batch.model.decoder import ModelConfig
 from mlora.batch.model.lora import GROUPS, group_shapes
 from mlora.batch.model.tp import TPLayout, weight_cuts
@@ -168,13 +167,88 @@ def test_two_ranks_of_the_three_stage_operator_equal_one(method, kv):
         assert bases < BundleBank.split_bytes(bundle, torch.float64)[0]
 
 
-def test_the_triton_operator_refuses_a_tensor_parallel_rank():
+class TwoPassGroup:
+    """``size`` ranks run one after the other, twice, without threads (the Triton interpreter is
+    not shared between threads): in the first pass each rank's ``all_reduce`` records its tensor,
+    in the second each call sets its tensor to the sum of the ranks' first-pass tensors of that
+    call (what one pass of the group's all-reduce gives)."""
+
+    def __init__(self, size: int):
+        self.size, self.summing, self.seen, self.calls = size, False, [[] for _ in range(size)], [0] * size
+
+    def collective(self, rank: int):
+        def all_reduce(t: torch.Tensor) -> None:
+            if not self.summing:
+                self.seen[rank].append(t.clone())
+                return
+            i, self.calls[rank] = self.calls[rank], self.calls[rank] + 1
+            t.copy_(sum(self.seen[j][i] for j in range(1, self.size)) + self.seen[0][i])
+        return SimpleNamespace(all_reduce=all_reduce)
+
+    def run(self, fn) -> list:
+        """``fn(rank)`` for every rank, recording, then again, summing: the second pass's results."""
+        self.summing, self.seen, self.calls = False, [[] for _ in range(self.size)], [0] * self.size
+        for j in range(self.size):
+            fn(j)
+        self.summing = True
+        return [fn(j) for j in range(self.size)]
+
+
+@pytest.mark.parametrize("method", ["jd-full", "jd-diag"])
+def test_two_ranks_of_the_triton_operator_equal_one(method):
+    """The Triton operator (interpreted, float32) on two ranks: column-parallel groups give the
+    unsharded operator's columns of their base rows; on o and down the projections are summed
+    between the kernels' launches and each rank adds its h/N columns, so the partials sum to
+    the unsharded output; other columns and base rows keep their bits."""
     config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
                                   "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
                                   "num_key_value_heads": 2, "max_position_embeddings": 64})
-    shard = TPShard(config, TPLayout(0, 2), ThreadGroup(2).collective(0))
-    with pytest.raises(ValueError, match="torch operator"):
-        BundleBank.for_rank(synthetic_bundle(config, "jd-full"), shard, torch.float32, "cpu", operator="triton")
+    bundle = synthetic_bundle(config, method)
+    shapes = group_shapes(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                          config.head_dim)
+    full = BundleBank(bundle, config.num_layers, shapes, torch.float64, "cpu")
+    group = TwoPassGroup(2)
+    layouts = [TPLayout(j, 2) for j in range(2)]
+    ranks = [BundleBank.for_rank(bundle, TPShard(config, layouts[j], group.collective(j)), torch.float32, "cpu",
+                                 operator="triton") for j in range(2)]
+    rows = torch.tensor([1, -1, 0, 3, 2, 1, -1, 0], dtype=torch.int32)
+    base = (rows < 0).nonzero().flatten()
+    full_ctx, rank_ctx = full.context(rows), [bank.context(rows) for bank in ranks]
+    cuts = [weight_cuts(config, lay) for lay in layouts]
+    g = torch.Generator().manual_seed(9)
+    for grp in GROUPS:
+        d_in, widths = shapes[grp]
+        x = torch.randn(len(rows), d_in, generator=g)
+        if grp in ("o", "down"):
+            partials = [torch.randn(len(rows), widths[0], generator=g) for _ in ranks]
+            want = (partials[0] + partials[1]).double()
+            full_ctx.apply(0, grp, x.double(), want)
+
+            def rank_apply(j, grp=grp, x=x, partials=partials):
+                y = partials[j].clone()
+                rank_ctx[j].apply(0, grp, cuts[j][GROUPS[grp][0]].take(x), y)
+                return y
+            got = group.run(rank_apply)
+            assert torch.allclose((got[0] + got[1]).double(), want, rtol=1e-4, atol=1e-4), grp
+            assert not torch.allclose(want, (partials[0] + partials[1]).double())  # the deltas were checked
+            h = config.hidden_size // 2
+            for j, y in enumerate(got):
+                outside = torch.ones(widths[0], dtype=torch.bool)
+                outside[j * h:(j + 1) * h] = False
+                assert torch.equal(y[:, outside], partials[j][:, outside])
+                assert torch.equal(y[base], partials[j][base])
+        else:
+            y0 = torch.randn(len(rows), sum(widths), generator=g)
+            want = y0.double()
+            full_ctx.apply(0, grp, x.double(), want)
+            offs = [sum(widths[:k]) for k in range(len(widths))]
+            for j in range(2):
+                cols = torch.cat([torch.arange(off + cuts[j][role].start, off + cuts[j][role].stop)
+                                  for off, role in zip(offs, GROUPS[grp])])
+                y = y0[:, cols].clone()
+                rank_ctx[j].apply(0, grp, x, y)
+                assert torch.allclose(y.double(), want[:, cols], rtol=1e-4, atol=1e-4), (grp, j)
+                assert torch.equal(y[base], y0[base][:, cols])
 
 
 # ---------------------------------------------------------------- jobs
@@ -219,10 +293,10 @@ def bundle_job(request, tmp_path_factory):
 
 
 def _job(root, out, **over) -> JobConfig:
-    over.setdefault("bundle_operator", "three-stage")  # never served another way: a fallback fails the job
+    over = {"bundle_operator": "three-stage", "device": "cpu", **over}  # a fallback to another operator fails
     return JobConfig(input=str(root / "in.parquet"), output=str(out), base=str(root / "base"),
                      adapters_dir=str(root / "bundle"), prompt_column=None, prompt_ids_column="prompt_ids",
-                     max_new_tokens=MAX_NEW, device="cpu", dtype="float32", **over)
+                     max_new_tokens=MAX_NEW, dtype="float32", **over)
 
 
 def _same_tokens(rows: dict, reference: dict) -> None:
@@ -249,10 +323,15 @@ def test_fewer_core_slots_than_members_at_two_ranks(bundle_job, tmp_path):
     assert few.bank["loads"] >= 3 and few.bank["evictions"] >= 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: two ranks sharing one GPU over gloo")
 @pytest.mark.parametrize("bundle_job", ["llama"], indirect=True)
-def test_the_triton_operator_under_tensor_parallelism_is_refused(bundle_job, tmp_path):
-    with pytest.raises(JobError) as e:
-        run_job(_job(bundle_job[0], tmp_path / "out", tensor_parallel_size=2, bundle_operator="three-stage-triton"))
-    assert e.value.code == "E_TP_UNSUPPORTED" and e.value.exit_code == 2
-    assert "three-stage-triton" in e.value.message and "--bundle-operator three-stage" in e.value.message
-    assert not (tmp_path / "out" / "_SUCCESS").exists()
+@pytest.mark.parametrize("operator", ["three-stage", "three-stage-triton"])
+def test_a_bundle_job_at_two_ranks_sharing_one_gpu_equals_one_rank(bundle_job, tmp_path, monkeypatch, operator):
+    """Both ranks on one GPU (MLORA_TP_ONE_GPU=1): the sharded operators on CUDA give the tokens
+    of one rank on the GPU with the same operator."""
+    monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")
+    root = bundle_job[0]
+    run_job(_job(root, tmp_path / "one", device="cuda", bundle_operator=operator))
+    run_job(_job(root, tmp_path / "two", device="cuda", bundle_operator=operator, tensor_parallel_size=2,
+                 max_num_seqs=5))
+    _same_tokens(_rows(tmp_path / "two"), _rows(tmp_path / "one"))

@@ -142,7 +142,9 @@ class _Banks:
     most clusters of any of them; rows past a slice's own clusters are zero and never read),
     ``widths`` and ``out_offsets`` (first y column) of those slices, and views of the slot
     tables: ``ranks`` int32 [n, S+1] (R where the slot's member adapts the slice, else 0),
-    ``rows`` int32 [n, S+1] (its cluster: the bank row), ``cores`` [S+1, n, R(, R)]."""
+    ``rows`` int32 [n, S+1] (its cluster: the bank row), ``cores`` [S+1, n, R(, R)]. On a
+    tensor-parallel rank's o or down, ``reduce``: the projections are partial sums, summed
+    over the ranks between the kernels' two launches."""
 
     A: torch.Tensor
     B: torch.Tensor
@@ -152,6 +154,7 @@ class _Banks:
     rows: torch.Tensor
     cores: torch.Tensor
     diag: bool
+    reduce: bool = False
 
 
 def _columns(indices: list[int]) -> tuple[int, int]:
@@ -176,9 +179,6 @@ class BundleBank(BlockingLoads):
         if operator not in OPERATORS:
             raise ValueError(f"unknown bundle operator {operator!r}; expected one of {OPERATORS}")
         self.tp = tp if tp is not None and tp.layout.size > 1 else None
-        if self.tp is not None and operator != "torch":
-            raise ValueError("the triton bundle operator does not sum the o and down projections over "
-                             "tensor-parallel ranks; use the torch operator there")
         # row-parallel group -> the first column of the rank's base partial its columns add at
         self.out_start = bank_shapes(tp.config, tp.layout)[1] if self.tp is not None else {}
         self.operator = operator
@@ -314,10 +314,12 @@ class BundleBank(BlockingLoads):
                 A[:Kj, k] = V.T.reshape(Kj, R, d_in)  # V_c^T
                 B[:Kj, off : off + widths[k]] = Ut.reshape(Kj, R, -1).transpose(1, 2)  # U_c
             lo, hi = _columns([b[0] for _, b in held])
+            start = self.out_start.get(group, 0)  # a row-parallel rank's columns of its base partial
             self.banks[(layer, group)] = _Banks(
                 A.to(self.device), B.to(self.device), widths,
-                [self.offsets[group][j] for j, _ in held], self.slot_ranks[:, lo:hi].t(),
-                self.slot_cluster[:, lo:hi].t(), self.slot_cores[:, lo:hi], self.method == "jd-diag")
+                [start + self.offsets[group][j] for j, _ in held], self.slot_ranks[:, lo:hi].t(),
+                self.slot_cluster[:, lo:hi].t(), self.slot_cores[:, lo:hi], self.method == "jd-diag",
+                group in self.out_start)
 
     @classmethod
     def for_rank(cls, bundle, tp: TPShard, dtype: torch.dtype, device, pinned: dict[str, PinnedAdapter] | None = None,
@@ -578,5 +580,6 @@ class BundleTritonContext:
         banks = self.bank.banks.get((layer, group))
         if banks is None or self.plan is None:
             return
+        reduce_z = self.bank.tp.collective.all_reduce if banks.reduce else None
         add_bundle_slices_triton(y, x, banks.A, banks.B, self.plan, banks.ranks, banks.rows, banks.cores,
-                                 banks.widths, banks.out_offsets, diag=banks.diag)
+                                 banks.widths, banks.out_offsets, diag=banks.diag, reduce_z=reduce_z)

@@ -86,10 +86,6 @@ class EngineSession:
         every rank's memory and sent to the followers; no decode graphs or lookahead (same
         outputs). ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
-        if bundle is not None and opts.bundle_operator == "three-stage-triton":
-            raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not run the Triton kernels of "
-                           "--bundle-operator three-stage-triton yet: use --bundle-operator three-stage (the torch "
-                           "operator, served under tensor parallelism), or run with --tensor-parallel-size 1", 2)
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
         if device.type == "cuda" and not one_gpu and torch.cuda.device_count() < size:
             raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} puts one rank on each GPU, but "
