@@ -286,6 +286,7 @@ class SlotBank(SlotTensors, BlockingLoads):
         self.stats = BankStats()
         self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
+        self._graph_contexts: dict[int, BankContext] = {}  # id(static plan) -> its graph's context (tp only)
 
     @classmethod
     def for_rank(cls, tp: TPShard, num_slots: int, max_rank: int, dtype: torch.dtype, device,
@@ -293,6 +294,18 @@ class SlotBank(SlotTensors, BlockingLoads):
         """The bank of one tensor-parallel rank: slots at the shapes of the rank's cut (``tp.bank_shapes``)."""
         return cls(tp.config.num_layers, bank_shapes(tp.config, tp.layout)[0], num_slots, max_rank, dtype, device,
                    backend, tp)
+
+    def graph_lora(self, rows: int) -> GraphLora:
+        graph = super().graph_lora(rows)
+        if self.tp is not None:  # the row-parallel groups read the context's row slots: context() refills them
+            self._graph_contexts[id(graph.static)] = graph.context
+        return graph
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can capture this bank's deltas: not a tensor-parallel rank's, whose
+        o and down deltas (:meth:`BankContext._row_parallel`) run over row segments built on the host."""
+        return self.tp is None
 
     @property
     def resident(self) -> dict[str, int]:
@@ -369,6 +382,9 @@ class SlotBank(SlotTensors, BlockingLoads):
         slot named must hold an adapter (a row never silently runs the base).
         ``static``: the LaunchPlan buffers of a captured CUDA graph to fill."""
         row_slots, plan, kernel_plan = self._plans(row_slots, static)
+        graph = self._graph_contexts.get(id(static)) if static is not None else None
+        if graph is not None:
+            graph.refill(row_slots)
         active = plan.slot_ids.tolist()
         occupied = set(self._lru.values())
         stray = [s for s in active if s not in occupied]
@@ -385,6 +401,12 @@ class BankContext:
     def __init__(self, bank: SlotBank, row_slots: torch.Tensor, plan, targeted: frozenset[tuple[int, str]]):
         self.bank, self.row_slots, self.plan, self.targeted = bank, row_slots, plan, targeted
         self._slot_rows: list[tuple[int, torch.Tensor]] | None = None  # (slot, its rows): row-parallel TP groups
+
+    def refill(self, row_slots: torch.Tensor) -> None:
+        """The rows of a decode graph's next replay (this context is the graph's, ``row_slots`` the
+        bucket's, on the device): the row-parallel groups' segments are built from them anew."""
+        self.row_slots.copy_(row_slots, non_blocking=True)
+        self._slot_rows = None
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA deltas of this invocation's rows to ``y`` in place."""

@@ -30,7 +30,7 @@ from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_device
+from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_device, tp_graphs
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
@@ -82,8 +82,8 @@ class EngineSession:
     def _tensor_parallel(self, good: dict[str, PinnedAdapter], bundle) -> None:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
         started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``),
-        the KV blocks and slots sized here and sent to the followers; no decode graphs or
-        lookahead (same outputs)."""
+        the KV blocks and slots sized here and sent to the followers; decode graphs on every rank
+        where the group can run them (``tp_graphs``), captured by all ranks at once; no lookahead."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         if bundle is not None:
             raise JobError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} does not serve a bundle's members "
@@ -100,6 +100,7 @@ class EngineSession:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dtype_name = next(n for n, d in DTYPES.items() if d == dtype)
         self.tp = Leader(LeadGroup(follow, size, (opts.base, device.type, dtype_name), backend))
+        graphs = decode_graphs(opts, device) and tp_graphs(backend, device.type)
         try:
             if device.type == "cuda":
                 self.device = device = rank_device("cuda", 0)
@@ -113,15 +114,20 @@ class EngineSession:
                 shapes = bank_shapes(config, shard.layout)[0]
                 slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
                 self.bank = LeaderBank.for_rank(shard, num_slots(opts, len(good), slot_bytes, device), max_rank,
-                                                dtype, device)
+                                                dtype, device, backend="triton" if graphs else "auto")
                 self.bank.leader = self.tp
+                # a GPU captures the deltas only where the bank's row-parallel path can be captured
+                graphs = graphs and (device.type != "cuda" or self.bank.capturable)
+            self._tp_graphs = graphs
             num_blocks = kv_blocks(opts, self.model.config, dtype, device)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
-                                good))
+                                good, graph_seqs=opts.max_num_seqs if graphs else 0))
             if self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
             self.engine = self._engine(num_blocks)
+            if graphs:  # every bucket now, on every rank in the same order (a capture holds all-reduces)
+                self.tp.capture(self.engine.graphs.capture_all)
         except BaseException as e:
             raise self.tp.abort(e) from e
         self.pauses = RunPauses()
@@ -198,7 +204,7 @@ class EngineSession:
 
     def _engine(self, num_blocks: int | None = None) -> Engine:
         """The engine over the model and bank: the job's choices with decode graphs as this
-        device runs them (none under tensor parallelism, nor lookahead), KV blocks from the
+        device runs them (under tensor parallelism as the group runs them, and no lookahead), KV blocks from the
         sizing (or the arena's pages), the job's sampling and stop strings."""
         opts, config = self.opts, self.model.config
         if num_blocks is None:
@@ -207,7 +213,9 @@ class EngineSession:
         decoding = Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
                             self.tokenizer.decode if self.tokenizer else None)
         if self.tp is not None:
-            choices = dataclasses.replace(opts, cuda_graphs=False, lookahead=False)
+            # no lookahead, so no chained decode: a chained iteration's token ids are rank 0's
+            # argmax on its device, which the followers' replays would need before rank 0 reads them
+            choices = dataclasses.replace(opts, cuda_graphs=self._tp_graphs, lookahead=False)
         else:
             choices = dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, self.device))
         return Engine(self.model, self.bank, self.pinned, choices, num_blocks=num_blocks, decoding=decoding,
@@ -240,6 +248,8 @@ class EngineSession:
         if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
             engine["graph_replays"] = self.engine.graphs.replays
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
+            if self.tp is not None and self.tp.reports is not None:  # the followers' own, read at close
+                engine["follower_graph_replays"] = [r["graph_replays"] for r in self.tp.reports]
         bank = self.bank.report() if self.bank is not None else {}
         if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
             bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,
