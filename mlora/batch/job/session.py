@@ -62,6 +62,7 @@ class EngineSession:
         good = {a: p for a, p in pinned.items() if p.ok}
         bundle = served_bundle(opts, good)
         self.tp = None  # rank 0 of the tensor-parallel group (engine/tpfollow.py), or None
+        self._tp_graphs = False  # whether the group's ranks run decode graphs
         if opts.tensor_parallel_size > 1:
             self._tensor_parallel(good, bundle)
             return
@@ -204,8 +205,8 @@ class EngineSession:
 
     def _engine(self, num_blocks: int | None = None) -> Engine:
         """The engine over the model and bank: the job's choices with decode graphs as this
-        device runs them (under tensor parallelism as the group runs them, and no lookahead), KV blocks from the
-        sizing (or the arena's pages), the job's sampling and stop strings."""
+        device runs them (under tensor parallelism as the group runs them, and no lookahead),
+        KV blocks from the sizing (or the arena's pages), the job's sampling and stop strings."""
         opts, config = self.opts, self.model.config
         if num_blocks is None:
             num_blocks = (self.arena.num_pages if self.arena is not None
