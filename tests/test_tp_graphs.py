@@ -10,12 +10,15 @@ import random
 import factory
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from test_batch_model import random_model
 from test_batch_run import _rows
 
 from mlora.batch.config import JobConfig
+from mlora.batch.engine.executor import Inputs
 from mlora.batch.engine.graphs import buckets_for
-from mlora.batch.engine.tpfollow import tp_graphs
+from mlora.batch.engine.tpfollow import _replay, tp_graphs
+from mlora.batch.errors import CodedError
 from mlora.batch.runner import run_job
 
 MAX_NEW, SEQS = 4, 4
@@ -71,3 +74,10 @@ def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path
 def test_graphs_run_under_tensor_parallelism_over_nccl_or_on_the_cpu():
     assert tp_graphs("nccl", "cuda") and tp_graphs("gloo", "cpu")
     assert not tp_graphs("gloo", "cuda")  # gloo's collectives on a GPU cannot be captured
+
+
+def test_a_replay_the_follower_holds_no_graph_for_fails_closed():
+    x = Inputs([1, 2], [3, 4], [3, 4], [0, 1, 2], [4, 5], [[0], [1]], [0, 1], [None, None])
+    with pytest.raises(CodedError) as e:
+        _replay(None, x, None, 2)  # graphs off on this rank: rank 0 and it disagree
+    assert e.value.code == "E_TP_PROTOCOL" and "--no-cuda-graphs" in e.value.message
