@@ -163,7 +163,11 @@ class Executor:
         # decode-only (one row per sequence, every row sampled): replay a captured graph
         if self.graphs is not None and plan.doff == 0 and len(x.sample_rows) == len(x.ids) \
                 and self.graphs.fits(len(x.ids), max(len(t) for t in x.tables)):
-            return self.graphs.run(x.ids, x.positions, x.slots, x.tables, x.context_lens, slot_list, staged=staged)
+            def replay():
+                return self.graphs.run(x.ids, x.positions, x.slots, x.tables, x.context_lens, slot_list, staged=staged)
+            if self.tp is not None:  # every rank replays its graph of the same bucket (engine/tpfollow.py)
+                return self.tp.replay(x, slot_list, self.graphs.bucket(len(x.ids)), replay)
+            return replay()
         if self.tp is not None:  # every rank runs the same invocation (engine/tpfollow.py)
             return self.tp.forward(x, slot_list, lambda: run_model(self.model, self.kv, self.bank, x, slot_list))
         return run_model(self.model, self.kv, self.bank, x, slot_list)

@@ -13,6 +13,10 @@ of a tensor-parallel job". Messages, broadcast by rank 0 over the group's contro
                                                 operator, if any
     ("forward", inputs, row slots)              every rank runs the same invocation of its part
                                                 of the model, so the layers' all-reduces pair up
+    ("capture",)                                every rank captures its decode graphs, every
+                                                bucket in the same order (Setup.graph_seqs > 0)
+    ("replay", inputs, row slots, bucket)       every rank refills and replays its graph of the
+                                                bucket (a decode-only iteration rank 0 chose)
     ("load", slot, adapter id)                  every rank writes its cut of the adapter (a bundle
                                                 member: its cores) into the slot and reports;
                                                 published only if all did
@@ -34,12 +38,14 @@ from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
 from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
+from mlora.batch.engine.graphs import DecodeGraphs
 from mlora.batch.errors import CodedError
 from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.tpgroup import LeadGroup, TPGroupError
 
 FORWARD, LOAD, STOP = "forward", "load", "stop"
+CAPTURE, REPLAY = "capture", "replay"
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class Setup:
     # three-stage operator (BundleBank.for_rank, each rank verifying the bundle itself); None: slots
     bundle: PinnedAdapter | None = None
     bundle_operator: str = "torch"
+    # decode graphs: rank 0's max_num_seqs (the graphs' buckets), 0 without graphs; every rank
+    # then holds the graphs' scratch KV block and a Triton slot bank (graphs.DecodeGraphs)
+    graph_seqs: int = 0
 
 
 class Leader:
@@ -65,6 +74,7 @@ class Leader:
         self.group = group
         self.collective = group.collective
         self.stopped = False
+        self.reports: list | None = None  # what each follower returned (follow), once stopped
 
     def memory(self, device: torch.device) -> list[tuple[int, int, int] | None]:
         """Every rank's ``rank_memory``, measured once all ranks hold their weights (ranks that
@@ -81,6 +91,22 @@ class Leader:
         """Every follower runs the invocation ``x`` with ``row_slots``; ``run()`` is rank 0's."""
         def both():
             self.collective.broadcast_object((FORWARD, x, row_slots))
+            return run()
+        return self._guard(both)
+
+    def capture(self, run: Callable[[], None]) -> None:
+        """Every rank captures its decode graphs (``run()``: rank 0's), in lockstep: a capture's
+        warm-up and captured forward hold the layers' all-reduces, which need every rank's."""
+        def both():
+            self.collective.broadcast_object((CAPTURE,))
+            run()
+        self._guard(both)
+
+    def replay(self, x: Inputs, row_slots: list[int] | None, bucket: int,
+               run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Every follower replays its graph of ``bucket`` over ``x``; ``run()`` is rank 0's replay."""
+        def both():
+            self.collective.broadcast_object((REPLAY, x, row_slots, bucket))
             return run()
         return self._guard(both)
 
@@ -113,6 +139,7 @@ class Leader:
         except TPGroupError as e:
             raise self.group.failure(e) from e
         self.group.finish()
+        self.reports = self.group.results()
 
     def abort(self, error: BaseException) -> BaseException:
         """The group stopped after rank 0's ``error``: the cause to raise (tpgroup.LeadGroup.failure)."""
@@ -183,10 +210,18 @@ def rank_memory(device: torch.device) -> tuple[int, int, int] | None:
     return device.index, free, total
 
 
-def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> None:
+def tp_graphs(backend: str, device_type: str) -> bool:
+    """Whether a group's ranks can run decode graphs: on GPUs only over NCCL, whose all-reduces
+    a CUDA graph captures (gloo's cannot be: a group over gloo on a GPU is a debugging run); on
+    the CPU, where graphs are emulated (each replay re-runs the forward, gloo collectives included)."""
+    return backend == "nccl" if device_type == "cuda" else True
+
+
+def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> dict:
     """A follower rank (``tpgroup`` calls it with the rank's ``collective``): load the rank's part of
-    ``base`` onto ``devices[rank]``, report its GPU memory, build the KV cache and bank rank 0's
-    ``Setup`` gives, then run the messages until stop."""
+    ``base`` onto ``devices[rank]``, report its GPU memory, build the KV cache, bank and decode
+    graphs rank 0's ``Setup`` gives, then run the messages until stop. Returns what rank 0 reads
+    back at stop: its graph replays and buckets."""
     layout = collective.layout
     device = torch.device(devices[layout.rank])
     if device.type == "cuda":
@@ -197,19 +232,29 @@ def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> 
     collective.gather_objects(rank_memory(device))
     setup: Setup = collective.broadcast_object()
     c = model.config
-    kv = KVCache(c.num_layers, setup.num_blocks, setup.block_size, c.num_kv_heads, c.head_dim, model.dtype, device)
-    bank = None
+    graphed = setup.graph_seqs > 0  # one more KV block, owned by no sequence: the padded rows' K/V
+    kv = KVCache(c.num_layers, setup.num_blocks + int(graphed), setup.block_size, c.num_kv_heads, c.head_dim,
+                 model.dtype, device)
+    bank = graphs = None
     shard = TPShard(load_config(base), layout, collective)
     if setup.bundle is not None:
         bank = BundleBank.for_rank(pinned_bundle(setup.bundle), shard, model.dtype, device, pinned=setup.pinned,
                                    core_slots=setup.num_slots, operator=setup.bundle_operator)
     elif setup.num_slots:
-        bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device)
+        bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device,
+                                 backend="triton" if graphed else "auto")
+    if graphed:
+        graphs = DecodeGraphs(model, kv, bank, setup.graph_seqs, scratch_slot=setup.num_blocks * setup.block_size)
     while True:
         msg = collective.broadcast_object()
         if msg[0] == FORWARD:
             _, x, row_slots = msg
             run_model(model, kv, bank, x, row_slots)
+        elif msg[0] == REPLAY:
+            _, x, row_slots, bucket = msg
+            _replay(graphs, x, row_slots, bucket)
+        elif msg[0] == CAPTURE:
+            graphs.capture_all()
         elif msg[0] == LOAD:
             _, slot, adapter_id = msg
             try:
@@ -219,4 +264,14 @@ def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> 
                 report = _report(e)
             collective.gather_objects(report)
         else:
-            return None
+            return {"graph_replays": graphs.replays, "graph_buckets": len(graphs.graphs)} if graphed else {}
+
+
+def _replay(graphs: DecodeGraphs | None, x: Inputs, row_slots: list[int] | None, bucket: int) -> None:
+    """A follower's replay of rank 0's decode iteration ``x`` in ``bucket`` (its logits unread)."""
+    if graphs is None or not graphs.fits(len(x.ids), max(len(t) for t in x.tables)) \
+            or graphs.bucket(len(x.ids)) != bucket:
+        raise CodedError("E_TP_PROTOCOL", f"rank 0 replays the decode graph of bucket {bucket} for "
+                         f"{len(x.ids)} rows, which this rank's graphs do not match (a bug: both sides build "
+                         "their graphs from the same Setup); run with --no-cuda-graphs and report it")
+    graphs.run(x.ids, x.positions, x.slots, x.tables, x.context_lens, row_slots)

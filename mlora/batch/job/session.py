@@ -30,7 +30,7 @@ from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, LeaderBundleBank, Setup, follow, rank_devices
+from mlora.batch.engine.tpfollow import Leader, LeaderBank, LeaderBundleBank, Setup, follow, rank_devices, tp_graphs
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
@@ -62,6 +62,7 @@ class EngineSession:
         good = {a: p for a, p in pinned.items() if p.ok}
         bundle = served_bundle(opts, good)
         self.tp = None  # rank 0 of the tensor-parallel group (engine/tpfollow.py), or None
+        self._tp_graphs = False  # whether the group's ranks run decode graphs
         if opts.tensor_parallel_size > 1:
             self._tensor_parallel(good, bundle)
             return
@@ -83,8 +84,9 @@ class EngineSession:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
         started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``)
         or of a bundle's bases (``LeaderBundleBank``), the KV blocks and slots sized here from
-        every rank's memory and sent to the followers; no decode graphs or lookahead (same
-        outputs). ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
+        every rank's memory and sent to the followers; decode graphs on every rank where the
+        group can run them (``tp_graphs``), captured by all ranks at once; no lookahead.
+        ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
         if device.type == "cuda" and not one_gpu and torch.cuda.device_count() < size:
@@ -99,6 +101,7 @@ class EngineSession:
         dtype_name = next(n for n, d in DTYPES.items() if d == dtype)
         devices = rank_devices(device.type, size, one_gpu)
         self.tp = Leader(LeadGroup(follow, size, (opts.base, devices, dtype_name), backend))
+        graphs = decode_graphs(opts, device) and tp_graphs(backend, device.type)
         try:
             self.device = device = torch.device(devices[0])
             if device.type == "cuda":
@@ -118,18 +121,23 @@ class EngineSession:
                 shapes = bank_shapes(config, shard.layout)[0]
                 slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
                 slots = num_slots(opts, len(good), slot_bytes, device, usable)
-                self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device)
+                self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device,
+                                                backend="triton" if graphs else "auto")
                 self.bank.leader = self.tp
                 if usable is not None:
                     usable -= slots * slot_bytes
+            self._tp_graphs = graphs
             num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
                                 good, bundle=next(iter(good.values())) if bundle is not None else None,
-                                bundle_operator=getattr(self.bank, "operator", "torch")))
+                                bundle_operator=getattr(self.bank, "operator", "torch"),
+                                graph_seqs=opts.max_num_seqs if graphs else 0))
             if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
             self.engine = self._engine(num_blocks)
+            if graphs:  # every bucket now, on every rank in the same order (a capture holds all-reduces)
+                self.tp.capture(self.engine.graphs.capture_all)
         except BaseException as e:
             raise self.tp.abort(e) from e
         self.pauses = RunPauses()
@@ -212,8 +220,8 @@ class EngineSession:
 
     def _engine(self, num_blocks: int | None = None) -> Engine:
         """The engine over the model and bank: the job's choices with decode graphs as this
-        device runs them (none under tensor parallelism, nor lookahead), KV blocks from the
-        sizing (or the arena's pages), the job's sampling and stop strings."""
+        device runs them (under tensor parallelism as the group runs them, and no lookahead),
+        KV blocks from the sizing (or the arena's pages), the job's sampling and stop strings."""
         opts, config = self.opts, self.model.config
         if num_blocks is None:
             num_blocks = (self.arena.num_pages if self.arena is not None
@@ -221,7 +229,9 @@ class EngineSession:
         decoding = Decoding(SamplingParams(opts.temperature, opts.top_p, opts.top_k, opts.seed), tuple(opts.stop),
                             self.tokenizer.decode if self.tokenizer else None)
         if self.tp is not None:
-            choices = dataclasses.replace(opts, cuda_graphs=False, lookahead=False)
+            # no lookahead, so no chained decode: a chained iteration's token ids are rank 0's
+            # argmax on its device, which the followers' replays would need before rank 0 reads them
+            choices = dataclasses.replace(opts, cuda_graphs=self._tp_graphs, lookahead=False)
         else:
             choices = dataclasses.replace(opts, cuda_graphs=decode_graphs(opts, self.device))
         return Engine(self.model, self.bank, self.pinned, choices, num_blocks=num_blocks, decoding=decoding,
@@ -254,6 +264,8 @@ class EngineSession:
         if self.engine.graphs is not None:  # decode steps replayed from graphs, and the buckets captured
             engine["graph_replays"] = self.engine.graphs.replays
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
+            if self.tp is not None and self.tp.reports is not None:  # the followers' own, read at close
+                engine["follower_graph_replays"] = [r["graph_replays"] for r in self.tp.reports]
         bank = self.bank.report() if self.bank is not None else {}
         if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
             bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,

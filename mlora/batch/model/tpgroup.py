@@ -228,6 +228,10 @@ class LeadGroup:
         leave_group()
         self._stop(self.timeout_s)
 
+    def results(self) -> list:
+        """What each follower's ``fn`` returned, in rank order (after :meth:`finish`)."""
+        return [r.report[1] for r in self.ranks]
+
     def failure(self, error: BaseException) -> BaseException:
         """The error to raise for ``error``, raised on rank 0 while the group ran: the group is
         left and the followers stopped; a follower that died or failed is the cause
