@@ -197,6 +197,29 @@ def test_predictor_called_directly_gives_the_demo_answers():
 
 
 @needs_ray
+def test_a_predictor_of_two_ranks_gives_the_demo_answers_and_close_stops_its_follower():
+    """MloraPredictor(tensor_parallel_size=2) outside Ray: rank 0 here, its follower a process it
+    started; close() ends the follower."""
+    import multiprocessing
+
+    from mlora.batch.scaleout.ray import MloraPredictor, pin_adapters
+
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    p = MloraPredictor(BASE, pinned=pin_adapters(BASE, ADAPTERS, ids=["spell"]), device="cpu", dtype="float32",
+                       max_new_tokens=expected["max_new_tokens"], tensor_parallel_size=2)
+    try:
+        assert [c.name for c in multiprocessing.active_children() if c.name.startswith("mlora-tp")] == \
+            ["mlora-tp-rank-1"]
+        prompts = [expected["format"].format(prompt=q) for q in expected["prompts"][:2]]
+        out = p({"id": [1, 2], "prompt": prompts, "adapter": ["spell", None]}).to_pylist()
+        assert [r["completion"] for r in out] == [expected["outputs"]["spell"][0], expected["outputs"]["__base__"][1]]
+    finally:
+        p.close()
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("mlora-tp")]
+
+
+@needs_ray
 def test_predictor_takes_and_returns_pandas():
     import pandas as pd
 

@@ -58,7 +58,9 @@ Decisions:
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from dataclasses import fields
 
 import pyarrow as pa
@@ -162,6 +164,11 @@ class MloraPredictor:
                       if (adapters or catalog) else {})
         dev = resolve_device(device)
         self.session = EngineSession(self.opts, pinned, dev, resolve_dtype(dtype, load_config(base).dtype, dev))
+        # closed when collected, or at exit: registered after the follower ranks started, so it runs
+        # before multiprocessing's exit hook, which would wait for followers still waiting on rank 0
+        self._closer = weakref.finalize(self, self.session.close)
+        self._closer.atexit = False
+        atexit.register(self._closer)
 
     def __call__(self, batch):
         as_pandas = type(batch).__module__.startswith("pandas")
@@ -204,13 +211,9 @@ class MloraPredictor:
         return out.to_pandas() if as_pandas else out
 
     def close(self) -> None:
-        """Stop the engine: its adapter threads and, under tensor parallelism, its follower ranks."""
-        session, self.session = getattr(self, "session", None), None
-        if session is not None:
-            session.close()
-
-    def __del__(self):
-        self.close()
+        """Stop the engine: its adapter threads and, under tensor parallelism, its follower ranks
+        (once; also done when the predictor is collected or the process exits)."""
+        self._closer()
 
 
 def _to_table(batch) -> pa.Table:
