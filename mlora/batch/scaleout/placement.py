@@ -116,9 +116,10 @@ def ray_actors(on_gpu: bool, node_gpus: list[int], cpus: int, num_workers: int |
     if on_gpu:
         groups = sum(g // tp_size for g in node_gpus)
         if not groups:
+            most = max(node_gpus, default=0)
             raise _usage("E_SCALEOUT_USAGE", f"--tensor-parallel-size {tp_size} runs each Ray actor on {tp_size} "
                          f"GPUs of one node, but no node of the cluster has that many (GPUs per node: "
-                         f"{', '.join(map(str, node_gpus))}): use --tensor-parallel-size {max(node_gpus, default=0)} or less, "
+                         f"{', '.join(map(str, node_gpus))}): use --tensor-parallel-size {most} or less, "
                          "or add a node with enough GPUs")
         return RayActors(num_workers or groups, tp_size, 1, None)
     n = num_workers or 1

@@ -214,6 +214,7 @@ class MloraPredictor:
         """Stop the engine: its adapter threads and, under tensor parallelism, its follower ranks
         (once; also done when the predictor is collected or the process exits)."""
         self._closer()
+        atexit.unregister(self._closer)
 
 
 def _to_table(batch) -> pa.Table:
