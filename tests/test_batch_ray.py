@@ -3,8 +3,9 @@
 With Ray installed (CI installs it: the test extra), a local Ray instance
 with 2 CPUs runs the demo job on 2 actors and must write exactly the
 single-process output; a Ray job interrupted after its first committed shard
-resumes to the same output; the predictor called directly and the error mapping
-are checked too. `mlora.batch.scaleout.ray` imports Ray, so without Ray those
+resumes to the same output; an actor of two tensor-parallel ranks (its follower
+started by the actor) gives the demo's expected rows; the predictor called
+directly and the error mapping are checked too. `mlora.batch.scaleout.ray` imports Ray, so without Ray those
 tests skip (the reason says so) and `--engine ray` exiting 1 with the install
 hint still runs.
 """
@@ -12,6 +13,8 @@ hint still runs.
 import json
 import os
 import sys
+import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -96,6 +99,64 @@ def test_a_ray_job_keeps_integer_ids(tmp_path, local_ray):
     assert table.equals(read_output(str(tmp_path / "one")))
 
 
+def _actor_followers() -> set[int]:
+    """The live processes that a Ray Data actor (``ray::MapWorker...``) started with
+    multiprocessing's spawn: the follower ranks of its engine (Linux /proc)."""
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                procs[int(pid)] = (state, int(ppid), f.read())
+        except OSError:  # ended meanwhile
+            continue
+    return {pid for pid, (state, ppid, cmd) in procs.items()
+            if state != "Z" and b"spawn_main" in cmd and procs.get(ppid, ("", 0, b""))[2].startswith(b"ray::MapWorker")}
+
+
+@needs_ray
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the actor's follower ranks through /proc (Linux)")
+def test_a_ray_actor_of_two_ranks_gives_the_expected_rows(tmp_path, local_ray):
+    """--engine ray --tensor-parallel-size 2: one actor on the CPU, rank 0 of two gloo ranks, runs
+    one demo row per adapter and one base row to exactly expected.json's completions; its follower
+    rank runs while the job does and has exited once the job is done."""
+    import pyarrow.parquet as pq
+
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    rows = pq.read_table(os.path.join(DEMO, "prompts.parquet")).take([0, 6, 12, 18, 24])
+    pq.write_table(rows, tmp_path / "in.parquet")
+    seen, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(_actor_followers())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        summary = run_job(_opts(tmp_path / "out", input=str(tmp_path / "in.parquet"), engine="ray",
+                                tensor_parallel_size=2))
+    finally:
+        done.set()
+        watcher.join()
+    assert summary.device == "ray: cpu x1 (2 ranks each)" and summary.rows == 5
+    out = read_output(str(tmp_path / "out")).to_pylist()
+    got = {r["id"]: r["completion"] for r in out}
+    want = {}
+    for i, name in enumerate(rows.column("id").to_pylist()):
+        adapter, k = name.rsplit("-", 1)
+        want[name] = expected["outputs"][adapter][int(k)]
+    assert got == want
+    assert len(seen) == 1, seen  # one follower rank
+    deadline = time.monotonic() + 30
+    while _actor_followers() & seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _actor_followers() & seen
+
+
 def test_engine_ray_without_ray_exits_1_with_the_install_hint(tmp_path, run_cli, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     monkeypatch.setitem(sys.modules, "ray.data", None)
@@ -133,6 +194,29 @@ def test_predictor_called_directly_gives_the_demo_answers():
     assert list(out[0])[0] == "id" and out[0]["error_code"] == "E_ADAPTER_UNKNOWN"
     with pytest.raises(TypeError):
         MloraPredictor(BASE, pinned=pinned, max_new_token=4)  # a misspelt option is refused
+
+
+@needs_ray
+def test_a_predictor_of_two_ranks_gives_the_demo_answers_and_close_stops_its_follower():
+    """MloraPredictor(tensor_parallel_size=2) outside Ray: rank 0 here, its follower a process it
+    started; close() ends the follower."""
+    import multiprocessing
+
+    from mlora.batch.scaleout.ray import MloraPredictor, pin_adapters
+
+    with open(os.path.join(DEMO, "expected.json")) as f:
+        expected = json.load(f)
+    p = MloraPredictor(BASE, pinned=pin_adapters(BASE, ADAPTERS, ids=["spell"]), device="cpu", dtype="float32",
+                       max_new_tokens=expected["max_new_tokens"], tensor_parallel_size=2)
+    try:
+        assert [c.name for c in multiprocessing.active_children() if c.name.startswith("mlora-tp")] == \
+            ["mlora-tp-rank-1"]
+        prompts = [expected["format"].format(prompt=q) for q in expected["prompts"][:2]]
+        out = p({"id": [1, 2], "prompt": prompts, "adapter": ["spell", None]}).to_pylist()
+        assert [r["completion"] for r in out] == [expected["outputs"]["spell"][0], expected["outputs"]["__base__"][1]]
+    finally:
+        p.close()
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("mlora-tp")]
 
 
 @needs_ray

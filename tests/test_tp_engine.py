@@ -4,7 +4,8 @@ and Qwen2 (q/k/v bias) jobs with LoRA on all seven modules, mixed ranks and base
 tokens of N=1; options not served under TP yet are refused up front (E_TP_UNSUPPORTED, exit 2);
 a follower killed mid-job stops the job (E_TP_RANK_DIED, exit 3) and --resume completes it.
 Replicas: --num-workers 2 at N=2 (two workers, each rank 0 of two gloo ranks) gives the demo's
-expected rows; --gpus cuts its GPUs into groups of N (placement arithmetic, no GPU needed).
+expected rows; --gpus cuts its GPUs into groups of N and --engine ray sizes one actor per N GPUs
+of a node (placement arithmetic, no GPU or Ray needed; the Ray job itself: test_batch_ray.py).
 On a GPU, the demo and the tiny-model jobs also run with both ranks on one GPU over gloo
 (MLORA_TP_ONE_GPU=1): the sharded model and kernels on CUDA, still equal to N=1 in float32.
 """
@@ -29,7 +30,7 @@ from mlora.batch.errors import JobError
 from mlora.batch.job.sizing import rank_usable
 from mlora.batch.model.tpgroup import TPGroupError
 from mlora.batch.runner import run_job
-from mlora.batch.scaleout.placement import gpu_places, plan_workers
+from mlora.batch.scaleout.placement import RayActors, gpu_places, plan_workers, ray_actors
 from mlora.cli.app import app
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,8 +94,7 @@ def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path, m
 
 @pytest.mark.parametrize("over, option", [
     (dict(memory_ledger="joint"), "--memory-ledger joint"),
-    (dict(engine="ray"), "--engine ray"),
-    (dict(engine="ray", num_workers=2), "--engine ray"),
+    (dict(memory_ledger="joint", engine="ray"), "--memory-ledger joint"),
 ])
 def test_options_not_served_under_tensor_parallelism_are_refused(tmp_path, over, option):
     opts = JobConfig(input="in.parquet", output=str(tmp_path / "out"), base="base", tensor_parallel_size=2, **over)
@@ -165,6 +165,25 @@ def test_cpu_workers_share_the_cores_with_their_ranks(monkeypatch):
     plan = plan_workers(JobConfig(input="", output="", base="", num_workers=2, device="cpu",
                                   tensor_parallel_size=4))
     assert [(p.device, p.cuda_visible, p.threads) for p in plan.places] == [("cpu", None, 2)] * 2
+
+
+def test_ray_actors_own_a_replica_of_n_ranks():
+    """--engine ray: one actor per N GPUs of one node (a node's odd GPU left over), each asking
+    Ray for its N GPUs; on the CPU each actor's share of the cores divided among its N ranks;
+    at N = 1 the pool of every GPU, or one CPU actor with every core, as without TP."""
+    assert ray_actors(True, [8, 4], 96, None, 2) == RayActors(6, 2, 1, None)
+    assert ray_actors(True, [8, 3], 96, None, 4) == RayActors(2, 4, 1, None)
+    assert ray_actors(True, [8], 96, 3, 2) == RayActors(3, 2, 1, None)  # --num-workers is taken as given
+    assert ray_actors(True, [1, 1], 8, None, 1) == RayActors(2, 1, 1, None)
+    assert ray_actors(False, [], 16, None, 2) == RayActors(1, 0, 16, 8)
+    assert ray_actors(False, [], 16, 2, 4) == RayActors(2, 0, 8, 2)
+    assert ray_actors(False, [], 16, 2, 1) == RayActors(2, 0, 8, 8)
+    assert ray_actors(False, [], 2, 2, 2) == RayActors(2, 0, 1, 1)  # fewer cores than ranks: one thread each
+    with pytest.raises(JobError) as e:  # two GPUs, but no node holds a replica of two
+        ray_actors(True, [1, 1], 8, None, 2)
+    assert e.value.code == "E_SCALEOUT_USAGE" and e.value.exit_code == 2
+    assert "GPUs per node: 1, 1" in e.value.message and "--tensor-parallel-size 1 or less" in e.value.message
+    JobConfig(input="in", output="out", base="base", engine="ray", tensor_parallel_size=2).validate()
 
 
 def _cli(tmp_path, *extra):

@@ -134,7 +134,7 @@ class JobConfig(EngineConfig):
         """Refuse (E_TP_UNSUPPORTED, exit 2) the options a tensor-parallel engine does not serve yet."""
         if self.tensor_parallel_size <= 1:
             return
-        drop = [(self.memory_ledger == "joint", "--memory-ledger joint"), (self.engine == "ray", "--engine ray")]
+        drop = [(self.memory_ledger == "joint", "--memory-ledger joint")]
         for refused, option in drop:
             if refused:
                 raise JobError("E_TP_UNSUPPORTED", f"{option} does not run with --tensor-parallel-size "

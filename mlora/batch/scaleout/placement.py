@@ -18,8 +18,11 @@ is a usage error (exit 2) with a stable code, decided before any work:
                            CPU: use --gpus, or say --device cpu (E_WORKERS_DEVICE). With
                            --tensor-parallel-size M: each worker is rank 0 of M gloo ranks
       both                 E_SCALEOUT_USAGE
-    --engine ray           --num-workers N actors (``ray.py`` picks the default and the device); --gpus is
-                           refused (Ray places actors on GPUs itself: E_SCALEOUT_USAGE)
+    --engine ray           --num-workers N actors (``ray.py`` picks the device, ``ray_actors`` the default
+                           count and each actor's resources); --gpus is refused (Ray places actors on GPUs
+                           itself: E_SCALEOUT_USAGE). With --tensor-parallel-size N: each actor owns N GPUs
+                           of one node and is rank 0 of a group on them; a cluster without a node of N
+                           GPUs: E_SCALEOUT_USAGE
     --ray-address          only with --engine ray (E_SCALEOUT_USAGE)
     --engine other         E_SCALEOUT_USAGE
 """
@@ -32,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mlora.batch.config import JobConfig, resolve_device
-from mlora.batch.errors import JobError
+from mlora.batch.errors import JobError, ModelError
+from mlora.batch.model.tp import check_size
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ def plan_workers(opts: JobConfig) -> WorkerPlan:
     if opts.engine == "ray":
         if opts.gpus is not None:
             raise _usage("E_SCALEOUT_USAGE", "--gpus is for --engine local; with --engine ray give --num-workers N "
-                         "(Ray gives each actor one GPU of the cluster)")
+                         "(Ray gives each actor --tensor-parallel-size GPUs of the cluster)")
         return WorkerPlan("ray", None)
     if opts.ray_address is not None:
         raise _usage("E_SCALEOUT_USAGE", "--ray-address needs --engine ray")
@@ -82,10 +86,52 @@ def plan_workers(opts: JobConfig) -> WorkerPlan:
             raise _usage("E_WORKERS_DEVICE", "--num-workers runs CPU workers and this host has CUDA: use --gpus "
                          "0,1,... (or all) for GPU workers, or pass --device cpu to run on the CPU on purpose")
         n = opts.num_workers
-        threads = max(1, _cores() // (n * opts.tensor_parallel_size))  # every rank process shares the cores
+        threads = rank_threads(_cores(), n, opts.tensor_parallel_size)
         return WorkerPlan("local", torch.device("cpu"),
                           [WorkerPlace(i, "cpu", None, "cpu", threads) for i in range(n)])
     return WorkerPlan("local", resolve_device(opts.device))
+
+
+def rank_threads(cores: int, replicas: int, tp_size: int) -> int:
+    """Torch threads of each rank process when ``replicas`` engines of ``tp_size`` ranks share
+    ``cores`` on the CPU: every rank process gets an equal share, at least one."""
+    return max(1, cores // (replicas * tp_size))
+
+
+@dataclass(frozen=True)
+class RayActors:
+    """The actor pool of ``--engine ray``: how many actors (replicas), and what each asks Ray for."""
+
+    count: int
+    num_gpus: int  # the actor's GPUs: its tensor-parallel group, rank j on its cuda:j (0 on the CPU)
+    num_cpus: int  # the cores Ray reserves for the actor (on the CPU: its share, which its ranks divide)
+    threads: int | None  # torch threads of each rank process of a CPU actor; None on GPUs
+
+
+def ray_actors(on_gpu: bool, node_gpus: list[int], cpus: int, num_workers: int | None, tp_size: int) -> RayActors:
+    """Size the actor pool for a cluster of ``node_gpus`` (GPUs of each live node) and ``cpus``
+    cores in all. On GPUs one actor per ``tp_size`` GPUs of one node (``num_workers`` default:
+    every such group of the cluster); on the CPU one actor by default, each reserving its share
+    of the cores, which its ``tp_size`` rank processes divide (as ``--num-workers`` replicas do)."""
+    if on_gpu:
+        groups = sum(g // tp_size for g in node_gpus)
+        if not groups:
+            most = max(node_gpus, default=0)
+            raise _usage("E_SCALEOUT_USAGE", f"--tensor-parallel-size {tp_size} runs each Ray actor on {tp_size} "
+                         f"GPUs of one node, but no node of the cluster has that many (GPUs per node: "
+                         f"{', '.join(map(str, node_gpus))}): use --tensor-parallel-size {most} or less, "
+                         "or add a node with enough GPUs")
+        return RayActors(num_workers or groups, tp_size, 1, None)
+    n = num_workers or 1
+    return RayActors(n, 0, max(1, cpus // n), rank_threads(cpus, n, tp_size))
+
+
+def check_tp_size(config, tp_size: int) -> None:
+    """Refuse (exit 2) a tensor-parallel size the base cannot take before any engine starts."""
+    try:
+        check_size(config, tp_size)
+    except ModelError as e:
+        raise JobError(e.code, e.message, 2) from e
 
 
 def gpu_places(gpus: str, device: str, tp_size: int = 1) -> list[WorkerPlace]:

@@ -15,7 +15,7 @@ The pipeline of ``run_ray_job``::
       .map_batches(read_window)          a Ray task reads its rows with mlora's own reader (same checks,
                                          row positions, ids), sorts them by adapter (then input order)
                                          and yields them in blocks of ``batch_rows``: adapter-coherent batches
-      .map_batches(MloraPredictor, batch_size=batch_rows, compute=ActorPoolStrategy(size=N), num_gpus=1 | 0)
+      .map_batches(MloraPredictor, batch_size=batch_rows, compute=ActorPoolStrategy(size=N), num_gpus=TP | 0)
       .iter_batches()                    on the driver: each row to the job's RowWriter by its position
 
 Decisions:
@@ -46,13 +46,21 @@ Decisions:
   ``E_RAY_FAILED`` (exit 3, rerun with ``--resume``).
 * Device: ``--device auto`` runs on GPUs when the cluster has any (one GPU per
   actor, ``--num-workers`` default: every GPU of the cluster), else on CPUs
-  (default one actor; each CPU actor gets ``cpus // num_workers`` torch
-  threads). ``--device cuda`` on a cluster without GPUs is ``E_DEVICE``.
+  (default one actor; each CPU actor reserves ``cpus // num_workers`` cores).
+  ``--device cuda`` on a cluster without GPUs is ``E_DEVICE``.
+* ``--tensor-parallel-size TP``: an actor is one replica, rank 0 of its own
+  group (it starts the TP - 1 follower processes itself, as one process does).
+  On GPUs it asks Ray for TP GPUs of one node, which Ray lists in the actor's
+  ``CUDA_VISIBLE_DEVICES`` (rank j on its ``cuda:j``; the followers inherit
+  it); on the CPU its cores are divided among its ranks
+  (``placement.ray_actors``).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from dataclasses import fields
 
 import pyarrow as pa
@@ -67,6 +75,7 @@ from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, input_spec, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
+from mlora.batch.scaleout.placement import RayActors, check_tp_size, ray_actors
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
 try:  # the optional extra mlora[ray]: without it, a coded error that names the extra
@@ -104,14 +113,19 @@ class MloraPredictor:
         ds.map_batches(MloraPredictor, fn_constructor_kwargs=dict(base=..., adapters=..., max_new_tokens=64),
                        batch_size=2048, concurrency=2, num_gpus=1)
 
+    With ``tensor_parallel_size=N`` each actor is rank 0 of N ranks and starts the other N - 1
+    processes itself: pass ``num_gpus=N`` to ``map_batches`` so Ray gives it N GPUs of one node
+    (on the CPU, ``torch_threads`` is each rank's share of the actor's cores). ``close()`` stops
+    them (the actor's end does too).
+
     Constructor: ``base`` (checkpoint directory), ``adapters`` (a directory of
     adapters or a bundle) or ``catalog`` (a catalog file), or ``pinned`` (from
     :func:`pin_adapters`, recommended: pinned once on the driver; otherwise each
     actor pins ``adapter_ids``, default every adapter of the catalog); ``device``
-    (auto | cuda | cpu), ``dtype``, ``torch_threads`` (CPU actors), ``keep_columns``, and any of
+    (auto | cuda | cpu), ``dtype``, ``torch_threads`` (CPU actors: per rank), ``keep_columns``, and any of
     :data:`PREDICTOR_OPTIONS` as keywords with batch-run's meaning and defaults
     (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-    ``max_num_seqs``, ``max_batch_tokens``, ``max_gpu_adapters``, ``host_cache_gb``,
+    ``max_num_seqs``, ``max_batch_tokens``, ``max_gpu_adapters``, ``host_cache_gb``, ``tensor_parallel_size``,
     ``kv_cache_gb``, ``id_column``, ``prompt_column`` or ``prompt_ids_column`` or ``messages_column``,
     ``adapter_column``, ``max_new_tokens_column``, ...).
 
@@ -143,11 +157,18 @@ class MloraPredictor:
         self.opts.validate()
         if torch_threads:
             torch.set_num_threads(torch_threads)
+            if self.opts.tensor_parallel_size > 1:  # the follower ranks start with the same share
+                os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         if pinned is None:
             pinned = (pin_adapters(base, adapters, catalog, adapter_ids, allow_pickle=self.opts.allow_pickle)
                       if (adapters or catalog) else {})
         dev = resolve_device(device)
         self.session = EngineSession(self.opts, pinned, dev, resolve_dtype(dtype, load_config(base).dtype, dev))
+        # closed when collected, or at exit: registered after the follower ranks started, so it runs
+        # before multiprocessing's exit hook, which would wait for followers still waiting on rank 0
+        self._closer = weakref.finalize(self, self.session.close)
+        self._closer.atexit = False
+        atexit.register(self._closer)
 
     def __call__(self, batch):
         as_pandas = type(batch).__module__.startswith("pandas")
@@ -189,10 +210,11 @@ class MloraPredictor:
             out = out.add_column(0, table.schema.field(name), table.column(name))
         return out.to_pandas() if as_pandas else out
 
-    def __del__(self):
-        session = getattr(self, "session", None)
-        if session is not None:
-            session.close()
+    def close(self) -> None:
+        """Stop the engine: its adapter threads and, under tensor parallelism, its follower ranks
+        (once; also done when the predictor is collected or the process exits)."""
+        self._closer()
+        atexit.unregister(self._closer)
 
 
 def _to_table(batch) -> pa.Table:
@@ -276,15 +298,19 @@ def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
         if opts.device == "cuda" and not gpus:
             raise JobError("E_DEVICE", "--device cuda was asked for but the Ray cluster has no GPU")
         on_gpu = opts.device == "cuda" or (opts.device == "auto" and gpus > 0)
-        n = opts.num_workers or (gpus if on_gpu else 1)
+        node_gpus = [int(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")]
+        actors = ray_actors(on_gpu, node_gpus, cpus, opts.num_workers, opts.tensor_parallel_size)
         prep = prepare_job(opts, torch.device("cuda" if on_gpu else "cpu"))
         if prep.sink is None:
             return prep.summary
         if prep.tokenizer is None and note:
             note(NO_TOKENIZER_NOTE)
-        prep.summary.device = f"ray: {'cuda' if on_gpu else 'cpu'} x{n}"
+        prep.summary.device = f"ray: {'cuda' if on_gpu else 'cpu'} x{actors.count}"
+        if opts.tensor_parallel_size > 1:
+            prep.summary.device += f" ({opts.tensor_parallel_size} ranks each)"
         try:
-            return _drive(ray, prep, n, on_gpu, cpus, progress)
+            check_tp_size(prep.config, opts.tensor_parallel_size)  # refused before any actor starts
+            return _drive(ray, prep, actors, on_gpu, progress)
         except BaseException:
             prep.sink.close_after_failure()  # what is contiguous so far; rows after a gap run again on --resume
             raise
@@ -293,8 +319,9 @@ def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
             ray.shutdown()
 
 
-def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
+def _drive(ray, prep, actors: RayActors, on_gpu: bool, progress):
     opts = prep.opts
+    n = actors.count
     batch_rows = opts.schedule_window
     window = batch_rows * n
     windows = [{"lo": lo, "hi": min(lo + window, prep.source.num_rows)}
@@ -311,7 +338,7 @@ def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
     predictor = dict(base=opts.base, pinned=prep.pinned, device="cuda" if on_gpu else "cpu",
                      keep_columns=[ROW, *opts.keep_columns],
                      dtype=str(prep.dtype).removeprefix("torch."),
-                     torch_threads=None if on_gpu else max(1, cpus // n), **options)
+                     torch_threads=actors.threads, **options)
     ds = ray.data.from_items(windows) if windows else None
     if ds is not None:
         # Read tasks ask for no CPU: the actors may hold every CPU of the cluster (a CPU job), and
@@ -321,7 +348,7 @@ def _drive(ray, prep, n: int, on_gpu: bool, cpus: int, progress):
                             fn_kwargs=dict(opts=opts, fingerprint=prep.source.fingerprint(), batch_rows=batch_rows))
         ds = ds.map_batches(MloraPredictor, batch_size=batch_rows, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=n), fn_constructor_kwargs=predictor,
-                            num_gpus=1 if on_gpu else 0, num_cpus=1 if on_gpu else max(1, cpus // n))
+                            num_gpus=actors.num_gpus, num_cpus=actors.num_cpus)
         names = [f.name for f in prep.sink.schema]
         it = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
         try:
