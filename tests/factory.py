@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import struct
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 
@@ -168,3 +171,19 @@ def save_chat_tokenizer(path: str, chat_template=None, template_file: str | None
         with open(os.path.join(path, "chat_template.jinja"), "w") as f:
             f.write(template_file)
     return path
+
+
+def write_shared_prompt_rows(path: str, adapters, prompts: int, seed: int, max_len: int) -> None:
+    """An input Parquet file (``id``, ``prompt_ids``, ``adapter``) of ``prompts`` random prompts
+    (3 to ``max_len - 1`` token ids below 64), each asked of every adapter in ``adapters`` (None:
+    the base model); row ids ``"{prompt}-{adapter}"``."""
+    rng = random.Random(seed)
+    ids, rows, names = [], [], []
+    for i in range(prompts):
+        prompt = [rng.randrange(64) for _ in range(rng.randrange(3, max_len))]
+        for adapter in adapters:
+            ids.append(f"{i}-{adapter}")
+            rows.append(prompt)
+            names.append(adapter)
+    pq.write_table(pa.table({"id": ids, "prompt_ids": pa.array(rows, pa.list_(pa.int64())),
+                             "adapter": pa.array(names, pa.string())}), path)

@@ -7,13 +7,10 @@ resident and with fewer core slots than members (loads published by rank 0 only 
 ranks hold them); the Triton operator's ranks (interpreted) equal the unsharded operator too."""
 
 import json
-import random
 import threading
 from types import SimpleNamespace
 
 import factory
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from test_batch_model import random_model
@@ -97,6 +94,18 @@ def synthetic_bundle(config: ModelConfig, method: str, R: int = 3):
                            bases=bases, cores=cores, method=method, member_ids=lambda: members)
 
 
+def _unsharded(method: str, layers: int, kv: int):
+    """(config, bundle, group shapes, the unsharded float64 torch bank) of a tiny Llama with
+    ``kv`` kv heads and a synthetic bundle over every module."""
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+                                  "intermediate_size": 24, "num_hidden_layers": layers, "num_attention_heads": 4,
+                                  "num_key_value_heads": kv, "max_position_embeddings": 64})
+    bundle = synthetic_bundle(config, method)
+    shapes = group_shapes(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                          config.head_dim)
+    return config, bundle, shapes, BundleBank(bundle, config.num_layers, shapes, torch.float64, "cpu")
+
+
 @pytest.mark.parametrize("method", ["jd-full", "jd-diag"])
 @pytest.mark.parametrize("kv", [2, 1])  # kv 1: the one k/v head replicated on both ranks
 def test_two_ranks_of_the_three_stage_operator_equal_one(method, kv):
@@ -104,13 +113,7 @@ def test_two_ranks_of_the_three_stage_operator_equal_one(method, kv):
     its base weight rows give. Row-parallel groups (o, down): each rank adds, at its h/N columns,
     the expansion of the projections summed over the ranks, so the ranks' partials sum to the
     unsharded output; every other column and every base row keep their bits."""
-    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
-                                  "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                  "num_key_value_heads": kv, "max_position_embeddings": 64})
-    bundle = synthetic_bundle(config, method)
-    shapes = group_shapes(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                          config.head_dim)
-    full = BundleBank(bundle, config.num_layers, shapes, torch.float64, "cpu")
+    config, bundle, shapes, full = _unsharded(method, layers=2, kv=kv)
     group = ThreadGroup(2)
     layouts = [TPLayout(j, 2) for j in range(2)]
     ranks = [BundleBank.for_rank(bundle, TPShard(config, layouts[j], group.collective(j)), torch.float64, "cpu")
@@ -200,13 +203,7 @@ def test_two_ranks_of_the_triton_operator_equal_one(method):
     unsharded operator's columns of their base rows; on o and down the projections are summed
     between the kernels' launches and each rank adds its h/N columns, so the partials sum to
     the unsharded output; other columns and base rows keep their bits."""
-    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
-                                  "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
-                                  "num_key_value_heads": 2, "max_position_embeddings": 64})
-    bundle = synthetic_bundle(config, method)
-    shapes = group_shapes(config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                          config.head_dim)
-    full = BundleBank(bundle, config.num_layers, shapes, torch.float64, "cpu")
+    config, bundle, shapes, full = _unsharded(method, layers=1, kv=2)
     group = TwoPassGroup(2)
     layouts = [TPLayout(j, 2) for j in range(2)]
     ranks = [BundleBank.for_rank(bundle, TPShard(config, layouts[j], group.collective(j)), torch.float32, "cpu",
@@ -271,16 +268,7 @@ def bundle_job(request, tmp_path_factory):
     assert res.exit_code == 0, res.output
     members = json.loads((root / "bundle" / "bundle.json").read_text())["members"]
     assert len(members) == 3
-    rng = random.Random(6)
-    ids, prompts, adapters = [], [], []
-    for i in range(4):
-        prompt = [rng.randrange(64) for _ in range(rng.randrange(3, 16))]
-        for adapter in ("a", "b", "c", None):
-            ids.append(f"{i}-{adapter}")
-            prompts.append(prompt)
-            adapters.append(adapter)
-    pq.write_table(pa.table({"id": ids, "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
-                             "adapter": pa.array(adapters, pa.string())}), str(root / "in.parquet"))
+    factory.write_shared_prompt_rows(str(root / "in.parquet"), ("a", "b", "c", None), prompts=4, seed=6, max_len=16)
     one = run_job(_job(root, root / "one"))
     assert one.bank["loads"] == 0  # every core resident from the start
     reference = _rows(root / "one")

@@ -12,12 +12,9 @@ On a GPU, the demo and the tiny-model jobs also run with both ranks on one GPU o
 
 import multiprocessing
 import os
-import random
 import signal
 
 import factory
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import DEMO
@@ -56,16 +53,7 @@ def workspace(request, tmp_path_factory):
         "r4": dict(r=4, lora_alpha=8, target_modules=ALL_SEVEN, seed=11),
         "r6": dict(r=6, lora_alpha=6, target_modules=ALL_SEVEN, seed=12),
     })
-    rng = random.Random(5)
-    ids, prompts, adapters = [], [], []
-    for i in range(6):
-        prompt = [rng.randrange(64) for _ in range(rng.randrange(3, 20))]
-        for adapter in ("r4", "r6", None):
-            ids.append(f"{i}-{adapter}")
-            prompts.append(prompt)
-            adapters.append(adapter)
-    pq.write_table(pa.table({"id": ids, "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
-                             "adapter": pa.array(adapters, pa.string())}), str(root / "in.parquet"))
+    factory.write_shared_prompt_rows(str(root / "in.parquet"), ("r4", "r6", None), prompts=6, seed=5, max_len=20)
     return root
 
 
@@ -196,9 +184,10 @@ def _cli(tmp_path, *extra):
                                                   ("3", "E_TP_SHAPE", ("--num-workers", "2"))])
 def test_a_size_the_job_cannot_take_exits_2(tmp_path, size, code, workers):
     """0 is out of range; 3 does not divide the demo base's 4 heads (refused before any rank,
-    or any worker of replicas, starts)."""
+    or any worker of replicas, starts, and before OUTPUT is opened: a rerun needs no --resume)."""
     res = _cli(tmp_path, "--tensor-parallel-size", size, *workers)
     assert res.exit_code == 2, res.output
+    assert not (tmp_path / "out").exists()
     assert code in res.output and "tensor-parallel" in res.output
     assert "E_TP_SHAPE: worker" not in res.output  # the coordinator's refusal, not a started worker's error
     assert not multiprocessing.active_children()

@@ -5,11 +5,8 @@ graphs are emulated on every rank (MLORA_EMULATE_GRAPHS=1, gloo, the Triton kern
 a TP=2 job gives the tokens of TP=1 eager, and the followers replay as often as rank 0.
 """
 
-import random
 
 import factory
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from test_batch_model import random_model
 from test_batch_run import _rows
@@ -33,16 +30,7 @@ def _workspace(root):
                                                                 "gate_proj", "up_proj", "down_proj"]),
         "od": dict(r=2, lora_alpha=16, seed=22, target_modules=["o_proj", "down_proj"]),
     })
-    rng = random.Random(3)
-    ids, prompts, adapters = [], [], []
-    for i in range(2):
-        prompt = [rng.randrange(64) for _ in range(rng.randrange(3, 9))]
-        for adapter in ("all", "od", None):
-            ids.append(f"{i}-{adapter}")
-            prompts.append(prompt)
-            adapters.append(adapter)
-    pq.write_table(pa.table({"id": ids, "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
-                             "adapter": pa.array(adapters, pa.string())}), str(root / "in.parquet"))
+    factory.write_shared_prompt_rows(str(root / "in.parquet"), ("all", "od", None), prompts=2, seed=3, max_len=9)
 
 
 def _job(root, out, **over) -> JobConfig:

@@ -39,11 +39,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from mlora.batch.adapters.catalog import BASE_ID, PinnedAdapter, load_catalog
 from mlora.batch.config import JobConfig, resolve_dtype
-from mlora.batch.errors import JobError
+from mlora.batch.errors import JobError, ModelError
 from mlora.batch.job.chat import load_chat_template
 from mlora.batch.job.input import InputSpec, open_input
 from mlora.batch.job.output import JobOutput, ResultSink, check_writable, output_schema
 from mlora.batch.model.decoder import load_config
+from mlora.batch.model.tp import check_size
 from mlora.lora_tools.manifest import BaseLoadError, base_identity, load_base
 
 BASE_IDS = (None, "", BASE_ID)  # adapter-column values that mean the base model on purpose
@@ -183,6 +184,11 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
     check_writable(opts.output)  # before any hashing: a job that cannot write its rows must not start
     phase("reading the input", None, 0)
     config = load_config(opts.base)
+    if opts.tensor_parallel_size > 1:  # before OUTPUT is opened: a size the base cannot take leaves nothing
+        try:
+            check_size(config, opts.tensor_parallel_size)
+        except ModelError as e:
+            raise JobError(e.code, e.message, 2) from e
     dtype = resolve_dtype(opts.dtype, config.dtype, device)
     source = open_input(opts.input, input_spec(opts))
     if not opts.allow_duplicate_ids:

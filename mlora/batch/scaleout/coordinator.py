@@ -61,7 +61,7 @@ from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import PreparedJob, RowWriter, finish_job
 from mlora.batch.job.session import requests_of, result_record
 from mlora.batch.scaleout.assign import Dispatcher
-from mlora.batch.scaleout.placement import WorkerPlace, check_tp_size
+from mlora.batch.scaleout.placement import WorkerPlace
 from mlora.batch.scaleout.worker import worker_main
 
 STOP_TIMEOUT_S = 60.0  # a worker told to stop reports within this, or is killed
@@ -109,7 +109,6 @@ def run_workers(prep: PreparedJob, places: list[WorkerPlace], progress=None, not
                 segment_rows: int | None = None) -> "JobSummary":  # noqa: F821
     """Run the prepared job on one worker process per place (module docstring)."""
     opts = prep.opts
-    check_tp_size(prep.config, opts.tensor_parallel_size)  # refused before any worker starts
     if segment_rows is None:
         segment_rows = max(4 * opts.max_num_seqs, opts.schedule_window) * len(places)
     coord = _Coordinator(prep, places, progress, note or (lambda text: None), segment_rows)

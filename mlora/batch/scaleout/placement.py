@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlora.batch.config import JobConfig, resolve_device
-from mlora.batch.errors import JobError, ModelError
-from mlora.batch.model.tp import check_size
+from mlora.batch.errors import JobError
 
 
 @dataclass(frozen=True)
@@ -124,14 +123,6 @@ def ray_actors(on_gpu: bool, node_gpus: list[int], cpus: int, num_workers: int |
         return RayActors(num_workers or groups, tp_size, 1, None)
     n = num_workers or 1
     return RayActors(n, 0, max(1, cpus // n), rank_threads(cpus, n, tp_size))
-
-
-def check_tp_size(config, tp_size: int) -> None:
-    """Refuse (exit 2) a tensor-parallel size the base cannot take before any engine starts."""
-    try:
-        check_size(config, tp_size)
-    except ModelError as e:
-        raise JobError(e.code, e.message, 2) from e
 
 
 def gpu_places(gpus: str, device: str, tp_size: int = 1) -> list[WorkerPlace]:

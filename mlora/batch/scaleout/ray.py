@@ -75,7 +75,7 @@ from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, input_spec, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
-from mlora.batch.scaleout.placement import RayActors, check_tp_size, ray_actors
+from mlora.batch.scaleout.placement import RayActors, ray_actors
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
 try:  # the optional extra mlora[ray]: without it, a coded error that names the extra
@@ -309,7 +309,6 @@ def run_ray_job(opts: JobConfig, plan, progress=None, note=None):
         if opts.tensor_parallel_size > 1:
             prep.summary.device += f" ({opts.tensor_parallel_size} ranks each)"
         try:
-            check_tp_size(prep.config, opts.tensor_parallel_size)  # refused before any actor starts
             return _drive(ray, prep, actors, on_gpu, progress)
         except BaseException:
             prep.sink.close_after_failure()  # what is contiguous so far; rows after a gap run again on --resume
