@@ -110,22 +110,8 @@ class EngineSession:
                                                       collective=self.tp.collective)
             usable = rank_usable(self.tp.memory(device), opts.gpu_memory_utilization)
             max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
-            self.bank = None
-            shard = TPShard(config, TPLayout(0, size), self.tp.collective)
-            if bundle is not None:
-                self.bank = self._bundle_bank(bundle, good, shard, usable)
-                self.bank.leader = self.tp
-                if usable is not None:
-                    usable -= self.bank.nbytes()
-            elif good:
-                shapes = bank_shapes(config, shard.layout)[0]
-                slot_bytes = LeaderBank.bytes_per_slot(config.num_layers, shapes, max_rank, dtype)
-                slots = num_slots(opts, len(good), slot_bytes, device, usable)
-                self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device,
-                                                backend="triton" if graphs else "auto")
-                self.bank.leader = self.tp
-                if usable is not None:
-                    usable -= slots * slot_bytes
+            usable = self._leader_bank(good, bundle, TPShard(config, TPLayout(0, size), self.tp.collective), max_rank,
+                                       usable, graphs)
             self._tp_graphs = graphs
             num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
@@ -142,6 +128,28 @@ class EngineSession:
             raise self.tp.abort(e) from e
         self.pauses = RunPauses()
         self.pauses.start()
+
+    def _leader_bank(self, good: dict[str, PinnedAdapter], bundle, shard: TPShard, max_rank: int,
+                     usable: float | None, graphs: bool) -> float | None:
+        """``self.bank`` of rank 0 of a tensor-parallel group: the bundle's bank (its cut of
+        the bases) or a slot bank of the adapters' cuts (Triton where decode graphs capture
+        it), or None without servable adapters; returns the ``usable`` bytes left for KV."""
+        opts, device, dtype = self.opts, self.device, self.dtype
+        self.bank = None
+        if bundle is not None:
+            self.bank = self._bundle_bank(bundle, good, shard, usable)
+            bank_bytes = self.bank.nbytes()
+        elif good:
+            shapes = bank_shapes(shard.config, shard.layout)[0]
+            slot_bytes = LeaderBank.bytes_per_slot(shard.config.num_layers, shapes, max_rank, dtype)
+            slots = num_slots(opts, len(good), slot_bytes, device, usable)
+            self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device,
+                                            backend="triton" if graphs else "auto")
+            bank_bytes = slots * slot_bytes
+        if self.bank is None:
+            return usable
+        self.bank.leader = self.tp
+        return usable if usable is None else usable - bank_bytes
 
     def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter], shard: TPShard | None = None,
                      usable: float | None = None) -> BundleBank:
