@@ -541,11 +541,12 @@ def bench_gpus(
     con = Console()
     table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, every projection), {rows} rows, "
                         f"{max_new_tokens} new tokens, {dtype}", title_justify="left")
-    for col in ("run", "device", "tok/s (generation)", "wall", "load amplification", "error rows", "rows differing"):
+    # rows differing: from the first run's (tokens, finish reason, error code)
+    for col in ("run", "device", "gen. tok/s", "wall", "load ampl.", "error rows", "rows differing"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
         amp = r["load_amplification"]
-        differ = "-" if r["compared_with"] == r["name"] else f"{r['rows_differing']} (vs {r['compared_with']})"
+        differ = "-" if r["compared_with"] == r["name"] else str(r["rows_differing"])
         table.add_row(r["name"], r["device"], f"{r['tokens_per_s']:.0f}", f"{r['wall_s']:.1f} s",
                       "-" if amp is None else f"{amp:.3f}", str(r["error_rows"]), differ)
     con.print(table)
@@ -554,7 +555,8 @@ def bench_gpus(
         con.print(f"speed-up {sp['run']} / {sp['against']}: {'-' if tps is None else f'{tps:.2f}x'} generation "
                   f"tokens/s, {'-' if wall is None else f'{wall:.2f}x'} wall time")
     if results["outputs_equal"] is not None:
-        con.print(f"outputs equal: {'yes' if results['outputs_equal'] else 'NO'}")
+        con.print(f"outputs equal to the {results['runs'][0]['name']} run's (tokens, finish reasons, errors): "
+                  f"{'yes' if results['outputs_equal'] else 'NO'}")
 
 
 @bench_app.command("prefix")
