@@ -147,7 +147,7 @@ def run_gpus_bench(root: str, o: GpusBenchOptions, progress=None) -> dict:
     common = ["--base", os.path.join(root, "base"), "--adapters", os.path.join(root, "adapters"),
               "--prompt-ids-column", "prompt_ids", "--max-new-tokens", str(o.max_new_tokens), "--dtype", o.dtype,
               "--max-num-seqs", str(o.max_num_seqs), "--max-batch-tokens", str(o.max_batch_tokens), "--json", "--quiet"]
-    runs, rows = [], {}
+    runs, first_rows = [], None
     for name in selected_runs(o):
         extra, env = run_args(o, name)
         out = os.path.join(root, f"out-{name}")
@@ -161,17 +161,18 @@ def run_gpus_bench(root: str, o: GpusBenchOptions, progress=None) -> dict:
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
         with open(os.path.join(out, "_metrics.json")) as f:
             m = json.load(f)["metrics"]
-        rows[name] = output_rows(out)
+        rows = output_rows(out)
+        first_rows = rows if first_rows is None else first_rows
         first = runs[0]["name"] if runs else name
         runs.append(dict(name=name, args=extra, device=summary["device"], wall_s=summary["wall_s"],
                          tokens_per_s=m["tokens_per_s"], generated_tokens=m["completion_tokens"],
                          error_rows=summary["error_rows"], load_amplification=m["load_amplification"],
                          workers=summary["workers"], compared_with=first,
-                         rows_differing=rows_differing(rows[first], rows[name])))
+                         rows_differing=rows_differing(first_rows, rows)))
         if progress:
             r = runs[-1]
-            progress(f"{name}: {r['tokens_per_s']:.0f} tok/s (generation), wall {r['wall_s']:.1f} s, "
-                     f"{r['rows_differing']} row(s) differ from {first}")
+            progress(f"{name}: {r['tokens_per_s']:.0f} tok/s (generation), wall {r['wall_s']:.1f} s"
+                     + (f", {r['rows_differing']} row(s) differ from {first}" if runs[1:] else ""))
     by = {r["name"]: r for r in runs}
     later = runs[1:]
     return dict(options=asdict(o) | {"runs": [r["name"] for r in runs]}, workspace=ws, runs=runs,
