@@ -13,6 +13,15 @@
 #         for t in a b; do mkdir -p .ab/$t; git archive REV_$t mlora | tar -x -C .ab/$t; done   # .ab in .git/info/exclude
 #       then run `compare .ab/a .ab/b`. BATCH_ARGS / KERNEL_ARGS override the bench options, ROUNDS the rounds
 #       (2), BENCHES the benches ("batch kernels"; one per device call if both overrun its 10 minutes).
+#   bash scripts/gpu_session.sh gpus2 [demo] [bench] [tiny]   two GPUs of one host (nvidia-h200-x2), in order:
+#       demo: the demo job in float32 on GPU 0, with --gpus 0,1 and with --gpus 0,1 --tensor-parallel-size 2
+#         (NCCL), each checked against expected.json and the two scaled runs against the one-GPU run's rows;
+#       bench: mlora bench gpus at issue 40's size (Llama-3-8B shape, bf16, 1,024 rows, 8 adapters): one GPU,
+#         --gpus 0,1 and TP=2, tokens/s and speed-ups ($OUT/gpus2-bench.json; workspace /tmp/mlora-gpus2, reused);
+#       tiny: the same three runs on the tiny preset in float32 (outputs_equal: rows equal the one-GPU run's).
+#       Estimate: demo ~2 min (Triton compiles in the first run), bench ~4 min (16 GB checkpoint written, then
+#       three runs each loading it from the page cache), tiny ~1 min: one call. Each part gets what is left of
+#       570 s; if one overruns, rerun the parts left (`gpus2 bench tiny`) in a second call.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -95,7 +104,48 @@ case "${1:-}" in
     done
     "$PY" scripts/compare_table.py "$OUT"
     ;;
+  gpus2)
+    shift
+    [ $# -gt 0 ] || set -- demo bench tiny
+    end=$((SECONDS + 570))
+    for part in "$@"; do
+      left=$((end - SECONDS))
+      [ "$left" -gt 20 ] || { echo "gpus2 $part: no time left in this call; run \`gpus2 $part\` in the next"; continue; }
+      case $part in
+        demo)
+          for run in one replicas tp; do
+            case $run in
+              one) args="--device cuda" ;;
+              replicas) args="--gpus 0,1" ;;
+              tp) args="--gpus 0,1 --tensor-parallel-size 2" ;;
+            esac
+            rm -rf "/tmp/demo2-$run"
+            # shellcheck disable=SC2086
+            timeout $((end - SECONDS)) "$PY" -m mlora batch-run examples/demo/prompts.parquet "/tmp/demo2-$run" \
+              --base examples/demo/base --adapters examples/demo/adapters --max-new-tokens 40 --dtype float32 $args \
+              -q >/dev/null 2>"$OUT/demo2-$run.err"
+            rc=$?
+            echo "demo float32 $run ($args, exit $rc): $("$PY" scripts/check_demo_outputs.py "/tmp/demo2-$run" 2>&1 | tail -1)"
+            [ $rc -eq 0 ] || tail -3 "$OUT/demo2-$run.err"
+            [ $run = one ] || echo "  $run against one: $("$PY" scripts/check_demo_outputs.py "/tmp/demo2-$run" \
+                                  /tmp/demo2-one 2>&1 | tail -1)"
+          done
+          ;;
+        bench)
+          # progress lines (stderr) carry each run's figures, so a run cut short by the timeout leaves the earlier ones
+          timeout "$left" "$PY" -m mlora bench gpus /tmp/mlora-gpus2 --gpus 0,1 --tensor-parallel-size 2 --adapters 8 \
+            --rows 1024 --out "$OUT/gpus2-bench.json" 2>&1 | grep -v 'adapters written' | tee "$OUT/gpus2-bench.txt"
+          ;;
+        tiny)
+          timeout "$left" "$PY" -m mlora bench gpus /tmp/mlora-gpus2-tiny --preset tiny --dtype float32 --gpus 0,1 \
+            --tensor-parallel-size 2 --adapters 8 --rows 256 --prompt-min 8 --prompt-max 64 --max-new-tokens 32 \
+            --out "$OUT/gpus2-tiny.json" 2>&1 | tee "$OUT/gpus2-tiny.txt" | grep -E '^(one|replicas|tp):|outputs equal|Error'
+          ;;
+        *) echo "gpus2: parts are demo, bench and tiny, not $part" >&2; exit 2 ;;
+      esac
+    done
+    ;;
   *)
-    sed -n 2,15p "$0"; exit 2
+    sed -n 2,24p "$0"; exit 2
     ;;
 esac

@@ -153,6 +153,9 @@ CASES = {
         ("unknown dtype", lambda w: ["bench", "residency", str(w["root"] / "w"), "--preset", "tiny", "--device",
                                      "cpu", "--dtype", "f8"], 2),
         ("unknown prefix job", lambda w: ["bench", "prefix", "--preset", "tiny", "--device", "cpu", "--jobs", "x"], 2),
+        ("tp size not dividing the workers", lambda w: ["bench", "gpus", str(w["root"] / "g"), "--preset", "tiny",
+                                                        "--device", "cpu", "--num-workers", "3",
+                                                        "--tensor-parallel-size", "2"], 2),
     ],
 }
 

@@ -6,9 +6,14 @@ that the files themselves hold what the README promises.
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from conftest import DEMO
+from conftest import DEMO, REPO
 
 ADAPTERS = os.path.join(DEMO, "adapters")
 BASE = os.path.join(DEMO, "base")
@@ -105,3 +110,24 @@ def test_expected_json_reproduces_with_transformers_and_peft(expected):
 def test_demo_is_small():
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(DEMO) for f in fs)
     assert total < 10 * 1024 * 1024
+
+
+def test_check_demo_outputs_finds_a_changed_row(single_process_output, tmp_path):
+    """scripts/check_demo_outputs.py: the CPU float32 demo output equals expected.json and itself;
+    one row with a changed token and text fails both comparisons (exit 1) and is named."""
+    def check(*outs):
+        return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "check_demo_outputs.py"), *map(str, outs)],
+                              capture_output=True, text=True)
+
+    assert check(single_process_output).returncode == 0
+    assert check(single_process_output, single_process_output).returncode == 0
+    changed = tmp_path / "changed"
+    shutil.copytree(single_process_output, changed)
+    part = sorted(p for p in os.listdir(changed) if p.endswith(".parquet"))[0]
+    table = pq.read_table(changed / part)
+    rows = table.to_pylist()
+    rows[0]["completion_token_ids"][0] += 1
+    rows[0]["completion"] = "x" + rows[0]["completion"]
+    pq.write_table(pa.Table.from_pylist(rows, table.schema), changed / part)
+    for result in (check(changed, single_process_output), check(changed)):
+        assert result.returncode == 1 and rows[0]["id"] in result.stdout

@@ -494,8 +494,13 @@ def bench_startup(
 @bench_app.command("gpus")
 def bench_gpus(
     workdir: Path = typer.Argument(..., help="Directory for the synthetic workspace (reused if complete) and outputs."),
-    gpus: str = typer.Option("0,1", "--gpus", help="GPUs of the scaled run (the one-GPU run uses the first)."),
-    num_workers: int = typer.Option(2, "--num-workers", min=1, help="--device cpu: CPU worker processes of the scaled run."),
+    gpus: str = typer.Option("0,1", "--gpus", help="GPUs of the replicas and tp runs (the one-GPU run uses the first)."),
+    num_workers: int = typer.Option(2, "--num-workers", min=1,
+                                    help="--device cpu: CPU processes of the replicas and tp runs (as --gpus counts GPUs)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="Adds the tp run: --gpus with --tensor-parallel-size N (N divides the GPUs)."),
+    runs: Optional[str] = typer.Option(None, "--runs", help="Runs to make, a subset of one,replicas,tp "
+                                       "(default: one,replicas, and tp with --tensor-parallel-size N)."),
     preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
     adapters: int = typer.Option(64, "--adapters", min=1, help="Distinct adapters (rows pick one uniformly)."),
     rows: int = typer.Option(2048, "--rows", min=1),
@@ -511,15 +516,21 @@ def bench_gpus(
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
-    """A synthetic many-adapter job through `mlora batch-run` on one GPU and with --gpus; prints both tokens/s."""
-    from mlora.bench.gpus import GpusBenchOptions, run_gpus_bench
+    """A synthetic many-adapter job through `mlora batch-run` on one GPU, with --gpus, and with --gpus at
+    --tensor-parallel-size N; prints each run's tokens/s, the speed-ups and whether the outputs agree."""
+    from mlora.bench.gpus import GpusBenchOptions, check_options, run_gpus_bench
 
     err = Console(stderr=True)
     _check_options(err, device, preset, dtype)
-    opts = GpusBenchOptions(preset=preset, gpus=gpus, num_workers=num_workers, adapters=adapters, rows=rows, rank=rank,
-                            prompt_min=prompt_min, prompt_max=prompt_max, max_new_tokens=max_new_tokens,
-                            max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, device=device, dtype=dtype,
-                            seed=seed)
+    opts = GpusBenchOptions(preset=preset, gpus=gpus, num_workers=num_workers, tensor_parallel_size=tensor_parallel_size,
+                            runs=tuple(r.strip() for r in runs.split(",")) if runs else (), adapters=adapters,
+                            rows=rows, rank=rank, prompt_min=prompt_min, prompt_max=prompt_max,
+                            max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                            device=device, dtype=dtype, seed=seed)
+    try:
+        check_options(opts)
+    except ValueError as exc:
+        _usage(err, str(exc))
     try:
         results = run_gpus_bench(str(workdir), opts, progress=None if json_out else _progress_line(err))
     except RuntimeError as exc:
@@ -529,17 +540,23 @@ def bench_gpus(
         return
     con = Console()
     table = Table(title=f"{preset}: {adapters} adapters (rank {rank}, every projection), {rows} rows, "
-                        f"{max_new_tokens} new tokens", title_justify="left")
-    for col in ("run", "device", "tok/s (generation)", "wall", "load amplification", "error rows"):
+                        f"{max_new_tokens} new tokens, {dtype}", title_justify="left")
+    # rows differing: from the first run's (tokens, finish reason, error code)
+    for col in ("run", "device", "gen. tok/s", "wall", "load ampl.", "error rows", "rows differing"):
         table.add_column(col, justify="right")
     for r in results["runs"]:
         amp = r["load_amplification"]
+        differ = "-" if r["compared_with"] == r["name"] else str(r["rows_differing"])
         table.add_row(r["name"], r["device"], f"{r['tokens_per_s']:.0f}", f"{r['wall_s']:.1f} s",
-                      "-" if amp is None else f"{amp:.3f}", str(r["error_rows"]))
+                      "-" if amp is None else f"{amp:.3f}", str(r["error_rows"]), differ)
     con.print(table)
-    sp = results["speedup"]
-    con.print(f"speed-up (generation tokens/s, scaled / one): {'-' if sp is None else f'{sp:.2f}x'} "
-              f"(wall time: {results['wall_speedup']:.2f}x)")
+    for sp in results["speedups"]:
+        tps, wall = sp["tokens_per_s"], sp["wall"]
+        con.print(f"speed-up {sp['run']} / {sp['against']}: {'-' if tps is None else f'{tps:.2f}x'} generation "
+                  f"tokens/s, {'-' if wall is None else f'{wall:.2f}x'} wall time")
+    if results["outputs_equal"] is not None:
+        con.print(f"outputs equal to the {results['runs'][0]['name']} run's (tokens, finish reasons, errors): "
+                  f"{'yes' if results['outputs_equal'] else 'NO'}")
 
 
 @bench_app.command("prefix")
