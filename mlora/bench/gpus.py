@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlora.bench.batch import BatchBenchOptions, _requests, preset_config
+from mlora.bench.residency import write_adapter, write_base
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -60,8 +61,6 @@ def write_gpus_workspace(root: str, o: GpusBenchOptions, progress=None) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mlora.bench.residency import write_adapter, write_base
-
     dtype = getattr(torch, o.dtype)
     dev = "cuda" if o.device == "cuda" and torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
@@ -71,11 +70,7 @@ def write_gpus_workspace(root: str, o: GpusBenchOptions, progress=None) -> dict:
     if not (os.path.exists(done) and json.load(open(done)) == key):
         shutil.rmtree(root, ignore_errors=True)
         write_base(os.path.join(root, "base"), o.preset, dtype, o.seed, dev)
-        for k in range(o.adapters):
-            write_adapter(os.path.join(root, "adapters", f"bench-{k}"), o.preset, o.rank, ALL_PROJECTIONS,
-                          o.seed + 1000 + k, dtype, dev)
-            if progress and (k + 1) % 16 == 0:
-                progress(f"{k + 1} adapters written")
+        write_gpus_adapters(os.path.join(root, "adapters"), o.preset, o.adapters, o.rank, o.seed, dtype, dev, progress)
         bo = BatchBenchOptions(preset=o.preset, prompt_min=o.prompt_min, prompt_max=o.prompt_max)
         reqs = _requests(bo, preset_config(o.preset, o.dtype), o.adapters, o.rows, o.max_new_tokens, o.seed)
         pq.write_table(pa.table({
@@ -86,6 +81,16 @@ def write_gpus_workspace(root: str, o: GpusBenchOptions, progress=None) -> dict:
         with open(done, "w") as f:
             json.dump(key, f)
     return dict(seconds=time.perf_counter() - t0)
+
+
+def write_gpus_adapters(root: str, preset: str, n: int, rank: int, seed: int, dtype: torch.dtype, device: str,
+                        progress=None) -> None:
+    """The workspace's adapters: ``bench-0`` .. ``bench-{n-1}`` under ``root``, PEFT LoRA of rank
+    ``rank`` on every linear projection of ``preset`` (generated on ``device``)."""
+    for k in range(n):
+        write_adapter(os.path.join(root, f"bench-{k}"), preset, rank, ALL_PROJECTIONS, seed + 1000 + k, dtype, device)
+        if progress and (k + 1) % 16 == 0:
+            progress(f"{k + 1} adapters written")
 
 
 def run_gpus_bench(root: str, o: GpusBenchOptions, progress=None) -> dict:
