@@ -71,7 +71,6 @@ import random
 import socket
 import statistics
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -152,8 +151,9 @@ def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def tensor_seed(seed: int, name: str) -> int:
-    """The generator seed of tensor ``name`` (the same in every process: no salted ``hash``)."""
-    return (seed * 2**32 + zlib.crc32(name.encode())) % 2**63
+    """The generator seed of tensor ``name``: the same in every process (no salted ``hash``), and
+    its low 32 bits depend on both (the CPU generator seeds from those alone)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") % 2**63
 
 
 class _GeneratedTensors(Mapping):
