@@ -49,8 +49,6 @@ def test_two_ranks_run_the_bench_and_generate_the_one_device_tokens(tmp_path):
     # the follower generated its own slices: together the one-device model of the same seed
     assert base["tokens_sha256"] == one["scenarios"][0]["tokens_sha256"]
     assert lora["tokens_sha256"] != base["tokens_sha256"]  # the adapters (loaded on both ranks) changed the tokens
-    # with adapters, the o and down LoRA bottlenecks add their all-reduces to the same rows' floor
-    assert lora["decode"]["median_all_reduce_s"] > base["decode"]["median_all_reduce_s"]
     assert lora["adapter_bytes"] == lora_elements(preset_config("tiny", "float32"), TPLayout(0, 2), 4) * 4
     assert two["tensor_parallel"]["size"] == 2 and two["tensor_parallel"]["backend"] == "gloo"
     assert sorted(os.listdir(adapters)) == [".complete", "bench-0", "bench-1"]  # PEFT files, kept for a rerun
