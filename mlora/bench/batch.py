@@ -658,7 +658,7 @@ def check_options(o: BatchBenchOptions) -> ModelConfig:
     if dev.type == "cuda" and torch.cuda.device_count() < size:
         raise BenchError("E_TP_UNSUPPORTED", f"--tensor-parallel-size {size} puts one rank on each GPU, but "
                          f"{torch.cuda.device_count()} are visible: use at most that many")
-    check_fits(config, o, device_bytes(dev))
+    check_fits(config, o, device_bytes(dev), shared=dev.type != "cuda")
     return config
 
 
@@ -695,23 +695,27 @@ def rank_bytes(config: ModelConfig, o: BatchBenchOptions, size: int) -> dict:
 FIT_SHARE = 0.92
 
 
-def check_fits(config: ModelConfig, o: BatchBenchOptions, capacity: int) -> None:
-    """Refuse (``E_BENCH_MEMORY``) a job whose rank would not fit ``capacity`` bytes (a GPU's,
-    or the host's on the CPU), naming the tensor-parallel sizes that would."""
+def check_fits(config: ModelConfig, o: BatchBenchOptions, capacity: int, shared: bool = False) -> None:
+    """Refuse (``E_BENCH_MEMORY``) a job whose rank would not fit ``capacity`` bytes (a GPU's), or
+    with ``shared`` whose ranks together would not (the host's, on the CPU), naming the
+    tensor-parallel sizes that would fit one GPU per rank."""
     size = o.tensor_parallel_size
-    need = rank_bytes(config, o, size)
-    if need["total"] <= FIT_SHARE * capacity:
+
+    def need(n: int) -> int:
+        return rank_bytes(config, o, n)["total"] * (n if shared else 1)
+
+    if need(size) <= FIT_SHARE * capacity:
         return
-    fits = [n for n in tp_sizes(config) if n > size and rank_bytes(config, o, n)["total"] <= FIT_SHARE * capacity]
-    where = "GPU" if o.device == "cuda" else "host"
+    parts = rank_bytes(config, o, size)
     gib = 2**30
-    hint = (f"use --tensor-parallel-size >= {fits[0]} (one GPU per rank)" if fits else
-            "no tensor-parallel size of this model fits it")
+    fits = [] if shared else [n for n in tp_sizes(config) if n > size and need(n) <= FIT_SHARE * capacity]
+    hint = f"use --tensor-parallel-size >= {fits[0]} (one GPU per rank), or lower" if fits else "lower"
+    where = f"of this {'host' if shared else 'GPU'}'s {capacity / gib:.0f} GiB"
     raise BenchError("E_BENCH_MEMORY", f"--preset {o.preset} at --tensor-parallel-size {size} needs "
-                     f"{need['total'] / gib:.0f} GiB per rank (weights {need['weights'] / gib:.0f}, KV cache "
-                     f"{need['kv'] / gib:.0f} for --max-num-seqs {o.max_num_seqs} rows of --prompt-max + "
-                     f"--max-new-tokens tokens, adapters {need['adapters'] / gib:.1f}), more than "
-                     f"{FIT_SHARE:.0%} of this {where}'s {capacity / gib:.0f} GiB: {hint}, or lower --max-num-seqs, "
+                     f"{need(size) / gib:.0f} GiB ({f'{size} ranks on the host, ' if shared else ''}per rank: "
+                     f"weights {parts['weights'] / gib:.0f}, KV cache {parts['kv'] / gib:.0f} for --max-num-seqs "
+                     f"{o.max_num_seqs} rows of --prompt-max + --max-new-tokens tokens, adapters "
+                     f"{parts['adapters'] / gib:.1f}), more than {FIT_SHARE:.0%} {where}: {hint} --max-num-seqs, "
                      "--prompt-max or the adapter counts")
 
 
