@@ -54,7 +54,10 @@ Owns the measurement method; the figures go into BENCHMARKS.md.
   down LoRA bottlenecks each). ``t_ar(rows, width)`` is the measured time of one
   all-reduce of a [rows, width] tensor over the group: timed at the start of each
   scenario at 1, ``max_num_seqs`` and ``max_batch_tokens`` rows (a run of
-  back-to-back all-reduces, the best of three), interpolated linearly in rows.* Reported per scenario: generated tokens per second over the whole job (wall
+  back-to-back all-reduces, the best of three), interpolated linearly in rows.
+  The staged floor adds the same term. The adapters there are PEFT files, which
+  every rank loads its cut of.
+* Reported per scenario: generated tokens per second over the whole job (wall
   clock, prefill included), and for decode-only iterations the median time,
   the median floor and the median of time / floor, overall and at full batch
   (at least 90 % of ``max_num_seqs`` running). Iterations with prefill chunks
