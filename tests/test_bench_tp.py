@@ -25,18 +25,22 @@ from mlora.bench.batch import (
     random_model,
     run_batch_bench,
 )
-from mlora.bench.tpbatch import run_tp_batch_bench
 
 OPTS = dict(preset="tiny", rows=10, rank=4, prompt_min=3, prompt_max=17, max_new_tokens=6, max_num_seqs=4,
             max_batch_tokens=32, device="cpu", dtype="float32", repeat_base=False)
 
 
-def test_two_ranks_run_the_bench_and_generate_the_one_device_tokens(tmp_path):
+def test_two_ranks_run_the_bench_and_generate_the_one_device_tokens(tmp_path, run_cli):
     one = run_batch_bench(BatchBenchOptions(**OPTS, adapters=(0,)))
-    notes = []
-    adapters = tmp_path / "adapters"
-    two = run_tp_batch_bench(BatchBenchOptions(**OPTS, adapters=(0, 2), tensor_parallel_size=2,
-                                               adapters_dir=str(adapters)), note=notes.append)
+    adapters, out = tmp_path / "adapters", tmp_path / "tp.json"
+    code, stdout, stderr = run_cli(
+        "bench", "batch", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--rows", 10, "--rank", 4,
+        "--prompt-min", 3, "--prompt-max", 17, "--max-new-tokens", 6, "--max-num-seqs", 4, "--max-batch-tokens", 32,
+        "--adapters", "0,2", "--no-repeat-base", "--tensor-parallel-size", 2, "--adapters-dir", adapters, "--out", out)
+    assert code == 0, stderr
+    assert "tensor-parallel size 2 (floors per rank, all-reduces included)" in stdout
+    assert "2 adapters written" in stderr and "all-reduces" in stderr and "2 ranks built their weights" in stderr
+    two = json.loads(out.read_text())
     base, lora = two["scenarios"]
     assert (base["adapters"], lora["adapters"]) == (0, 2)
     for s in (base, lora):
@@ -52,8 +56,6 @@ def test_two_ranks_run_the_bench_and_generate_the_one_device_tokens(tmp_path):
     assert lora["adapter_bytes"] == lora_elements(preset_config("tiny", "float32"), TPLayout(0, 2), 4) * 4
     assert two["tensor_parallel"]["size"] == 2 and two["tensor_parallel"]["backend"] == "gloo"
     assert sorted(os.listdir(adapters)) == [".complete", "bench-0", "bench-1"]  # PEFT files, kept for a rerun
-    assert any("2 adapters written" in n for n in notes) and any("all-reduce" in n for n in notes)
-    json.dumps(two)
 
 
 def test_each_rank_generates_the_slices_of_the_whole_tensors():
