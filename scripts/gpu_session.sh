@@ -113,6 +113,6 @@ case "${1:-}" in
     "$PY" scripts/compare_table.py "$OUT"
     ;;
   *)
-    sed -n 2,25p "$0"; exit 2
+    sed -n 2,26p "$0"; exit 2
     ;;
 esac
