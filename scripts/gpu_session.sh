@@ -6,6 +6,17 @@
 #   bash scripts/gpu_session.sh demo                  the demo job on the GPU in float32 and bfloat16, checked
 #   bash scripts/gpu_session.sh kernels [OPTIONS]     mlora bench kernels (JSON: $OUT/kernels.json)
 #   bash scripts/gpu_session.sh batch [OPTIONS]       mlora bench batch (default --rows 1024 --adapters 0,8,64)
+#   bash scripts/gpu_session.sh tp-batch [OPTIONS]    mlora bench batch --tensor-parallel-size 2 on GPUs 0 and 1
+#       (JSON: $OUT/tp-batch.json; the adapters' PEFT files in /tmp/mlora-tp-adapters, not $OUT, reused by a
+#       rerun of the same preset). Without OPTIONS the Llama-3-8B shape, `--rows 1024 --adapters 0,8` (issue 40's
+#       job; the base again last): about 5 minutes, per scenario a group starts (~20 s), warms up and captures
+#       its graphs (~30 s; Triton compiles on top the first time) and runs (~20 s). The Llama-3-70B shape, its
+#       weights generated on each GPU (no checkpoint):
+#         bash scripts/gpu_session.sh tp-batch --preset llama-3-70b --rows 512 --adapters 0,8 --no-repeat-base
+#       (about 5 minutes: ~30 s prefill and ~10 s decode timed per scenario, as long again for the warm-up,
+#       8 adapters of 0.4 GB written; per rank 73 GB of weights and 48 GB of KV cache). Estimates, not yet
+#       measured: if a call runs short, add --no-repeat-base (8B) or use --rows 256 (70B); --no-cuda-graphs
+#       runs the decode steps eagerly if graph capture under tensor parallelism fails.
 #   bash scripts/gpu_session.sh compare REV_A REV_B   speed of two revisions on this GPU: bench batch and bench
 #       kernels from tree A and tree B alternately (A B A B), JSON per run in $OUT, then a table of B/A.
 #       REV is a git revision (its mlora/ extracted with git archive) or a folder holding a tree's mlora/.
@@ -70,6 +81,12 @@ case "${1:-}" in
     shift
     [ $# -gt 0 ] || set -- --rows 1024 --adapters 0,8,64
     timeout 580 "$PY" -m mlora bench batch --out "$OUT/batch.json" "$@" 2>&1
+    ;;
+  tp-batch)
+    shift
+    [ $# -gt 0 ] || set -- --rows 1024 --adapters 0,8
+    timeout 580 "$PY" -m mlora bench batch --tensor-parallel-size 2 --adapters-dir /tmp/mlora-tp-adapters \
+      --out "$OUT/tp-batch.json" "$@" 2>&1
     ;;
   compare)
     [ $# -eq 3 ] || { echo "usage: $0 compare REV_A REV_B" >&2; exit 2; }
@@ -146,6 +163,6 @@ case "${1:-}" in
     done
     ;;
   *)
-    sed -n 2,24p "$0"; exit 2
+    sed -n 2,35p "$0"; exit 2
     ;;
 esac

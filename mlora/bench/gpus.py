@@ -122,11 +122,7 @@ def write_gpus_workspace(root: str, o: GpusBenchOptions, progress=None) -> dict:
     if not (os.path.exists(done) and json.load(open(done)) == key):
         shutil.rmtree(root, ignore_errors=True)
         write_base(os.path.join(root, "base"), o.preset, dtype, o.seed, dev)
-        for k in range(o.adapters):
-            write_adapter(os.path.join(root, "adapters", f"bench-{k}"), o.preset, o.rank, ALL_PROJECTIONS,
-                          o.seed + 1000 + k, dtype, dev)
-            if progress and (k + 1) % 16 == 0:
-                progress(f"{k + 1} adapters written")
+        write_gpus_adapters(os.path.join(root, "adapters"), o.preset, o.adapters, o.rank, o.seed, dtype, dev, progress)
         bo = BatchBenchOptions(preset=o.preset, prompt_min=o.prompt_min, prompt_max=o.prompt_max)
         reqs = _requests(bo, preset_config(o.preset, o.dtype), o.adapters, o.rows, o.max_new_tokens, o.seed)
         pq.write_table(pa.table({
@@ -137,6 +133,16 @@ def write_gpus_workspace(root: str, o: GpusBenchOptions, progress=None) -> dict:
         with open(done, "w") as f:
             json.dump(key, f)
     return dict(seconds=time.perf_counter() - t0)
+
+
+def write_gpus_adapters(root: str, preset: str, n: int, rank: int, seed: int, dtype: torch.dtype, device: str,
+                        progress=None) -> None:
+    """The workspace's adapters: ``bench-0`` .. ``bench-{n-1}`` under ``root``, PEFT LoRA of rank
+    ``rank`` on every linear projection of ``preset`` (generated on ``device``)."""
+    for k in range(n):
+        write_adapter(os.path.join(root, f"bench-{k}"), preset, rank, ALL_PROJECTIONS, seed + 1000 + k, dtype, device)
+        if progress and (k + 1) % 16 == 0:
+            progress(f"{k + 1} adapters written")
 
 
 def run_gpus_bench(root: str, o: GpusBenchOptions, progress=None) -> dict:

@@ -149,7 +149,9 @@ def _print_kernel_tables(r: dict) -> None:
 
 @bench_app.command("batch")
 def bench_batch(
-    preset: str = typer.Option("llama-3-8b", "--preset", help="Model shape: llama-3-8b, or tiny (CPU smoke test)."),
+    preset: str = typer.Option("llama-3-8b", "--preset",
+                               help="Model shape: llama-3-8b, llama-3-70b (needs --tensor-parallel-size 2 or more "
+                                    "on 141 GB GPUs), mistral-7b, or tiny (CPU smoke test)."),
     rows: int = typer.Option(512, "--rows", min=1, help="Rows of the synthetic job."),
     adapters: str = typer.Option("0,1,8,64", "--adapters", help="Distinct-adapter counts to run (0 = base only)."),
     rank: int = typer.Option(16, "--rank", min=1, help="Rank of every random adapter (all linear modules)."),
@@ -167,11 +169,20 @@ def bench_batch(
     repeat_base: bool = typer.Option(True, "--repeat-base/--no-repeat-base",
                                      help="With base (0) first among several counts: run it again last; ratios "
                                           "use the faster base run (a first run may pay lazy compiles)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="Cut the model over this many ranks, one GPU each (gloo ranks on "
+                                                  "the CPU); each rank generates its part of the weights."),
+    adapters_dir: Optional[Path] = typer.Option(None, "--adapters-dir", file_okay=False,
+                                                help="With --tensor-parallel-size: where the random adapters are "
+                                                     "written as PEFT files, reused when they match (default: a "
+                                                     "temporary directory)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON results to this file."),
 ) -> None:
     """Time `mlora batch-run`'s engine on a synthetic job: tokens/s and decode iterations against their floor."""
-    from mlora.bench.batch import BatchBenchOptions, run_batch_bench
+    from mlora.batch.errors import CodedError
+    from mlora.bench.batch import BatchBenchOptions
+    from mlora.bench.tpbatch import run_tp_batch_bench
 
     err = Console(stderr=True)
     try:
@@ -182,7 +193,9 @@ def bench_batch(
     opts = BatchBenchOptions(preset=preset, rows=rows, adapters=counts, rank=rank, prompt_min=prompt_min,
                              prompt_max=prompt_max, max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
                              max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, seed=seed,
-                             cuda_graphs=cuda_graphs, lookahead=lookahead, repeat_base=repeat_base)
+                             cuda_graphs=cuda_graphs, lookahead=lookahead, repeat_base=repeat_base,
+                             tensor_parallel_size=tensor_parallel_size,
+                             adapters_dir=str(adapters_dir) if adapters_dir else None)
 
     def progress(s):
         d = s["decode_full_batch"] or s["decode"]
@@ -194,6 +207,8 @@ def bench_batch(
                   + (f"{dd['total_s']:.1f} (slowest {dd['max_s'] * 1e3:.0f} ms, {s['chained_iterations']} of "
                      f"{dd['iterations']} chained)" if dd else "0")
                   + f" + {s['outside_iterations_s']:.1f} outside"
+                  + (f"; all-reduces {d['median_all_reduce_s'] * 1e3:.2f} ms of the floor"
+                     if d and d.get("median_all_reduce_s") is not None else "")
                   + (f"; collector {sum(s['gc']['gc_pause_seconds'].values()) * 1e3:.1f} ms in "
                      f"{sum(s['gc']['gc_collections'].values())} collections (longest {s['gc']['gc_pause_max_ms']:.1f})"
                      if s.get("gc") else "")
@@ -202,7 +217,10 @@ def bench_batch(
                      if (k := s.get("clocks_full_batch")) else "") + "[/dim]", soft_wrap=True)
 
     try:
-        results = run_batch_bench(opts, progress=None if json_out else progress)
+        results = run_tp_batch_bench(opts, progress=None if json_out else progress,
+                                     note=None if json_out else _progress_line(err))
+    except CodedError as exc:  # a combination that cannot run (a model part larger than a GPU, ...)
+        fail(err, exc.code, exc.message, 2 if isinstance(exc, ValueError) else 1)
     except ValueError as exc:  # the options' own checks (prompt lengths against the preset's context)
         _usage(err, str(exc))
     if not _save(results, out, json_out):
@@ -222,8 +240,11 @@ def _print_batch_table(r: dict) -> None:
     con.print(f"{r['device']}{where}, torch {r['torch']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
               f"matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
               + (f" ({held / 1e12:.0f} sustained over seconds)" if held else "") + " (measured in this run)")
+    tp = o.get("tensor_parallel_size", 1)
     table = Table(title=f"{o['preset']} {o['dtype']}, {o['rows']} rows, prompts {o['prompt_min']}-{o['prompt_max']}, "
-                  f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules", title_justify="left")
+                  f"{o['max_new_tokens']} new tokens, rank {o['rank']} on all modules"
+                  + (f", tensor-parallel size {tp} (floors per rank, all-reduces included)" if tp > 1 else ""),
+                  title_justify="left")
     for col in ("adapters", "tok/s", "vs base", "decode iters", "rows (median)", "decode ms", "floor ms", "x floor",
                 "full-batch ms", "full floor ms", "full x floor", "full x staged floor", "prefill s", "prefill floor s",
                 "prefill x floor"):

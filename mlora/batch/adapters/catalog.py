@@ -94,7 +94,7 @@ class Catalog:
     def pin(
         self,
         ids: set[str],
-        base_dir: str,
+        base_dir: str | None,
         workers: int | None = None,
         base_identity: BaseIdentity | None = None,
         allow_pickle: bool = False,
@@ -103,19 +103,24 @@ class Catalog:
         tensors streamed and hashed on one thread pool) and pin their
         identities. Pass ``base_identity`` when the job already measured it;
         ``allow_pickle`` reads ``adapter_model.bin`` adapters (refused otherwise).
+        ``base_dir`` None: no checkpoint to check the adapters against (a benchmark's base
+        generated in memory), the identities bound to the base the adapters declare.
         Raises ``mlora.lora_tools.manifest.BaseLoadError`` for an unusable base,
         ValueError for a reserved id; never for a bad adapter."""
         reserved = sorted(i for i in ids if i in (BASE_ID, "") or not isinstance(i, str))
         if reserved:
             raise ValueError(f"reserved ids {reserved} name the base model, not an adapter; do not pin them")
-        base = load_base(base_dir)
+        base = load_base(base_dir) if base_dir is not None else None
         members = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is not None)
+        if members and base is None:
+            raise ValueError("a bundle's members are checked against the base checkpoint: pin them with its base_dir")
         known = sorted(i for i in ids if i in self.entries and self.entries[i].bundle_member is None)
         arts: dict[str, AdapterArtifact] = {i: _open(self.entries[i].path, allow_pickle) for i in known}
         scan_adapters(list(arts.values()), workers)
         for art in arts.values():
-            check_against_base(art, base)
-        if base_identity is None and (arts or members):
+            if base is not None:
+                check_against_base(art, base)
+        if base_identity is None and base is not None and (arts or members):
             base_identity = measure_base(base, workers)
         out = {i: PinnedAdapter(i, None, False, "E_ADAPTER_UNKNOWN", f"adapter {i!r} is not in the catalog: "
                                 f"add it to {self.source} or fix the row's adapter column")

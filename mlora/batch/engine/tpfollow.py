@@ -28,8 +28,10 @@ Must not choose rows, slots or tokens: a follower does what rank 0 decided, in i
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,8 +42,9 @@ from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
 from mlora.batch.engine.graphs import DecodeGraphs
 from mlora.batch.errors import CodedError
-from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
+from mlora.batch.model.decoder import DTYPES, DecoderModel, ModelConfig, load_config
 from mlora.batch.model.kvcache import KVCache
+from mlora.batch.model.tp import TPLayout
 from mlora.batch.model.tpgroup import LeadGroup, TPGroupError
 
 FORWARD, LOAD, STOP = "forward", "load", "stop"
@@ -217,17 +220,48 @@ def tp_graphs(backend: str, device_type: str) -> bool:
     return backend == "nccl" if device_type == "cuda" else True
 
 
-def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> dict:
-    """A follower rank (``tpgroup`` calls it with the rank's ``collective``): load the rank's part of
-    ``base`` onto ``devices[rank]``, report its GPU memory, build the KV cache, bank and decode
-    graphs rank 0's ``Setup`` gives, then run the messages until stop. Returns what rank 0 reads
-    back at stop: its graph replays and buckets."""
+class ModelSource(Protocol):
+    """Where every rank of a group gets its part of one model: ``config`` is the whole model's,
+    ``build`` returns the rank's part of it (``DecoderModel`` with ``tp=layout``). Every rank
+    calls ``build`` at the same point, so a source may run collectives of its own on the group
+    there. A source travels to the followers by pickle."""
+
+    config: ModelConfig
+
+    def build(self, device: torch.device, dtype: torch.dtype, layout: TPLayout, collective) -> DecoderModel: ...
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A base checkpoint directory as a :class:`ModelSource`: each rank reads its slices of the files."""
+
+    base: str
+
+    @property
+    def config(self) -> ModelConfig:
+        return load_config(self.base)
+
+    def build(self, device: torch.device, dtype: torch.dtype, layout: TPLayout, collective) -> DecoderModel:
+        return DecoderModel.from_pretrained(self.base, device=device, dtype=dtype, tp=layout, collective=collective)
+
+
+def model_source(source: ModelSource | str | os.PathLike) -> ModelSource:
+    """``source`` as a :class:`ModelSource`: a base directory's path is its :class:`Checkpoint`."""
+    return Checkpoint(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else source
+
+
+def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtype_name: str) -> dict:
+    """A follower rank (``tpgroup`` calls it with the rank's ``collective``): build the rank's part of
+    the model ``source`` gives (a base directory's path, or a :class:`ModelSource`) on
+    ``devices[rank]``, report its GPU memory, build the KV cache, bank and decode graphs rank 0's
+    ``Setup`` gives, then run the messages until stop. Returns what rank 0 reads back at stop:
+    its graph replays and buckets."""
     layout = collective.layout
     device = torch.device(devices[layout.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = DecoderModel.from_pretrained(base, device=device, dtype=DTYPES[dtype_name], tp=layout,
-                                         collective=collective)
+    source = model_source(source)
+    model = source.build(device, DTYPES[dtype_name], layout, collective)
     collective.gather_objects(None)  # every rank holds its weights (Leader.memory)
     collective.gather_objects(rank_memory(device))
     setup: Setup = collective.broadcast_object()
@@ -236,7 +270,7 @@ def follow(collective, base: str, devices: tuple[str, ...], dtype_name: str) -> 
     kv = KVCache(c.num_layers, setup.num_blocks + int(graphed), setup.block_size, c.num_kv_heads, c.head_dim,
                  model.dtype, device)
     bank = graphs = None
-    shard = TPShard(load_config(base), layout, collective)
+    shard = TPShard(source.config, layout, collective)
     if setup.bundle is not None:
         bank = BundleBank.for_rank(pinned_bundle(setup.bundle), shard, model.dtype, device, pinned=setup.pinned,
                                    core_slots=setup.num_slots, operator=setup.bundle_operator)
