@@ -168,11 +168,12 @@ def test_a_follower_that_always_fails_fails_the_adapter_and_leaves_the_bank_unch
 # ---- jobs at two ranks -----------------------------------------------------------------------------
 
 
-def _job(root, out, **over) -> JobConfig:
-    return JobConfig(input=str(root / "in.parquet"), output=str(out), base=str(root / "base"),
-                     adapters_dir=str(root / "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
-                     max_new_tokens=MAX_NEW, dtype="float32", device="cpu", max_gpu_adapters=2, max_num_seqs=3,
-                     **over)
+def _job(root, out, rows=None, **over) -> JobConfig:
+    """The workspace's job (its rows, or those of the file ``rows``) in two slots."""
+    return JobConfig(**{**dict(input=str(rows or root / "in.parquet"), output=str(out), base=str(root / "base"),
+                               adapters_dir=str(root / "adapters"), prompt_column=None, prompt_ids_column="prompt_ids",
+                               max_new_tokens=MAX_NEW, dtype="float32", device="cpu", max_gpu_adapters=2,
+                               max_num_seqs=3), **over})
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +184,9 @@ def one_rank(workspace, tmp_path_factory):
 
 
 def _same_rows(one, two, failing=()):
-    assert set(one) == set(two) and len(one) == 4 * (len(NAMES) + 1)
-    for rid, want in one.items():
-        got = two[rid]
+    assert set(two) <= set(one) and len(two) >= 4 * 4
+    for rid, got in two.items():
+        want = one[rid]
         if want["adapter"] in failing:
             assert got["finish_reason"] == "error" and got["error_code"] == "E_ADAPTER_LOAD", got
         else:
@@ -226,6 +227,9 @@ def test_rank_0_failing_validation_after_the_followers_loaded_fails_only_that_ad
     for_rank = ResidencyBank.for_rank.__func__
     monkeypatch.setattr(ResidencyBank, "for_rank", classmethod(lambda cls, *a, **kw: for_rank(cls, *a, faults=faults,
                                                                                               **kw)))
-    summary = run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2))
+    factory.write_shared_prompt_rows(str(tmp_path / "abc.parquet"), ("a", "b", "c", None), prompts=4, seed=5,
+                                     max_len=16)  # the prompts of in.parquet (same seed), without d
+    summary = run_job(_job(workspace, tmp_path / "two", rows=tmp_path / "abc.parquet", tensor_parallel_size=2,
+                           schedule_window=1))
     _same_rows(one_rank, _rows(tmp_path / "two"), failing=("c",))
     assert summary.bank["restores"] > 0, summary.bank
