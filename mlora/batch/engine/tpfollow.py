@@ -173,8 +173,9 @@ def _report(e: CodedError) -> tuple[str, str, str]:
 
 class LeaderBundleBank(BundleBank):
     """Rank 0's bundle bank: a member's cores loaded into a core slot are published only once
-    every rank holds them there (``Leader.load``); a failed load leaves the slot empty on rank 0. With a core slot per member (the
-    default) every core is resident from the start on every rank and no load happens."""
+    every rank holds them there (``Leader.load``); a failed load leaves the slot empty on rank 0.
+    With a core slot per member (the default) every core is resident from the start on every
+    rank and no load happens."""
 
     leader: Leader
 

@@ -84,8 +84,9 @@ class EngineSession:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
         started, this rank's part of the model, a residency bank of its adapter cuts whose
         copies the followers mirror or a slot bank of a bundle's bases (``LeaderBundleBank``),
-        the KV blocks and slots sized here from every rank's memory and sent to the followers; decode graphs on every rank where the
-        group can run them (``tp_graphs``), captured by all ranks at once; no lookahead.
+        the KV blocks and slots sized here from every rank's memory and sent to the followers;
+        decode graphs on every rank where the group can run them (``tp_graphs``), captured by
+        all ranks at once; no lookahead.
         ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
