@@ -29,6 +29,7 @@ from mlora.batch.adapters.catalog import load_catalog
 from mlora.batch.adapters.residency import AdapterLoadError, FaultInjector, MirrorError, ResidencyBank
 from mlora.batch.adapters.slots import SlotBank, TPShard
 from mlora.batch.config import JobConfig
+from mlora.batch.engine.engine import Engine
 from mlora.batch.model.decoder import load_config
 from mlora.batch.model.lora import GROUPS
 from mlora.batch.model.tp import TPLayout
@@ -194,16 +195,21 @@ def _same_rows(one, two, failing=()):
             assert got["completion_token_ids"] == want["completion_token_ids"], rid
 
 
-def test_four_adapters_in_two_slots_at_two_ranks_give_the_tokens_of_one_rank(workspace, one_rank, tmp_path):
+def test_four_adapters_in_two_slots_at_two_ranks_give_the_tokens_of_one_rank(workspace, one_rank, tmp_path,
+                                                                             monkeypatch):
+    """With admission's asynchronous loads (on by default on a GPU only): the loads it starts
+    between iterations are mirrored like the others."""
+    monkeypatch.setattr(session_mod, "Engine", functools.partial(Engine, async_loads=True))
     summary = run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2))
     _same_rows(one_rank, _rows(tmp_path / "two"))
     for i in range(4):  # the adapters change the tokens (their sharded deltas were checked)
         assert all(one_rank[f"{i}-{a}"]["completion_token_ids"] != one_rank[f"{i}-None"]["completion_token_ids"]
                    for a in NAMES)
     bank = summary.bank
-    # each adapter loaded (or prefetched onto the GPU) once at least, two of them evicted; loads
-    # started ahead of the forward that needs them (admission, GPU prefetch) mirrored like the rest
-    assert bank["loads"] + bank["prefetches"] >= 4 and bank["evictions"] >= 2 and bank["loads_started_ahead"] >= 1, bank
+    # each adapter loaded (or prefetched onto the GPU) once at least, two of them evicted; of the
+    # loads started ahead of the forward that needs them, some by admission (the others: prefetches)
+    assert bank["loads"] + bank["prefetches"] >= 4 and bank["evictions"] >= 2, bank
+    assert bank["loads_started_ahead"] > bank["prefetches"], bank
     assert bank["load_failures"] == 0 and bank["rollbacks"] == 0
 
 
