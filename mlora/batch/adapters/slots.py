@@ -165,6 +165,15 @@ class SlotTensors:
         # the fewest rows of an invocation whose gate/up deltas go inside the SiLU product
         self.fuse_silu_min_rows = FUSE_SILU_MIN_ROWS
 
+    def _shard(self, tp: TPShard | None) -> None:
+        """Hold ``tp``'s rank's cut of every adapter (no cut at one rank): the row-parallel groups
+        add at the rank's ``h/N`` output columns, their bottleneck summed over the group (BankContext)."""
+        self.tp = tp if tp is not None and tp.layout.size > 1 else None
+        if self.tp is not None:
+            for g, start in bank_shapes(tp.config, tp.layout)[1].items():
+                if g in self.out_offsets:
+                    self.out_offsets[g] = [start]
+
     def layer_tables(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' ``[n, S]`` ranks and scales of one (group, layer): views, no copy."""
         return self.ranks[group][:, layer].t(), self.scales[group][:, layer].t()
@@ -257,6 +266,12 @@ def _held(shapes: dict, groups, slices: dict[str, tuple[int, ...]] | None) -> di
     return held
 
 
+def rank_cut(factors, config, layout: TPLayout) -> list:
+    """``((layer, role), (A, B, scale))`` of one tensor-parallel rank's cut of an adapter's
+    ``factors`` (``tp.shard_lora``: views), the cut every bank of that rank holds."""
+    return [((layer, role), (*shard_lora(role, a, b, config, layout), scale)) for (layer, role), (a, b, scale) in factors]
+
+
 class TPShard(NamedTuple):
     """A tensor-parallel rank's bank: the whole base's ``config``, the rank's ``layout`` and its
     group's ``collective`` (``all_reduce``), for a bank that holds the rank's cut of every adapter."""
@@ -280,10 +295,7 @@ class SlotBank(SlotTensors, BlockingLoads):
         if set(shapes) != set(GROUPS):
             raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend)
-        self.tp = tp if tp is not None and tp.layout.size > 1 else None
-        if self.tp is not None:  # the row-parallel groups add at the rank's h/N output columns
-            for g, start in bank_shapes(tp.config, tp.layout)[1].items():
-                self.out_offsets[g] = [start]
+        self._shard(tp)
         self.stats = BankStats()
         self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
@@ -345,10 +357,7 @@ class SlotBank(SlotTensors, BlockingLoads):
     def _factors(self, p: PinnedAdapter):
         """``((layer, role), (A, B, scale))`` of the adapter's verified factors, the rank's cut under TP."""
         factors = load_factors(p, self.dtype, self.device).items()
-        if self.tp is None:
-            return factors
-        c, layout = self.tp.config, self.tp.layout
-        return [((layer, role), (*shard_lora(role, a, b, c, layout), scale)) for (layer, role), (a, b, scale) in factors]
+        return factors if self.tp is None else rank_cut(factors, self.tp.config, self.tp.layout)
 
     def _write(self, slot: int, placed: list[tuple]) -> None:
         for g in GROUPS:

@@ -3,8 +3,9 @@
 Owns the message protocol between rank 0 (the process that runs the engine: scheduler, bank
 decisions, sampling, output) and the followers (ranks 1..N-1, each holding its part of the
 model, its KV cache and its cut of every resident adapter), rank 0's side of it (:class:`Leader`,
-:class:`LeaderBank`) and the followers' loop (:func:`follow`); docs/design.md, "The data path
-of a tensor-parallel job". Messages, broadcast by rank 0 over the group's control channel::
+:meth:`Leader.mirror`, :class:`LeaderBundleBank`) and the followers' loop (:func:`follow`);
+docs/design.md, "The data path of a tensor-parallel job". Messages, broadcast by rank 0 over
+the group's control channel::
 
     (gathers)                                   once, before Setup: every rank holds its weights,
                                                 then each rank's GPU memory (``rank_memory``)
@@ -38,6 +39,7 @@ import torch
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
+from mlora.batch.adapters.residency import MirrorError
 from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
 from mlora.batch.engine.graphs import DecodeGraphs
@@ -132,6 +134,16 @@ class Leader:
                 raise (AdapterError(code, where + message, p.id) if kind == "adapter"
                        else BankError(code, where + message))
 
+    def mirror(self, slot: int, p: PinnedAdapter) -> None:
+        """Every follower writes its cut of ``p`` into ``slot``, where rank 0's residency bank has
+        just issued its own copy (``ResidencyBank.for_rank``); a follower's failure raises
+        ``MirrorError``, which rolls rank 0's load transaction back (retried, then the
+        adapter's rows fail with E_ADAPTER_LOAD, as a failed copy on one device)."""
+        try:
+            self.load(slot, p, lambda: None)
+        except (AdapterError, BankError) as e:
+            raise MirrorError(f"{e.code}: {e.message}") from e
+
     def stop(self) -> None:
         """Tell the followers to return and wait for them; raise their failure, if any."""
         if self.stopped:
@@ -162,26 +174,11 @@ def _report(e: CodedError) -> tuple[str, str, str]:
     return ("adapter" if isinstance(e, AdapterError) else "bank", e.code, e.message)
 
 
-class LeaderBank(SlotBank):
-    """Rank 0's slot bank: it decides every slot, and a load is published only once every rank
-    holds its cut of the adapter there (``Leader.load``). A failed load leaves the slot empty on
-    rank 0 (its former occupant evicted), so no rank serves from it until it is loaded again."""
-
-    leader: Leader
-
-    def _load(self, key: str, p: PinnedAdapter, keep) -> None:
-        slot = lru_slot(self._lru, self.num_slots, keep, self.stats)
-        try:
-            self.leader.load(slot, p, lambda: self.load_into(slot, p))
-        except CodedError:
-            self._lru.pop(key, None)
-            raise
-
-
 class LeaderBundleBank(BundleBank):
-    """Rank 0's bundle bank: as :class:`LeaderBank`, a member's cores loaded into a core slot
-    are published only once every rank holds them there. With a core slot per member (the
-    default) every core is resident from the start on every rank and no load happens."""
+    """Rank 0's bundle bank: a member's cores loaded into a core slot are published only once
+    every rank holds them there (``Leader.load``); a failed load leaves the slot empty on rank 0.
+    With a core slot per member (the default) every core is resident from the start on every
+    rank and no load happens."""
 
     leader: Leader
 

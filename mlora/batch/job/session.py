@@ -30,7 +30,7 @@ from mlora.batch.adapters.slots import TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Decoding, Engine, Request, Result
 from mlora.batch.engine.sampling import SamplingParams
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, LeaderBundleBank, Setup, follow, rank_devices, tp_graphs
+from mlora.batch.engine.tpfollow import Leader, LeaderBundleBank, Setup, follow, rank_devices, tp_graphs
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.job.chat import ChatMessagesError
@@ -82,10 +82,11 @@ class EngineSession:
 
     def _tensor_parallel(self, good: dict[str, PinnedAdapter], bundle) -> None:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
-        started, this rank's part of the model, a slot bank of its adapter cuts (``LeaderBank``)
-        or of a bundle's bases (``LeaderBundleBank``), the KV blocks and slots sized here from
-        every rank's memory and sent to the followers; decode graphs on every rank where the
-        group can run them (``tp_graphs``), captured by all ranks at once; no lookahead.
+        started, this rank's part of the model, a residency bank of its adapter cuts whose
+        copies the followers mirror or a slot bank of a bundle's bases (``LeaderBundleBank``),
+        the KV blocks and slots sized here from every rank's memory and sent to the followers;
+        decode graphs on every rank where the group can run them (``tp_graphs``), captured by
+        all ranks at once; no lookahead.
         ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
@@ -132,23 +133,19 @@ class EngineSession:
     def _leader_bank(self, good: dict[str, PinnedAdapter], bundle, shard: TPShard, max_rank: int,
                      usable: float | None, graphs: bool) -> float | None:
         """``self.bank`` of rank 0 of a tensor-parallel group: the bundle's bank (its cut of
-        the bases) or a slot bank of the adapters' cuts (Triton where decode graphs capture
-        it), or None without servable adapters; returns the ``usable`` bytes left for KV."""
-        opts, device, dtype = self.opts, self.device, self.dtype
+        the bases) or a residency bank of the adapters' cuts whose every copy the followers
+        mirror (Triton where decode graphs capture it), or None without servable adapters;
+        returns the ``usable`` bytes left for KV."""
         self.bank = None
         if bundle is not None:
             self.bank = self._bundle_bank(bundle, good, shard, usable)
+            self.bank.leader = self.tp
             bank_bytes = self.bank.nbytes()
         elif good:
-            shapes = bank_shapes(shard.config, shard.layout)[0]
-            slot_bytes = LeaderBank.bytes_per_slot(shard.config.num_layers, shapes, max_rank, dtype)
-            slots = num_slots(opts, len(good), slot_bytes, device, usable)
-            self.bank = LeaderBank.for_rank(shard, slots, max_rank, dtype, device,
-                                            backend="triton" if graphs else "auto")
-            bank_bytes = slots * slot_bytes
-        if self.bank is None:
+            self.bank = self._residency_bank(good, shard, usable, graphs)
+            bank_bytes = self.bank.num_slots * self.bank.slot_bytes
+        else:
             return usable
-        self.bank.leader = self.tp
         return usable if usable is None else usable - bank_bytes
 
     def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter], shard: TPShard | None = None,
@@ -186,30 +183,41 @@ class EngineSession:
         return BundleBank(bundle, self.model.config.num_layers, self.model.group_shapes(), dtype, device, pinned=good,
                           core_slots=core_slots, operator=operator)
 
-    def _residency_bank(self, good: dict[str, PinnedAdapter]) -> ResidencyBank:
+    def _residency_bank(self, good: dict[str, PinnedAdapter], shard: TPShard | None = None,
+                        usable: float | None = None, graphs: bool | None = None) -> ResidencyBank:
         """Slots for the modules the job's adapters target, at their largest rank, as many as
         the sizing gives (with ``--memory-ledger joint`` carved from one arena beside the KV
-        cache, ``self.arena``), with host-image prefetch threads."""
+        cache, ``self.arena``), with host-image prefetch threads. With ``shard``: rank 0's bank
+        of a tensor-parallel group, slots of every group at the rank's cut (the followers'
+        ``SlotBank.for_rank`` shapes: their decode graphs and row-parallel all-reduces pair up
+        with rank 0's), sized from each rank's ``usable`` bytes, every copy mirrored
+        (``Leader.mirror``)."""
         opts, device, dtype, model = self.opts, self.device, self.dtype, self.model
         layers = model.config.num_layers
         max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
         host_bytes = int(opts.host_cache_gb * 2**30) if opts.host_cache_gb is not None else None  # 0: no cache
-        # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
-        # slots and no k slice: a load then copies no zeros for k)
-        slices = held_slices({m.role for p in good.values() for m in p.modules})
-        shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
-        slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
+        if shard is not None:
+            shapes, slices = bank_shapes(shard.config, shard.layout)[0], None
+        else:
+            # slots only for the modules some adapter of the job targets (q/v-only jobs need no MLP
+            # slots and no k slice: a load then copies no zeros for k)
+            slices = held_slices({m.role for p in good.values() for m in p.modules})
+            shapes = {g: s for g, s in model.group_shapes().items() if g in slices} or model.group_shapes()
+            slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
         slot_bytes = ResidencyBank.bytes_per_slot(layers, shapes, max_rank, dtype, slices)
         if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
             self.arena, slots = joint_arena(opts, model.config, dtype, device, len(good), slot_bytes, len(shapes))
         else:
-            slots = num_slots(opts, len(good), slot_bytes, device)
+            slots = num_slots(opts, len(good), slot_bytes, device, usable)
         workers = prefetch_workers() if opts.prefetch_adapters else 0
-        bank = ResidencyBank(layers, shapes, max(slots, 1), max_rank, dtype, device,
-                             backend="triton" if decode_graphs(opts, device) else "auto", host_cache_bytes=host_bytes,
-                             prefetch_workers=workers, expected_adapters=len(good),
-                             build_processes=opts.image_build_processes if workers else 0, slices=slices,
-                             arena=self.arena)
+        graphs = decode_graphs(opts, device) if graphs is None else graphs
+        kw = dict(backend="triton" if graphs else "auto", host_cache_bytes=host_bytes, prefetch_workers=workers,
+                  expected_adapters=len(good), build_processes=opts.image_build_processes if workers else 0)
+        if shard is not None:
+            bank = ResidencyBank.for_rank(shard, max(slots, 1), max_rank, dtype, device, self.tp.mirror, **kw)
+        else:
+            bank = ResidencyBank(layers, shapes, max(slots, 1), max_rank, dtype, device, slices=slices,
+                                 arena=self.arena, **kw)
         if workers and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             # the engine thread gives the GIL to the prefetch threads at every device sync and
             # must win it back quickly: at Python's default 5 ms interval each re-acquisition

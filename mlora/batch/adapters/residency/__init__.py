@@ -27,6 +27,7 @@ from mlora.batch.adapters.residency.errors import (
                      KVCapacity,
                      LedgerError,
                      LoadError,
+                     MirrorError,
                      NotEvictable,
                      ResidencyError,
                      RollbackError,
@@ -55,7 +56,7 @@ from mlora.batch.adapters.residency.storage import PagedStorage, SlotStorage, va
 __all__ = [
     "Admission", "AdapterLoadError", "AdmissionError", "ArtifactRefused", "BINDABLE", "BankError", "CpuCopier", "CudaCopier", "DONE",
     "Demand", "Entry", "Event", "FaultInjector", "Handle", "HostArtifact", "HostCache", "KVCapacity", "Launch",
-    "LedgerError", "LoadError", "ManualEvent", "NotEvictable", "Owner", "PagePool", "PagedStorage", "Piece",
+    "LedgerError", "LoadError", "ManualEvent", "MirrorError", "NotEvictable", "Owner", "PagePool", "PagedStorage", "Piece",
     "RequestAttempt", "Residency", "ResidencyBank", "ResidencyContext", "ResidencyError", "ResidencyStats",
     "RollbackError", "Slot", "SlotStorage", "State", "TRANSITIONS", "TransitionError", "Txn", "ValidationError",
     "check_transition", "copier_for", "validate_landed",

@@ -28,6 +28,11 @@ is loaded as a residency transaction (victims only among eligible slots,
 rolled back and retried on failure, ``E_ADAPTER_LOAD`` after the budget).
 Requests may also hold leases (``acquire``/``release``) so that a queued or
 running request's adapter can never be evicted between iterations.
+
+Rank 0 of a tensor-parallel group (:meth:`ResidencyBank.for_rank`): the images and
+slots hold rank 0's cut of every adapter, and every copy into a slot is mirrored
+(``mirror``) on the other ranks before the transaction can publish it
+(docs/design.md, "The data path of a tensor-parallel job").
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,9 +57,10 @@ from mlora.batch.adapters.residency.pool import PagePool
 from mlora.batch.adapters.residency.prefetch import HostPrefetcher
 from mlora.batch.adapters.residency.states import BINDABLE, State
 from mlora.batch.adapters.residency.storage import SlotStorage
-from mlora.batch.adapters.slots import BankContext, SlotTensors
+from mlora.batch.adapters.slots import BankContext, SlotTensors, TPShard, rank_cut
 from mlora.batch.model import arena as arena_mod
 from mlora.batch.model.lora import GROUPS
+from mlora.batch.model.tp import bank_shapes
 from mlora.kernels import pitched_span
 
 WHOLE_VIEW_RATIO = 2.0  # see SlotLayout.whole_views
@@ -79,11 +86,13 @@ class ResidencyBank(SlotTensors):
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
                  prefetch_workers: int = 1, build_processes: int = 0, expected_adapters: int | None = None,
                  pinned_pool: PinnedPool | None = None, slices: dict[str, tuple[int, ...]] | None = None,
-                 arena=None):
+                 arena=None, tp: TPShard | None = None, mirror: Callable[[int, PinnedAdapter], None] | None = None):
         """``arena`` (an ``arena.PageArena``): the slots are carved from the top of its pages and
         the residency engine's ledger is its pages (KV blocks and adapters draw from one pool:
         ``residency.reserve_kv`` / ``grow_kv``); default: slots of their own, a ledger of one
-        page per slot."""
+        page per slot. ``tp``: the slots hold that rank's cut of every adapter (:meth:`for_rank`);
+        ``mirror(slot, pinned)``: called right after each copy into a slot is issued, on the
+        engine thread (``Residency(mirror=...)``)."""
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         groups = tuple(g for g in GROUPS if g in shapes)
@@ -96,6 +105,7 @@ class ResidencyBank(SlotTensors):
             carver = arena.carver(num_slots, pps)
             pool = PagePool(arena.num_pages, arena.page_bytes)
         super().__init__(num_layers, shapes, groups, num_slots, max_rank, dtype, device, backend, slices, alloc=carver)
+        self._shard(tp)
         self.arena = arena
         if pool is None:
             pool = PagePool(num_slots, self.slot_bytes)
@@ -110,7 +120,7 @@ class ResidencyBank(SlotTensors):
             storage = SlotStorage(tensors, math.ceil(self.slot_bytes / pool.page_bytes), self._check_meta)
         self.layout = SlotLayout(self.num_layers, self.groups, self.widths, self.d_in, self.offsets, max_rank, dtype,
                                  {n: (tuple(t.select(d, 0).shape), t.dtype) for n, (t, d) in tensors.items()},
-                                 self.slice_index)
+                                 self.slice_index, (tp.config, tp.layout) if self.tp is not None else None)
         copier = copier or copier_for(self.device)
         self.pinned_pool = pinned_pool  # given: tests stage images through unpinned blocks on the CPU
         if pinned_pool is None and self.device.type == "cuda":
@@ -131,8 +141,11 @@ class ResidencyBank(SlotTensors):
                 blocks = min(blocks, max(1, DEFAULT_PINNED_BYTES // block))
             self.pinned_pool = PinnedPool(block, blocks, fence=copier.record)
         host = HostCache(host_cache_bytes, pin=self.pinned_pool is not None, pool=self.pinned_pool)
+        self._mirror_to = mirror
+        self._sources: dict[str, PinnedAdapter] = {}  # key -> the pinned adapter its host source reads
         self.residency = Residency(storage, pool, host, copier=copier, faults=faults,
-                                   max_load_attempts=max_load_attempts, trace=trace)
+                                   max_load_attempts=max_load_attempts, trace=trace,
+                                   mirror=self._mirror if mirror is not None else None)
         for s in range(num_slots):  # each slot's probe buffers now, not inside its first load (GPU)
             self.residency.prober.prepare(s, storage.views(s, []))
         self.stats = self.residency.stats
@@ -148,6 +161,15 @@ class ResidencyBank(SlotTensors):
         self._async_failed: set[str] = set()  # keys whose asynchronous load failed: load them the blocking way
         self.loads_started_ahead = 0  # by start_load and prefetch_device
         self._builds_requested: set[str] = set()  # host images start_load asked the prefetcher for
+
+    @classmethod
+    def for_rank(cls, tp: TPShard, num_slots: int, max_rank: int, dtype: torch.dtype, device,
+                 mirror: Callable[[int, PinnedAdapter], None], **kw) -> ResidencyBank:
+        """Rank 0's bank of a tensor-parallel group: slots of every group at the shapes of the
+        rank's cut (``tp.bank_shapes``, as the followers' ``SlotBank.for_rank``: each rank's
+        slot s holds its cut of the same adapter), every copy mirrored on the followers."""
+        return cls(tp.config.num_layers, bank_shapes(tp.config, tp.layout)[0], num_slots, max_rank, dtype, device,
+                   tp=tp, mirror=mirror, **kw)
 
     @staticmethod
     def arena_pages_per_slot(slot_bytes: int, groups: int, page_bytes: int) -> int:
@@ -220,7 +242,6 @@ class ResidencyBank(SlotTensors):
             return 0
         self.prefetcher.collect()
         started = 0
-        host = self.residency.host
         for adapter_id in adapter_ids:
             p = self._loadable(adapter_id, pinned)
             if p is None:
@@ -228,8 +249,7 @@ class ResidencyBank(SlotTensors):
             key = p.semantic_sha256
             if self.residency.catalog.get(key) is not None:
                 continue
-            if not host.has_source(key):
-                host.register(key, key, lambda p=p: self._artifact(p))
+            self._register(key, p)
             started += self.prefetcher.request(key, build=lambda p=p: self._prefetch_artifact(p))
         return started
 
@@ -423,8 +443,7 @@ class ResidencyBank(SlotTensors):
 
     def _make_resident(self, key: str, p: PinnedAdapter) -> None:
         res = self.residency
-        if not res.host.has_source(key):
-            res.host.register(key, key, lambda p=p: self._artifact(p))
+        self._register(key, p)
         pending = res.loading(key)
         if pending is not None and res.catalog.get(key) is None:  # a load started ahead, in flight
             self._device_loads.pop(key, None)  # committed here: this invocation counts it as its load
@@ -441,6 +460,15 @@ class ResidencyBank(SlotTensors):
             res.load(key)
         except AdapterLoadError as exc:
             raise AdapterLoadError(p.id, exc.attempts, exc.last) from exc.last
+
+    def _register(self, key: str, p: PinnedAdapter) -> None:
+        """``p``'s verified host source under ``key``, once."""
+        if not self.residency.host.has_source(key):
+            self.residency.host.register(key, key, lambda p=p: self._artifact(p))
+        self._sources.setdefault(key, p)
+
+    def _mirror(self, slot: int, key: str) -> None:
+        self._mirror_to(slot, self._sources[key])
 
     def _loadable(self, adapter_id: str, pinned: dict[str, PinnedAdapter]) -> PinnedAdapter | None:
         """The pinned record of an adapter these slots can hold, or None (unknown, unservable,
@@ -506,7 +534,9 @@ class SlotLayout:
 
     def __init__(self, num_layers: int, groups, widths: dict, d_in: dict, offsets: dict, max_rank: int,
                  dtype: torch.dtype, view_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 slice_index: dict[str, dict[int, int]]):
+                 slice_index: dict[str, dict[int, int]], cut: tuple | None = None):
+        """``cut``: (the whole base's config, a ``TPLayout``): images of that rank's cut of each adapter."""
+        self.cut = cut
         self.num_layers, self.groups, self.widths, self.d_in = num_layers, tuple(groups), dict(widths), dict(d_in)
         self.offsets, self.max_rank, self.dtype, self.view_shapes = dict(offsets), max_rank, dtype, dict(view_shapes)
         self.slice_index = {g: dict(m) for g, m in slice_index.items()}  # group slice -> bank slice
@@ -517,7 +547,10 @@ class SlotLayout:
         ranks = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.int32) for g in self.groups}
         scales = {g: torch.zeros(L, len(self.widths[g]), dtype=torch.float32) for g in self.groups}
         pieces, targets = [], set()
-        for layer, group, j, a, b, r, scale in self._place(p, sorted(load_factors(p, self.dtype, "cpu").items())):
+        factors = sorted(load_factors(p, self.dtype, "cpu").items())
+        if self.cut is not None:
+            factors = rank_cut(factors, *self.cut)
+        for layer, group, j, a, b, r, scale in self._place(p, factors):
             off, w = self.offsets[group][j], self.widths[group][j]
             pieces.append(Piece(f"A.{group}", (layer, j, slice(0, r)), a.contiguous()))
             span, p_r = pitched_span(off, w, r, self.max_rank)  # rank-pitched: a [w, p_r] block

@@ -13,6 +13,8 @@ the broken invariant. Codes::
     E_RESIDENCY_COPY                 a host-to-device copy failed (partial bytes may have landed)
     E_RESIDENCY_NO_HOST_SOURCE       rollback found no verified host source to restore a victim from
     E_RESIDENCY_RESTORE_FAILED       rollback could not restore a victim (its copy or validation failed)
+    E_RESIDENCY_MIRROR               another tensor-parallel rank could not write its cut of the adapter into
+                                     the slot (the message names the rank and its own code)
     E_VALIDATE_LAYOUT / _SCALE / _NONFINITE / _DIGEST / _TAIL   what landed is not what was sent (or, raised
                                      as ArtifactRefused, the host artifact itself is not servable)
     E_ADMISSION_CAPACITY             free + reclaimable pages (or slots) < the joint demand
@@ -58,6 +60,14 @@ class AdmissionError(ResidencyError):
 
 class LoadError(ResidencyError):
     """One load attempt failed after its reservation; raised only once the attempt was rolled back."""
+
+
+class MirrorError(LoadError):
+    """A copy's mirror (``Residency(mirror=...)``: another tensor-parallel rank writing its cut
+    into the same slot) failed; the attempt is rolled back and retried like a failed copy."""
+
+    def __init__(self, message: str):
+        super().__init__("E_RESIDENCY_MIRROR", message)
 
 
 class ValidationError(LoadError):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlora.batch.adapters.residency.errors import (
@@ -268,7 +269,11 @@ class Residency:
 
     def __init__(self, storage: Storage, pool: PagePool, host: HostCache | None = None, *,
                  copier: Copier | None = None, faults: FaultInjector | None = None, max_load_attempts: int = 3,
-                 guard_pages: int = 0, trace: bool = False):
+                 guard_pages: int = 0, trace: bool = False, mirror: Callable[[int, str], None] | None = None):
+        """``mirror(slot_id, key)``: called on the engine thread right after every copy into a
+        slot is issued (a load's or a victim's restoration), e.g. for the other tensor-parallel
+        ranks to write their cut of ``key`` into the same slot before it can be published; it
+        raises a ResidencyError (``MirrorError``) to fail the copy, which rolls the attempt back."""
         if max_load_attempts < 1:
             raise ValueError("max_load_attempts must be >= 1")
         self.storage, self.pool = storage, pool
@@ -277,6 +282,7 @@ class Residency:
         self.prober = SlotProber()  # a slot's probe buffers, prepared once (storage.SlotProber)
         self.faults = faults if faults is not None else FaultInjector()
         self.max_load_attempts, self.guard_pages = max_load_attempts, guard_pages
+        self.mirror = mirror
         self.slots = [Slot(i) for i in range(storage.num_slots)]
         self.catalog: dict[str, Entry] = {}
         self.catalog_generation = 0
@@ -1023,7 +1029,8 @@ class Residency:
 
     def _copy(self, e: Entry, slot: Slot, attempt: int) -> tuple[Event, Event]:
         """Zero the slot views no whole-view piece covers, copy the pieces, record the copy-complete
-        event (padded rank tails are zero: docs/design.md, Logical and physical rank)."""
+        event (padded rank tails are zero: docs/design.md, Logical and physical rank), then
+        ``mirror`` the copy (its failure fails the copy)."""
         self._move(e, S.LOADING)
         if not complete(slot.last_use):
             raise ResidencyError("E_RESIDENCY_REUSE_BEFORE_EVENT", f"slot {slot.id}'s last use has not completed")
@@ -1055,6 +1062,9 @@ class Residency:
         self.stats.h2d_bytes += e.artifact.nbytes
         copy_event = self.faults.event("copy", e.key, name, attempt, self.copier.record())
         e.events.append(copy_event)
+        if self.mirror is not None:  # every rank holds the slot's bytes before anything can publish them
+            self._log(f"mirror {e.label} slot {slot.id}")
+            self.mirror(slot.id, e.key)
         return copy_event, self.faults.event("validate", e.key, name, attempt, DONE)
 
     def _publish_entry(self, e: Entry, slot: Slot, txn_id: str) -> None:
