@@ -111,8 +111,8 @@ class EngineSession:
                                                       collective=self.tp.collective)
             usable = rank_usable(self.tp.memory(device), opts.gpu_memory_utilization)
             max_rank = max(max((p.max_rank for p in good.values()), default=0), 1)
-            usable = self._leader_bank(good, bundle, TPShard(config, TPLayout(0, size), self.tp.collective), max_rank,
-                                       usable, graphs)
+            usable = self._leader_bank(good, bundle, TPShard(config, TPLayout(0, size), self.tp.collective), usable,
+                                       graphs)
             self._tp_graphs = graphs
             num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
@@ -130,8 +130,8 @@ class EngineSession:
         self.pauses = RunPauses()
         self.pauses.start()
 
-    def _leader_bank(self, good: dict[str, PinnedAdapter], bundle, shard: TPShard, max_rank: int,
-                     usable: float | None, graphs: bool) -> float | None:
+    def _leader_bank(self, good: dict[str, PinnedAdapter], bundle, shard: TPShard, usable: float | None,
+                     graphs: bool) -> float | None:
         """``self.bank`` of rank 0 of a tensor-parallel group: the bundle's bank (its cut of
         the bases) or a residency bank of the adapters' cuts whose every copy the followers
         mirror (Triton where decode graphs capture it), or None without servable adapters;
