@@ -37,8 +37,9 @@ import time
 import torch
 
 from mlora.batch.adapters.catalog import PinnedAdapter, load_catalog
+from mlora.batch.adapters.residency import ResidencyBank
 from mlora.batch.adapters.slots import TPShard
-from mlora.batch.engine.tpfollow import Leader, LeaderBank, Setup, follow, rank_devices, tp_graphs
+from mlora.batch.engine.tpfollow import Leader, Setup, follow, rank_devices, tp_graphs
 from mlora.batch.model.decoder import DTYPES
 from mlora.batch.model.tp import TPLayout
 from mlora.batch.model.tpgroup import LeadGroup
@@ -135,9 +136,8 @@ def tp_scenario(o: BatchBenchOptions, source: GeneratedModel, pinned_all: dict[s
         layout = TPLayout(0, size)
         bank = None
         if n:
-            bank = LeaderBank.for_rank(TPShard(source.config, layout, leader.collective), n, o.rank, dtype, device,
-                                       backend="triton" if graphs else "auto")
-            bank.leader = leader
+            bank = ResidencyBank.for_rank(TPShard(source.config, layout, leader.collective), n, o.rank, dtype, device,
+                                          leader.mirror, backend="triton" if graphs else "auto", prefetch_workers=0)
         num_blocks = _num_blocks(o)
         leader.setup(Setup(num_blocks, o.block_size, n, o.rank, pinned,
                            graph_seqs=o.max_num_seqs if graphs else 0))
