@@ -94,6 +94,15 @@ def synthetic_bundle(config: ModelConfig, method: str, R: int = 3):
                            bases=bases, cores=cores, method=method, member_ids=lambda: members)
 
 
+def _only_own_columns_changed(got: list, partials: list, h: int, base: torch.Tensor) -> None:
+    """Row-parallel rank j changed only its columns ``[j h, (j+1) h)`` of its partial, and no base row."""
+    for j, y in enumerate(got):
+        outside = torch.ones(y.shape[1], dtype=torch.bool)
+        outside[j * h:(j + 1) * h] = False
+        assert torch.equal(y[:, outside], partials[j][:, outside])
+        assert torch.equal(y[base], partials[j][base])
+
+
 def _unsharded(method: str, layers: int, kv: int):
     """(config, bundle, group shapes, the unsharded float64 torch bank) of a tiny Llama with
     ``kv`` kv heads and a synthetic bundle over every module."""
@@ -139,12 +148,7 @@ def test_two_ranks_of_the_three_stage_operator_equal_one(method, kv):
                     return y
                 got = group.run(rank_apply)
                 assert torch.allclose(got[0] + got[1], want, rtol=1e-12, atol=1e-12), (layer, grp)
-                h = config.hidden_size // 2
-                for j, y in enumerate(got):
-                    outside = torch.ones(widths[0], dtype=torch.bool)
-                    outside[j * h:(j + 1) * h] = False
-                    assert torch.equal(y[:, outside], partials[j][:, outside])
-                    assert torch.equal(y[base], partials[j][base])
+                _only_own_columns_changed(got, partials, config.hidden_size // 2, base)
                 changed += not torch.equal(want, partials[0] + partials[1])
             else:  # column-parallel: x whole, the rank's output rows of each slice
                 y0 = torch.randn(len(rows), sum(widths), generator=g, dtype=torch.float64)
@@ -228,12 +232,7 @@ def test_two_ranks_of_the_triton_operator_equal_one(method):
             got = group.run(rank_apply)
             assert torch.allclose((got[0] + got[1]).double(), want, rtol=1e-4, atol=1e-4), grp
             assert not torch.allclose(want, (partials[0] + partials[1]).double())  # the deltas were checked
-            h = config.hidden_size // 2
-            for j, y in enumerate(got):
-                outside = torch.ones(widths[0], dtype=torch.bool)
-                outside[j * h:(j + 1) * h] = False
-                assert torch.equal(y[:, outside], partials[j][:, outside])
-                assert torch.equal(y[base], partials[j][base])
+            _only_own_columns_changed(got, partials, config.hidden_size // 2, base)
         else:
             y0 = torch.randn(len(rows), sum(widths), generator=g)
             want = y0.double()
