@@ -87,7 +87,7 @@ from mlora.batch.errors import CodedError
 from mlora.batch.gcpauses import RunPauses
 from mlora.batch.model.decoder import DTYPES, DecoderModel, ModelConfig
 from mlora.batch.model.kvcache import KVCache
-from mlora.batch.model.lora import config_role_shapes
+from mlora.batch.model.lora import config_role_shapes, module_name
 from mlora.batch.model.tp import TPLayout, check_size, shard_config, tp_sizes
 from mlora.batch.model.tp import lora_elements as tp_lora_elements
 from mlora.bench.gpuclocks import ClockSampler, gpu_clocks
@@ -144,8 +144,7 @@ def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
         for role, shape in config_role_shapes(c).items():
-            block = "self_attn" if role in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            shapes[f"model.layers.{i}.{block}.{role}.weight"] = shape
+            shapes[f"{module_name(i, role)}.weight"] = shape
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes[f"model.layers.{i}.{norm}.weight"] = (c.hidden_size,)
     shapes["model.norm.weight"] = (c.hidden_size,)

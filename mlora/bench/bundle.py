@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mlora.batch.model.lora import module_name
 from mlora.bench.batch import PRESETS
 from mlora.bench.residency import (
-    HF_NAMES,
     fresh_output,
     module_shapes,
     save_adapter,
@@ -101,7 +101,7 @@ def write_collection(root: str, preset: str, n: int, rank: int, targets, shared_
             a = torch.randn(rank, k, generator=gen, device=device) @ V0.T / k ** 0.5
             b += noise * b.std() * torch.randn(o, rank, generator=gen, device=device)
             a += noise * a.std() * torch.randn(rank, d_in, generator=gen, device=device)
-            pre = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}.{m}"
+            pre = f"base_model.model.{module_name(layer, m)}"
             tensors[pre + ".lora_A.weight"] = (a / d_in ** 0.5).to(dtype).cpu()
             tensors[pre + ".lora_B.weight"] = (b * 0.01).to(dtype).cpu()
         save_adapter(os.path.join(root, f"a{i:04d}"), tensors, preset, rank, targets)

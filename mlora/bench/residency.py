@@ -44,11 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.batch.model.lora import group_shapes, role_shapes
+from mlora.batch.model.lora import group_shapes, module_name, role_shapes
 from mlora.bench.batch import PRESETS
-
-HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 @dataclass
@@ -109,7 +106,7 @@ def write_base(path: str, preset: str, dtype: torch.dtype, seed: int, device: st
     for layer in range(L):
         pre = f"model.layers.{layer}."
         for m, (o, i) in module_shapes(p).items():
-            shard[f"{pre}{HF_NAMES[m]}.{m}.weight"] = rnd(o, i)
+            shard[f"{module_name(layer, m)}.weight"] = rnd(o, i)
         shard[pre + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
         shard[pre + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
         if (layer + 1) % layers_per_shard == 0:
@@ -140,7 +137,7 @@ def write_adapter(path: str, preset: str, rank: int, targets, seed: int, dtype: 
     for layer in range(p["num_layers"]):
         for m in targets:
             o, i = shapes[m]
-            pre = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}.{m}"
+            pre = f"base_model.model.{module_name(layer, m)}"
             tensors[pre + ".lora_A.weight"] = (torch.randn(rank, i, generator=gen, device=device) / i ** 0.5).to(dtype).cpu()
             tensors[pre + ".lora_B.weight"] = (torch.randn(o, rank, generator=gen, device=device) * 0.01).to(dtype).cpu()
     save_adapter(path, tensors, preset, rank, targets)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlora.batch.errors import CodedError
-from mlora.batch.model.lora import ROLE_SLICE
+from mlora.batch.model.lora import ROLE_SLICE, module_name
 from mlora.lora_tools.findings import Finding
 
 
@@ -103,8 +103,8 @@ def unsupported_module(name: str, kind: str, role: str, layer: int | None) -> st
     if kind != "linear" or role not in ROLE_SLICE or layer is None:
         return (f"module {name!r} is not served by the batch engine; it serves LoRA on the q/k/v/o/gate/up/down "
                 "projections of decoder layers only: retrain without it or merge it with `mlora merge`")
-    block = "self_attn" if ROLE_SLICE[role][0] in ("qkv", "o") else "mlp"
-    if name != f"model.layers.{layer}.{block}.{role}":
-        return (f"module {name!r} is not a decoder-layer projection (expected model.layers.{layer}.{block}.{role}); "
+    expected = module_name(layer, role)
+    if name != expected:
+        return (f"module {name!r} is not a decoder-layer projection (expected {expected}); "
                 "the batch engine serves Llama-family decoders only")
     return None

@@ -43,6 +43,13 @@ def module_layer_role(name: str) -> tuple[int | None, str]:
     return layer, parts[-1]
 
 
+def module_name(layer: int, role: str) -> str:
+    """The Hugging Face name ``model.layers.<layer>.<block>.<role>`` of a target module (the
+    inverse of :func:`module_layer_role`): q/k/v/o under ``self_attn``, gate/up/down under ``mlp``."""
+    block = "self_attn" if ROLE_SLICE[role][0] in ("qkv", "o") else "mlp"
+    return f"model.layers.{layer}.{block}.{role}"
+
+
 def held_slices(roles) -> dict[str, tuple[int, ...]]:
     """group -> the slice indices (into ``GROUPS[group]``) of the given target roles, for the
     groups any of them is in: what a slot bank must hold for adapters targeting ``roles``."""
