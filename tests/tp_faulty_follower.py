@@ -7,7 +7,7 @@ from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.engine.tpfollow import follow
 
 
-def follow_failing_loads(collective, base, devices, dtype_name, adapter: str, times: int | None = None) -> dict:
+def follow_failing_loads(collective, base, devices, dtype_name, threads, adapter: str, times: int | None = None) -> dict:
     """``follow``, with this rank's writes of ``adapter`` failing ``times`` times (None: every time)."""
     write = SlotBank.load_into
     failed = []
@@ -20,4 +20,4 @@ def follow_failing_loads(collective, base, devices, dtype_name, adapter: str, ti
         write(bank, slot, p)
 
     SlotBank.load_into = load_into
-    return follow(collective, base, devices, dtype_name)
+    return follow(collective, base, devices, dtype_name, threads)

@@ -126,7 +126,8 @@ def tp_scenario(o: BatchBenchOptions, source: GeneratedModel, pinned_all: dict[s
     graphs = engine_config(o, device).cuda_graphs and tp_graphs(backend, device.type)
     pinned = {f"bench-{k}": pinned_all[f"bench-{k}"] for k in range(n)}
     t0 = time.perf_counter()
-    leader = Leader(LeadGroup(follow, size, (source, devices, o.dtype), backend))
+    threads = torch.get_num_threads() if device.type == "cpu" else None  # each follower as many as rank 0
+    leader = Leader(LeadGroup(follow, size, (source, devices, o.dtype, threads), backend))
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -247,16 +247,20 @@ def model_source(source: ModelSource | str | os.PathLike) -> ModelSource:
     return Checkpoint(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else source
 
 
-def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtype_name: str) -> dict:
+def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtype_name: str,
+           threads: int | None = None) -> dict:
     """A follower rank (``tpgroup`` calls it with the rank's ``collective``): build the rank's part of
     the model ``source`` gives (a base directory's path, or a :class:`ModelSource`) on
-    ``devices[rank]``, report its GPU memory, build the KV cache, bank and decode graphs rank 0's
+    ``devices[rank]`` (on the CPU with ``threads`` torch threads: rank 0's share of the cores),
+    report its GPU memory, build the KV cache, bank and decode graphs rank 0's
     ``Setup`` gives, then run the messages until stop. Returns what rank 0 reads back at stop:
     its graph replays and buckets."""
     layout = collective.layout
     device = torch.device(devices[layout.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif threads:
+        torch.set_num_threads(threads)
     source = model_source(source)
     model = source.build(device, DTYPES[dtype_name], layout, collective)
     collective.gather_objects(None)  # every rank holds its weights (Leader.memory)

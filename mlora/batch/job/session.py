@@ -101,7 +101,8 @@ class EngineSession:
         backend = "nccl" if device.type == "cuda" and not one_gpu else "gloo"
         dtype_name = next(n for n, d in DTYPES.items() if d == dtype)
         devices = rank_devices(device.type, size, one_gpu)
-        self.tp = Leader(LeadGroup(follow, size, (opts.base, devices, dtype_name), backend))
+        threads = torch.get_num_threads() if device.type == "cpu" else None  # each follower as many as rank 0
+        self.tp = Leader(LeadGroup(follow, size, (opts.base, devices, dtype_name, threads), backend))
         graphs = decode_graphs(opts, device) and tp_graphs(backend, device.type)
         try:
             self.device = device = torch.device(devices[0])

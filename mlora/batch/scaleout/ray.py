@@ -157,8 +157,6 @@ class MloraPredictor:
         self.opts.validate()
         if torch_threads:
             torch.set_num_threads(torch_threads)
-            if self.opts.tensor_parallel_size > 1:  # the follower ranks start with the same share
-                os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         if pinned is None:
             pinned = (pin_adapters(base, adapters, catalog, adapter_ids, allow_pickle=self.opts.allow_pickle)
                       if (adapters or catalog) else {})

@@ -13,7 +13,7 @@ setup) before :func:`worker_main` runs, and the variable must be set before
 torch initialises CUDA. The worker then sees exactly its one GPU as ``cuda:0``;
 with ``--tensor-parallel-size N`` it is rank 0 of a group and sees the group's
 N GPUs, rank j's as ``cuda:j``, and the follower ranks it starts inherit the
-variable (and, on the CPU, its share of the cores as ``OMP_NUM_THREADS``).
+variable (on the CPU they take as many torch threads as the worker).
 
 Ctrl-C is ignored here (the coordinator handles it and stops the workers); a
 closed pipe (the coordinator died) ends the worker quietly.
@@ -38,8 +38,6 @@ def worker_main(index: int, conn, cuda_visible: str | None, threads: int | None,
     """Process entry point (spawn target). ``payload`` pickles (opts, pinned, device type, dtype)."""
     if cuda_visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    if threads:  # the follower ranks a tensor-parallel worker spawns start with its share of the cores
-        os.environ["OMP_NUM_THREADS"] = str(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _serve(index, conn, threads, payload)
