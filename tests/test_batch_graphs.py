@@ -123,7 +123,6 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     permutation of rows 0-3, not the 16-row order's first four entries (rows 8, 7, 6, 5: on a
     GPU an illegal memory access, the larger bucket's order naming rows past the smaller
     bucket's tensors). Emulated on the CPU (every forward, replays too, seen)."""
-    monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
     eng, model, _ = _graphed_engine(11, num_blocks=64, max_num_seqs=16)
     graphs = eng.graphs
     seen = []
@@ -150,13 +149,12 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-def test_emulated_graphs_give_the_eager_tokens(lookahead, monkeypatch):
+def test_emulated_graphs_give_the_eager_tokens(lookahead):
     """The engine with decode graphs (emulated on the CPU: static buffers, buckets, padding,
     staged inputs, the decode tiles longest first, the LoRA tile lists refilled in place) gives
     the eager engine's tokens, over batch sizes that grow and shrink across buckets, and with
     lookahead (the next iteration's inputs staged into the buffers ahead of its replay, the
     iteration after launched from the device's argmax)."""
-    monkeypatch.setenv("MLORA_DECODE_ORDER", "longest-heads")
     config = preset_config("tiny", "float32")
     model = random_model(config, DEVICE, torch.float32, seed=13)
     bank, pinned = random_bank(model, 2, 4, seed=13, backend="triton")

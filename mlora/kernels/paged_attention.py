@@ -62,17 +62,10 @@ DECODE_WARPS = 4
 DECODE_STAGES: int | None = 2
 
 
-def decode_order() -> tuple[bool, bool]:
-    """(tiles longest context first, heads-first grid) of decode launches: both, in
-    :meth:`PagedLayout.build` and in the decode graphs that mirror it. Longest first, the block
-    scheduler fills the SMs with the short tiles last (longest-processing-time-first
-    scheduling); heads first, a tile's KV heads are dispatched together. Any order of the tiles
-    gives the same numbers."""
-    return True, True
-
-
 def longest_first(seqs, context_lens) -> list[int]:
-    """``seqs`` (indices into ``context_lens``) longest context first, ties in their order."""
+    """``seqs`` (indices into ``context_lens``) longest context first, ties in their order: the
+    order of decode tiles, so that the block scheduler fills the SMs with the short tiles last
+    (longest-processing-time-first scheduling)."""
     return sorted(seqs, key=lambda b: -context_lens[b])
 
 
@@ -280,7 +273,8 @@ class TileList:
     """One launch: query tile ``i`` covers new rows ``[tile_q0[i], tile_q0[i] + block_q)``
     of sequence ``tile_seq[i]`` (rows past the sequence's count are masked). ``decode``:
     every tile is one sequence's one new row (the launch may split its keys). Any order of
-    the tiles gives the same numbers (the decode dispatch order: :func:`decode_order`)."""
+    the tiles gives the same numbers. Decode launches run their tiles longest context first
+    (:func:`longest_first`) with ``heads_first``: a tile's KV heads are dispatched together."""
 
     block_q: int
     tile_seq: torch.Tensor  # int32 [tiles]
@@ -304,7 +298,8 @@ class PagedLayout:
         """Tile lists from the host metadata: sequences with one new row go to a
         decode launch (``BLOCK_Q * pow2(group) = 16``, or ``BLOCK_Q = 1``), the
         others to a prefill launch (``BLOCK_Q * pow2(group) = PREFILL_ROWS``); one
-        host-to-device copy for everything. Decode tiles in :func:`decode_order`'s order."""
+        host-to-device copy for everything. Decode tiles longest context first, heads first
+        (:func:`longest_first`, :class:`TileList`)."""
         decode_q = decode_block_q(group)
         prefill_q = max(1, PREFILL_ROWS // _pow2(group))
         tiles = {prefill_q: ([], []), decode_q: ([], [])}
@@ -314,8 +309,7 @@ class PagedLayout:
             for q0 in range(0, n, bq):
                 tiles[bq][0].append(b)
                 tiles[bq][1].append(q0)
-        longest, heads_first = decode_order()
-        if longest and decode_q != prefill_q:
+        if decode_q != prefill_q:  # decode tiles longest context first (longest_first)
             seqs = longest_first(tiles[decode_q][0], context_lens)
             tiles[decode_q] = (seqs, [0] * len(seqs))
         B = len(context_lens)
@@ -332,7 +326,7 @@ class PagedLayout:
             if k:
                 lo, hi = at[3 + 2 * i], at[4 + 2 * i]
                 decode = bq == decode_q
-                layout.launches.append(TileList(bq, data[lo : lo + k], data[hi : hi + k], decode, decode and heads_first))
+                layout.launches.append(TileList(bq, data[lo : lo + k], data[hi : hi + k], decode, decode))
         return layout
 
 

@@ -39,7 +39,7 @@ from mlora.batch.model.attention import AttentionMetadata
 from mlora.kernels import LaunchPlan
 from mlora.kernels.greedy import greedy_tokens
 from mlora.kernels.launch import DECODE_BLOCK_M
-from mlora.kernels.paged_attention import PagedLayout, TileList, decode_block_q, decode_order, longest_first, pad_tables
+from mlora.kernels.paged_attention import PagedLayout, TileList, decode_block_q, longest_first, pad_tables
 
 BLOCK_M = DECODE_BLOCK_M  # LoRA row tile of decode batches (the slot banks' graph launch plans)
 
@@ -89,8 +89,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(B, self.width, **i32)
         self.context_lens = torch.zeros(B, **i32)
         self.query_starts = torch.arange(B + 1, **i32)
-        self.tile_seq = torch.arange(B, **i32)  # a permutation of the bucket's rows (decode_order)
-        self.longest_first, self.heads_first = decode_order()
+        self.tile_seq = torch.arange(B, **i32)  # a permutation of the bucket's rows (longest_first)
         self.tile_q0 = torch.zeros(B, **i32)
         group = model.config.num_heads // model.config.num_kv_heads
         self.group = group
@@ -126,7 +125,7 @@ class DecodeGraphs:
                                  slot_mapping=self.slot_mapping[:b], backend="triton")
         layout = PagedLayout(self.block_tables[:b], self.context_lens[:b], self.query_starts[:b + 1],
                              [TileList(self.block_q, self.tile_seq[:b], self.tile_q0[:b], decode=True,
-                                       heads_first=self.heads_first)])
+                                       heads_first=True)])
         meta._views[("paged", self.kv.block_size, self.group, str(self.device))] = layout
         return meta
 
@@ -176,10 +175,9 @@ class DecodeGraphs:
         i64[0, :n] = torch.tensor(positions, dtype=torch.int64)
         i64[1, :n] = torch.tensor(slots, dtype=torch.int64)
         ctx[0, :n] = torch.tensor(context_lens, dtype=torch.int32)
-        if self.longest_first:  # the decode tiles' order (int32, as tile_seq) in the second row
-            b = self.bucket(n)
-            ctx[1, :b] = self._tile_order(context_lens, b)
-            self.tile_seq[:b].copy_(ctx[1, :b], non_blocking=True)
+        b = self.bucket(n)  # the decode tiles' order (int32, as tile_seq) in the second row
+        ctx[1, :b] = self._tile_order(context_lens, b)
+        self.tile_seq[:b].copy_(ctx[1, :b], non_blocking=True)
         table = tab[:n * nb].view(n, nb)  # contiguous: a strided pinned source would be staged through pageable memory
         table.copy_(torch.from_numpy(pad_tables(tables, nb)))
         self.positions[:n].copy_(i64[0, :n], non_blocking=True)
@@ -215,8 +213,7 @@ class DecodeGraphs:
             self.slot_mapping[:n].copy_(host[2], non_blocking=True)
             self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
             self.block_tables[:n, :nb].copy_(torch.from_numpy(pad_tables(tables, nb)), non_blocking=True)
-            if self.longest_first:
-                self.tile_seq[:b].copy_(self._tile_order(context_lens, b), non_blocking=True)
+            self.tile_seq[:b].copy_(self._tile_order(context_lens, b), non_blocking=True)
         if self.bank is not None:
             padded = (row_slots or [-1] * n) + [-1] * (b - n)
             self.bank.context(torch.tensor(padded, dtype=torch.int32), static=self.lora[b].static)
