@@ -41,6 +41,7 @@ def test_demo_job_at_two_ranks_gives_the_expected_rows(tmp_path, monkeypatch, de
     monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")  # on a GPU: both ranks on cuda:0 (the CPU ignores it)
     summary = _demo_job_gives_the_expected_rows(tmp_path, device, tensor_parallel_size=2)
     assert summary.bank["loads"] == 4  # the four adapters, each loaded on both ranks at once
+    assert summary.device.endswith(" (2 ranks)")  # the summary line and _metrics.json name the group
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -174,6 +174,11 @@ def input_spec(opts: JobConfig) -> InputSpec:
     )
 
 
+def _device_label(device: torch.device, tensor_parallel_size: int) -> str:
+    """The summary's device: ``cpu``, ``cuda:0``, with the rank count of a tensor-parallel group."""
+    return str(device) if tensor_parallel_size <= 1 else f"{device} ({tensor_parallel_size} ranks)"
+
+
 def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) -> PreparedJob:
     """``opts`` validated: pin identities, fingerprint the job and open OUTPUT (fresh or resumed) for engines on ``device``.
     ``phase(text, rows_total, rows_done)`` names each start-up step (``rows_total`` None until the
@@ -248,7 +253,8 @@ def prepare_job(opts: JobConfig, device: torch.device, phase=None, note=None) ->
     unknown = sorted(a for a, p in bad.items() if p.error_code == "E_ADAPTER_UNKNOWN")
     summary = JobSummary(rows=source.num_rows, adapters=len(pinned) - len(bad), unknown_adapters=unknown,
                          unservable_adapters={a: p.error_code for a, p in sorted(bad.items()) if a not in unknown},
-                         device=str(device), output=opts.output, resumed_from_row=start_row)
+                         device=_device_label(device, opts.tensor_parallel_size), output=opts.output,
+                         resumed_from_row=start_row)
     sink = None
     if out.complete:  # --resume of a finished job: nothing to do, its metrics stay as they were
         out.close()
