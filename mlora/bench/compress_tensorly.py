@@ -6,10 +6,8 @@ JD-Full is a partial Tucker (Tucker-2: modes 1 and 2, the adapter mode kept)
 of the adapter-stacked tensor ``T[i] = Delta_i / ||Delta_i||`` [n, d_out, d_in]
 and JD-Diag a rank-R CP decomposition of it (factors ``D, U, V``; core i is
 ``diag(D[i])``). ``mlora`` fits the factored adapters (``B_i``, ``A_i``) with
-:func:`mlora.compress.jd_full` / :func:`~mlora.compress.jd_diag`; ``mlora-bases``
-runs the same JD-Diag solver from the HOSVD bases (``jd_diag(init=(U, V))``
-with the bases of ``jd_full(iters=0)``: cores first, as PARAFAC orders its
-blocks); ``tensorly`` forms the dense tensor (timed with the fit) and runs
+:func:`mlora.compress.jd_full` / :func:`~mlora.compress.jd_diag`;
+``tensorly`` forms the dense tensor (timed with the fit) and runs
 ``tensorly.decomposition.partial_tucker`` / ``parafac`` on the PyTorch
 backend. All get the bundle's options (normalised, at most ``--iters``
 sweeps from the HOSVD start, tolerance ``--tol``: TensorLy reads it as the
@@ -54,7 +52,7 @@ from mlora.compress import (
     relative_errors,
 )
 
-IMPLS = ("mlora", "mlora-bases", "tensorly")
+IMPLS = ("mlora", "tensorly")
 METHODS = ("jd-full", "jd-diag")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Peak memory of a TensorLy fit over its dense tensor's size: about 4 for
@@ -147,12 +145,6 @@ def run_case(
     if impl == "mlora":
         solver = jd_full if method == "jd-full" else jd_diag
         result = solver(factors, R, iters=iters, tol=tol, normalize=True, seed=seed)
-        sweeps = result.iterations
-    elif impl == "mlora-bases":
-        # JD-Diag from the HOSVD bases, cores first (least squares), then U, V:
-        # PARAFAC's block order from the same start
-        hosvd = jd_full(factors, R, iters=0, normalize=True, seed=seed)
-        result = jd_diag(factors, R, iters=iters, tol=tol, normalize=True, seed=seed, init=(hosvd.U, hosvd.V))
         sweeps = result.iterations
     else:
         U, V, cores, sweeps = fit_tensorly(factors, method, R, iters, tol, DTYPES[dtype])
@@ -293,8 +285,6 @@ def main(argv=None) -> int:
         for method in a.methods.split(","):
             for dtype in a.dtypes.split(","):
                 for impl in a.impls.split(","):
-                    if impl == "mlora-bases" and method != "jd-diag":
-                        continue  # JD-Full from the HOSVD bases is plain mlora
                     row = measure(impl, method, n, dtype=dtype, **options)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)

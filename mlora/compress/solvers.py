@@ -524,21 +524,6 @@ def _diag_cores(col: FactoredCollection, U: torch.Tensor, V: torch.Tensor) -> tu
     return Z @ _pinv_psd(H), Z, H
 
 
-def _adapter_gram(col: FactoredCollection) -> torch.Tensor:
-    """``K[i, j] = <Delta_i, Delta_j>_F = trace((B_i^T B_j)(A_j A_i^T))``: the n x n Gram of the stacked adapter mode."""
-    n, r = col.n, col.r
-    B_all = col.Bt.reshape(n * r, -1)
-    A_all = col.A.reshape(n * r, -1)
-    K = A_all.new_empty(n, n)
-    step = max(1, (1 << 22) // (n * r * r))  # rows of K per block: bounded memory at any n
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        BtB = B_all[lo * r : hi * r] @ B_all.T  # (B_i^T B_j)[r, s]
-        AAt = A_all[lo * r : hi * r] @ A_all.T  # (A_i A_j^T)[r, s]
-        K[lo:hi] = (BtB * AAt).reshape(hi - lo, r, n, r).sum(dim=(1, 3))
-    return K
-
-
 def _diag_objective(col: FactoredCollection, D: torch.Tensor, Z: torch.Tensor, H: torch.Tensor) -> float:
     value = col.total - 2 * float((D * Z).sum()) + float(((D @ H) * D).sum())
     return max(value, 0.0)
@@ -573,16 +558,16 @@ def jd_diag(
     columns of U and V at unit norm so that the scale lives in the cores and
     the Gram matrices stay balanced. The objective never increases.
 
-    ``init``: ``"svd"`` is TensorLy's ``parafac(init='svd')`` start - the
-    leading eigenvectors of the three stacked Grams (``sum_i Delta_i
-    Delta_i^T``, ``sum_i Delta_i^T Delta_i`` and the n x n adapter Gram
-    ``<Delta_i, Delta_j>``; Krylov for the first two on wide modules, as in
-    :func:`jd_full`), seeded random columns where R exceeds one; then
-    the sweeps above from the U step. ``"random"`` or a ``(U, V)`` pair start
-    from least-squares cores of those bases. ALS can stall in a swamp from
-    any one start: ``restarts`` adds that many fits from seeded random
-    starts and keeps the lowest final objective. Cores returned with norms
-    restored when ``normalize``.
+    ``init``: ``"svd"`` starts from the HOSVD bases (the leading
+    eigenvectors of ``sum_i Delta_i Delta_i^T`` and ``sum_i Delta_i^T
+    Delta_i``, Krylov on wide modules, as in :func:`jd_full`; seeded random
+    columns where R exceeds their rank), ``"random"`` from seeded random
+    bases, a ``(U, V)`` pair from those bases; every start takes the
+    least-squares cores of its bases first (the adapter mode first, as
+    PARAFAC orders its blocks), then the sweeps above. ALS can stall in a
+    swamp from any one start: ``restarts`` adds that many fits from seeded
+    random starts and keeps the lowest final objective. Cores returned with
+    norms restored when ``normalize``.
     """
     check_factors(factors)
     col = FactoredCollection(factors, R, normalize, device)
@@ -601,14 +586,12 @@ def jd_diag(
 def _diag_als(col: FactoredCollection, R: int, start, iters: int, tol: float, gen: torch.Generator):
     if start == "svd":
         U, V = _svd_init(col, R, gen, exact=_dense_ok(col.Bt.shape[2], R) and _dense_ok(col.A.shape[2], R))
-        D = _leading_or_random(_adapter_gram(col), R, gen)
+    elif start == "random":
+        U = torch.randn(col.Bt.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
+        V = torch.randn(col.A.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
     else:
-        if start == "random":
-            U = torch.randn(col.Bt.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
-            V = torch.randn(col.A.shape[2], R, generator=gen, dtype=_DTYPE).to(col.device)
-        else:
-            U, V = start
-        D = _diag_cores(col, U, V)[0]
+        U, V = start
+    D = _diag_cores(col, U, V)[0]  # cores first: the least-squares cores of the starting bases
     history = [_diag_objective(col, D, *_diag_terms(col, U, V))]
     converged = history[0] <= _EXACT_FLOOR * col.total
     sweeps = 0
