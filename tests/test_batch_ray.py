@@ -23,7 +23,8 @@ from conftest import demo_job_options as _opts
 from conftest import shard_digests as _shards
 
 from mlora.batch.errors import JobError
-from mlora.batch.job.output import read_output
+from mlora.batch.job.metrics import JobMetrics
+from mlora.batch.job.output import RESULT_FIELDS, read_output
 from mlora.batch.runner import run_job
 
 try:
@@ -57,6 +58,22 @@ def test_two_ray_actors_write_exactly_the_single_process_output(tmp_path, single
     assert (tmp_path / "out" / "_SUCCESS").exists() and summary.device == "ray: cpu x2"
     m = json.loads((tmp_path / "out" / "_metrics.json").read_text())["metrics"]
     assert m["rows_finished"] == 40 and m["completion_tokens"] == summary.generated_tokens > 0
+    # the actors' engine figures, merged as the coordinator merges workers: the same rows run to the
+    # same tokens; each adapter loaded by one actor or both; unique adapter bytes counted once for the job
+    one = json.loads((single_process_output / "_metrics.json").read_text())
+    s = one["metrics"]
+    assert m["iterations"] == summary.engine["iterations"] == m["histograms"]["iteration_seconds"]["count"] > 0
+    assert m["decode_tokens"] == s["decode_tokens"] and summary.engine["generated_tokens"] == one["engine"][
+        "generated_tokens"]
+    assert m["prefill_tokens_computed"] + m["prefill_tokens_reused"] == s["prefill_tokens_computed"] + s[
+        "prefill_tokens_reused"]
+    loads, one_loads = sum(m["adapter_loads"].values()), sum(s["adapter_loads"].values())
+    assert one_loads <= loads <= 2 * one_loads and m["unique_adapter_bytes"] == s["unique_adapter_bytes"] > 0
+    assert 1.0 <= m["load_amplification"] <= 2.0 and m["h2d_bytes"] >= s["h2d_bytes"]
+    assert sum(m["cache_hits"].values()) > 0 and summary.bank["loads"] == loads
+    assert len(summary.workers) == 2 and sum(w["rows"] for w in summary.workers) == 40
+    prom = (tmp_path / "out" / "_metrics.prom").read_text()
+    assert f"mlora_iterations_total {float(m['iterations'])}" in prom
     assert local_ray.is_initialized()  # a cluster the job did not start is left running
 
 
@@ -143,6 +160,10 @@ def test_a_ray_actor_of_two_ranks_gives_the_expected_rows(tmp_path, local_ray):
         done.set()
         watcher.join()
     assert summary.device == "ray: cpu x1 (2 ranks each)" and summary.rows == 5
+    # rank 0 reports the group's engine figures as one engine
+    m = json.loads((tmp_path / "out" / "_metrics.json").read_text())["metrics"]
+    assert [w["rows"] for w in summary.workers] == [5] and m["iterations"] == summary.engine["iterations"] > 0
+    assert m["decode_tokens"] > 0 and sum(m["adapter_loads"].values()) >= 4  # one row per adapter, and a base row
     out = read_output(str(tmp_path / "out")).to_pylist()
     got = {r["id"]: r["completion"] for r in out}
     want = {}
@@ -181,7 +202,8 @@ def test_predictor_called_directly_gives_the_demo_answers():
     table = pa.table({"id": [1, 2, 3, 4], "prompt": prompts * 2, "adapter": ["upper", "upper", "reverse", None],
                       "note": ["a", "b", "c", "d"]})
     out = p(table)
-    assert out.column_names[:2] == ["prompt", "note"] and out.column_names[2] == "id"
+    # the batch's other columns, id, mlora's output columns: nothing else (engine_report is off)
+    assert out.column_names == ["prompt", "note", "id", *[f.name for f in RESULT_FIELDS]]
     rows = out.to_pylist()
     assert out.schema.field("id").type == pa.int64()  # the batch's id type, for joins on id
     assert [r["id"] for r in rows] == [1, 2, 3, 4] and [r["note"] for r in rows] == ["a", "b", "c", "d"]
@@ -194,6 +216,33 @@ def test_predictor_called_directly_gives_the_demo_answers():
     assert list(out[0])[0] == "id" and out[0]["error_code"] == "E_ADAPTER_UNKNOWN"
     with pytest.raises(TypeError):
         MloraPredictor(BASE, pinned=pinned, max_new_token=4)  # a misspelt option is refused
+
+
+@needs_ray
+def test_a_predictor_with_engine_report_carries_its_cumulative_figures_on_each_batch_last_row():
+    """engine_report=True: one more column, null but on each batch's last row, which holds the
+    actor's engine figures since it started; the latest one merges as a worker's report."""
+    from mlora.batch.engine.engine import stored_adapter_bytes
+    from mlora.batch.scaleout.engines import LatestReports, merge_reports
+    from mlora.batch.scaleout.ray import ENGINE_REPORT, MloraPredictor, pin_adapters
+
+    pinned = pin_adapters(BASE, ADAPTERS, ids=["upper"])
+    p = MloraPredictor(BASE, pinned=pinned, device="cpu", max_new_tokens=4, engine_report=True)
+    batch = {"id": [1, 2, 3], "prompt": ["<|bos|>abc="] * 3, "adapter": ["upper", None, "upper"]}
+    first, second = p(batch), p(batch)
+    assert first.column_names == ["prompt", "id", *[f.name for f in RESULT_FIELDS], ENGINE_REPORT]
+    texts = [t.column(ENGINE_REPORT).to_pylist() for t in (first, second)]
+    assert texts[0][:2] == texts[1][:2] == [None, None] and texts[0][2] and texts[1][2]
+    latest = LatestReports()
+    latest.add(texts[1][2])
+    latest.add(texts[0][2])  # an older report of the same actor, seen later: ignored
+    [report] = latest.reports()
+    assert report.rows == 6 and report.adapters_used == ["upper"]
+    job = JobMetrics()
+    engine, _ = merge_reports(job, pinned, [report])
+    m = job.snapshot()
+    assert m["iterations"] == engine["iterations"] > 0 and engine["generated_tokens"] == report.generated_tokens
+    assert m["unique_adapter_bytes"] == stored_adapter_bytes(pinned["upper"]) and sum(m["adapter_loads"].values())
 
 
 @needs_ray

@@ -4,7 +4,7 @@ Owns the worker processes of a job and the movement of rows between them and
 OUTPUT: reading and tokenizing the input (the same ``requests_of`` as one
 process), assigning rows (``assign.Dispatcher``), collecting finished rows
 into the job's :class:`~mlora.batch.job.prepare.RowWriter` (the ResultSink: shards in
-input order, one manifest, ``_SUCCESS``), merging the workers' metrics, and
+input order, one manifest, ``_SUCCESS``), merging the workers' metrics (``engines.py``), and
 what happens when a worker dies. Must not know how an engine runs a row
 (``worker.py``, ``session.py``).
 
@@ -55,12 +55,13 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from mlora.batch.engine.engine import Request, Result, stored_adapter_bytes
+from mlora.batch.engine.engine import Request, Result
 from mlora.batch.errors import JobError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import PreparedJob, RowWriter, finish_job
 from mlora.batch.job.session import requests_of, result_record
 from mlora.batch.scaleout.assign import Dispatcher
+from mlora.batch.scaleout.engines import EngineReport, merge_reports
 from mlora.batch.scaleout.placement import WorkerPlace
 from mlora.batch.scaleout.worker import worker_main
 
@@ -187,17 +188,8 @@ class _Coordinator:
                 self._feed()
         self._stop_workers()
         summary = prep.summary
-        engines, banks = [], []
-        for w in self.workers:
-            if w.final is not None:
-                state, used, engine_stats, bank_stats = w.final
-                self.metrics.absorb(state)
-                engines.append(engine_stats)
-                banks.append(bank_stats)
-        used = set().union(*(set(w.final[1]) for w in self.workers if w.final is not None))
-        for a in sorted(used):
-            self.metrics.unique_adapter_bytes(stored_adapter_bytes(prep.pinned[a]))
-        summary.engine, summary.bank = _sum_dicts(engines), _sum_dicts(banks)
+        summary.engine, summary.bank = merge_reports(self.metrics, prep.pinned,
+                                                     [w.final for w in self.workers if w.final is not None])
         summary.workers = [w.summary("ok" if w.final is not None else "died") for w in self.workers]
         return finish_job(prep, self.metrics)
 
@@ -240,7 +232,7 @@ class _Coordinator:
                 self.progress(self.prep.summary, self.writer.progress(
                     sum(x.status[0] for x in alive), sum(x.status[1] for x in alive), len(alive)))
         elif kind == "final":
-            w.final = msg[1:]
+            w.final = EngineReport(*msg[1:])
         elif kind == "error":
             _, code, message, exit_code = msg
             if exit_code == 3:
@@ -345,14 +337,3 @@ def _cost(req: Request) -> int:
     """Estimated tokens of a row: what it costs to prefill and to generate at most."""
     return len(req.prompt_ids) + req.max_new_tokens
 
-
-def _sum_dicts(dicts: list[dict]) -> dict:
-    """Key-wise sums of numeric stats over workers (non-numbers: the first worker's)."""
-    out: dict = {}
-    for d in dicts:
-        for k, v in d.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out.get(k, 0), (int, float)):
-                out[k] = out.get(k, 0) + v
-            else:
-                out.setdefault(k, v)
-    return out

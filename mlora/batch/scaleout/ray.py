@@ -16,7 +16,8 @@ The pipeline of ``run_ray_job``::
                                          row positions, ids), sorts them by adapter (then input order)
                                          and yields them in blocks of ``batch_rows``: adapter-coherent batches
       .map_batches(MloraPredictor, batch_size=batch_rows, compute=ActorPoolStrategy(size=N), num_gpus=TP | 0)
-      .iter_batches()                    on the driver: each row to the job's RowWriter by its position
+      .iter_batches()                    on the driver: each row to the job's RowWriter by its position,
+                                         each actor's latest engine report kept (engines.LatestReports)
 
 Decisions:
 
@@ -39,6 +40,11 @@ Decisions:
   resumed with another engine (the fingerprint does not name the engine).
   The driver holds finished rows until the rows before them finish: about
   the windows Ray runs at once.
+* Metrics: the actors run with ``engine_report=True``: each batch's last row
+  carries the actor's cumulative engine report in a column the driver reads
+  and never writes. The driver merges each actor's latest report once at the
+  end (``engines.merge_reports``, as the coordinator merges its workers), so a
+  report lost or handed over twice does not change the job's figures.
 * Resume: an interrupted Ray job (Ctrl-C, a failed actor, a lost driver)
   keeps its committed shards; ``--resume`` starts the pipeline at the first
   uncommitted row. A failure inside Ray stops the job with the error's own
@@ -60,10 +66,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import uuid
 import weakref
 from dataclasses import fields
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from mlora.batch.adapters.catalog import load_catalog
@@ -75,6 +83,7 @@ from mlora.batch.job.output import OUTPUT_COLUMNS, RESULT_FIELDS
 from mlora.batch.job.prepare import NO_TOKENIZER_NOTE, RowWriter, finish_job, input_spec, prepare_job
 from mlora.batch.job.session import EngineSession, requests_of
 from mlora.batch.model.decoder import load_config
+from mlora.batch.scaleout.engines import LatestReports, encode_report, merge_reports, session_report
 from mlora.batch.scaleout.placement import RayActors, ray_actors
 
 INSTALL_HINT = "pip install 'mlora[ray]'"
@@ -88,6 +97,7 @@ except ImportError as exc:
 # the role columns of the table read_window yields (kept input columns keep their names)
 ROW, ID, PROMPT, PROMPT_IDS, ADAPTER, MAX_NEW = "_row", "_id", "_prompt", "_prompt_ids", "_adapter", "_max_new_tokens"
 MESSAGES = "_messages"
+ENGINE_REPORT = "_engine_report"  # MloraPredictor(engine_report=True): the actor's engine figures
 # JobConfig fields a predictor takes as keyword options (the rest are about files and the job)
 PREDICTOR_OPTIONS = frozenset(f.name for f in fields(JobConfig)) - {
     "input", "output", "base", "adapters_dir", "catalog_file", "keep_columns", "strict", "resume", "shard_rows",
@@ -140,18 +150,29 @@ class MloraPredictor:
     order; a pandas batch gives a DataFrame, anything else a pyarrow Table. A
     row's output does not depend on its batch (greedy or seeded sampling, as in
     batch-run). An adapter that was not pinned gives ``E_ADAPTER_UNKNOWN`` rows.
+
+    ``engine_report=True`` (default False; ``batch-run --engine ray`` turns it on) adds one
+    string column, ``_engine_report``, last: null but on the batch's last row, which holds
+    JSON of the actor's engine figures since it started (``scaleout.engines.encode_report``:
+    a random actor id, the report's number, the engine's metrics, the adapters it used, its
+    engine and bank stats, its rows). Keep each actor's highest-numbered report and merge
+    them with ``scaleout.engines.LatestReports`` and ``merge_reports``: a later report
+    contains every earlier one. Without it the output columns are as above.
     """
 
     def __init__(self, base: str, adapters: str | None = None, catalog: str | None = None, *,
                  pinned: dict | None = None, adapter_ids: list[str] | None = None, device: str = "auto",
                  dtype: str = "auto", torch_threads: int | None = None, keep_columns: list[str] | None = None,
-                 **options):
+                 engine_report: bool = False, **options):
         unknown = sorted(set(options) - PREDICTOR_OPTIONS)
         if unknown:
             raise TypeError(f"MloraPredictor: unknown option(s) {unknown}; known: {sorted(PREDICTOR_OPTIONS)}")
         if options.get("prompt_ids_column") or options.get("messages_column"):
             options.setdefault("prompt_column", None)
         self.keep_columns = None if keep_columns is None else list(keep_columns)
+        # engine_report: this actor's id, its reports so far and the rows it ran (class docstring)
+        self.engine_report = engine_report
+        self._actor, self._reports, self._rows = uuid.uuid4().hex, 0, 0
         self.opts = JobConfig(input="", output="", base=base, adapters_dir=adapters, catalog_file=catalog,
                               device=device, dtype=dtype, **options)
         self.opts.validate()
@@ -186,7 +207,7 @@ class MloraPredictor:
             if absent:
                 raise ValueError(f"E_INPUT_COLUMN_MISSING: keep_columns {absent} are not in the batch "
                                  f"({table.column_names})")
-        clash = [c for c in passthrough if c in OUTPUT_COLUMNS]
+        clash = [c for c in passthrough if c in OUTPUT_COLUMNS or (self.engine_report and c == ENGINE_REPORT)]
         if clash:
             raise ValueError(f"E_INPUT_USAGE: batch column(s) {clash} would clash with mlora's output columns; "
                              "rename them or leave them out with keep_columns=")
@@ -206,7 +227,18 @@ class MloraPredictor:
         out = pa.Table.from_pylist(records, schema=pa.schema([id_field, *RESULT_FIELDS]))
         for name in reversed(passthrough):
             out = out.add_column(0, table.schema.field(name), table.column(name))
+        if self.engine_report:
+            out = out.append_column(pa.field(ENGINE_REPORT, pa.string()), self._report_column(n))
         return out.to_pandas() if as_pandas else out
+
+    def _report_column(self, n: int) -> pa.Array:
+        """The ``engine_report`` column of a batch of ``n`` rows: the cumulative report on its last row."""
+        self._rows += n
+        if not n:
+            return pa.array([], pa.string())
+        self._reports += 1
+        text = encode_report(self._actor, self._reports, session_report(self.session, self._rows))
+        return pa.array([None] * (n - 1) + [text], pa.string())
 
     def close(self) -> None:
         """Stop the engine: its adapter threads and, under tensor parallelism, its follower ranks
@@ -333,9 +365,10 @@ def _drive(ray, prep, actors: RayActors, on_gpu: bool, progress):
                    messages_column=MESSAGES if opts.messages_column else None, adapter_column=ADAPTER,
                    max_new_tokens_column=MAX_NEW)
     predictor = dict(base=opts.base, pinned=prep.pinned, device="cuda" if on_gpu else "cpu",
-                     keep_columns=[ROW, *opts.keep_columns],
+                     keep_columns=[ROW, *opts.keep_columns], engine_report=True,
                      dtype=str(prep.dtype).removeprefix("torch."),
                      torch_threads=actors.threads, **options)
+    latest = LatestReports()
     ds = ray.data.from_items(windows) if windows else None
     if ds is not None:
         # Read tasks ask for no CPU: the actors may hold every CPU of the cluster (a CPU job), and
@@ -358,6 +391,8 @@ def _drive(ray, prep, actors: RayActors, on_gpu: bool, progress):
                     raise _ray_failure(exc) from None
                 if table is None:
                     break
+                for text in pc.drop_null(table.column(ENGINE_REPORT)).to_pylist():
+                    latest.add(text)
                 rows = table.column(ROW).to_pylist()
                 records = table.select(names).to_pylist()
                 for row, record in zip(rows, records):
@@ -372,7 +407,12 @@ def _drive(ray, prep, actors: RayActors, on_gpu: bool, progress):
             close = getattr(it, "close", None)
             if close:
                 close()
-    prep.summary.workers = [{"worker": i, "device": "cuda" if on_gpu else "cpu", "status": "ok"} for i in range(n)]
+    # each actor's latest report once (an actor that ran no batch: no report, no rows)
+    reports = latest.reports()
+    prep.summary.engine, prep.summary.bank = merge_reports(metrics, prep.pinned, reports)
+    ran = [(r.rows, r.generated_tokens) for r in reports] + [(0, 0)] * max(0, n - len(reports))
+    prep.summary.workers = [{"worker": i, "device": "cuda" if on_gpu else "cpu", "rows": rows,
+                             "generated_tokens": tokens, "status": "ok"} for i, (rows, tokens) in enumerate(ran)]
     return finish_job(prep, metrics)
 
 
