@@ -37,18 +37,21 @@ class Reads:
         if p.id in self.fail and self.fail[p.id] != 0:
             self.fail[p.id] = None if self.fail[p.id] is None else self.fail[p.id] - 1
             raise AdapterError("E_ADAPTER_CHANGED", f"adapter {p.id!r} cannot be read", p.id)
-        whole = torch.arange(32, dtype=torch.float32) + ord(p.id[0])
-        return [(0, "qkv", 0, whole[:16].view(4, 4), whole[16:].view(4, 4).t(), 4, 0.5)]  # B: a strided view
+        a = torch.arange(16, dtype=torch.float32).view(4, 4) + ord(p.id[0])
+        b = torch.arange(16, 32, dtype=torch.float32).view(4, 4).t() + ord(p.id[0])  # a strided view
+        self.built = (a, b)
+        return [(0, "qkv", 0, a, b, 4, 0.5)]
 
 
 def test_an_image_holds_the_rows_in_a_buffer_of_its_own():
     reads = Reads()
     image = CutCache(None, reads, ROW_BYTES).get(adapter("a"))
     [(layer, group, j, a, b, r, scale)] = image.placed
-    want = torch.arange(32, dtype=torch.float32) + ord("a")
     assert (layer, group, j, r, scale) == (0, "qkv", 0, 4, 0.5) and image.nbytes == ROW_BYTES
-    assert torch.equal(a.reshape(-1), want[:16]) and torch.equal(b, want[16:].view(4, 4).t())
-    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer, not the build's
+    assert torch.equal(a, reads.built[0]) and torch.equal(b, reads.built[1]) and b.is_contiguous()
+    # one buffer of their own, not the build's tensors (views may hold a whole adapter's factors)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert all(a.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in reads.built)
 
 
 def test_the_least_recently_used_image_leaves_once_the_bytes_pass_the_bound():
