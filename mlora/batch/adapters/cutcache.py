@@ -4,7 +4,7 @@ Owns adapter content identity (``semantic_sha256``) -> :class:`CutImage` (the ra
 factors, verified and cut, packed into one host buffer: a block of a pinned pool on a GPU),
 least recently used first, at most ``capacity_bytes`` (None: unbounded; 0: nothing is kept and
 no hint is built), and one background thread that builds the images rank 0's prefetch names
-(docs/scaleout.md, "Tensor parallelism: how adapters are placed"). Must not know slots or the
+(docs/scaleout.md, "One model over several GPUs"). Must not know slots or the
 group: ``build(pinned)`` (``SlotBank.host_cut``) reads, verifies, cuts and places.
 
 Semantics: ``get`` returns the cached image (a hit), else the image of a hinted build in flight

@@ -354,8 +354,8 @@ class SlotBank(SlotTensors, BlockingLoads):
         emptied first, so a failed read leaves it empty."""
         for key in [k for k, s in self._lru.items() if s == slot]:
             del self._lru[key]
-        placed = self.images.get(p).placed if self.images is not None else self._place(p, self._factors(p))
-        self._write(slot, placed)
+        image = self.images.get(p) if self.images is not None else None  # held until written (its pinned block)
+        self._write(slot, image.placed if image is not None else self._place(p, self._factors(p)))
         self._lru[p.semantic_sha256] = slot
 
     def host_cut(self, p: PinnedAdapter) -> list[tuple]:
