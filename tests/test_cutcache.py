@@ -2,7 +2,8 @@
 processes: least recently used images leave first once their bytes pass the bound; a load waits
 for its adapter's hinted build instead of reading it again; a hinted build that fails is counted,
 not raised, and the load reads again (raising what that read raises); at most as many hinted
-builds are in flight as the cache holds images; 0 bytes keeps nothing and builds no hint."""
+builds are in flight as the cache holds images; 0 bytes keeps nothing and builds no hint; images
+sit in a pool's blocks while one is free, and an evicted image's block serves a later one."""
 
 import threading
 from types import SimpleNamespace
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from mlora.batch.adapters.catalog import AdapterError
-from mlora.batch.adapters.cutcache import CutCache
+from mlora.batch.adapters.cutcache import CutCache, pinned_pool
+from mlora.batch.adapters.residency.pinned import PinnedPool
 
 ROW_BYTES = 2 * 64  # one row's A and B below, each 16 float32 (64 bytes, already aligned)
 
@@ -122,3 +124,18 @@ def test_no_cache_keeps_nothing_and_builds_no_hint():
     assert reads.calls == {"a": 2} and not cache.cached(adapter("a")) and cache.bytes == 0
     assert cache.report() == {"host_cache_hits": 0, "host_cache_misses": 2, "hinted_builds": 0,
                               "hinted_build_failures": 0}
+
+
+def test_an_evicted_images_block_serves_a_later_image():
+    """Blocks of ordinary memory here (a GPU rank's are page-locked: ``pinned_pool``)."""
+    reads = Reads()
+    pool = PinnedPool(ROW_BYTES, 2, pin=False)
+    cache = CutCache(2 * ROW_BYTES, reads, ROW_BYTES, pool)
+    for name in "abc":  # c finds no free block (pageable), then evicts a
+        cache.get(adapter(name))
+    assert (pool.takes, pool.exhausted) == (2, 1)
+    cache.get(adapter("d"))  # a's block, given back when its image left, is d's: b leaves
+    assert (pool.takes, pool.exhausted) == (3, 1) and cache.cached(adapter("d")) and not cache.cached(adapter("b"))
+    cache.collect()
+    assert pool.in_use == 1  # d's; b's given back
+    assert pinned_pool(0, ROW_BYTES, 10) is None and pinned_pool(None, ROW_BYTES, 10) is None

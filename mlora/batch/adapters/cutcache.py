@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mlora.batch.adapters.catalog import PinnedAdapter
-from mlora.batch.adapters.residency.host import image_buffer
+from mlora.batch.adapters.residency.host import image_buffer, packed_offsets
 from mlora.batch.adapters.residency.pinned import PinnedPool
 
 
@@ -38,26 +38,20 @@ class CutImage:
 
 class CutCache:
     """Host images of one rank's cut of adapters (module docstring). ``image_bytes``: an upper
-    bound on one image's bytes (a slot's factors), which sizes the hint bound and the pinned
-    pool's blocks (``pin``: page-locked blocks, pinned here, for ``expected`` images at most)."""
+    bound on one image's bytes (a slot's factors), which bounds the hinted builds in flight;
+    ``pool``: the blocks images are packed into while one is free (:func:`pinned_pool`)."""
 
     def __init__(self, capacity_bytes: int | None, build: Callable[[PinnedAdapter], list[tuple]], image_bytes: int,
-                 pin: bool = False, expected: int | None = None):
-        self.capacity_bytes, self.build = capacity_bytes, build
+                 pool: PinnedPool | None = None):
+        self.capacity_bytes, self.build, self.pool = capacity_bytes, build, pool
         self._cache: OrderedDict[str, CutImage] = OrderedDict()
         self._inflight: dict[str, Future] = {}
         self.bytes = 0
         self.hits = self.misses = 0  # loads served from the cache (or a hinted build), loads that read
         self.hinted = self.hint_failures = 0  # hinted builds started, and those that failed
-        enabled = capacity_bytes != 0
         # hinted builds in flight at most: the images the cache holds (None: no bound)
         self.max_hinted = None if capacity_bytes is None else capacity_bytes // max(image_bytes, 1)
-        held = self.max_hinted if expected is None else expected if self.max_hinted is None \
-            else min(expected, self.max_hinted)
-        # page-locked blocks, pinned before the first row: pinning during the job stalls the
-        # rank's CUDA calls (residency/pinned.py); the copies from them are synchronous, no fence
-        self.pool = PinnedPool(image_bytes, held + 2) if pin and enabled and held is not None else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mlora-tp-hint") if enabled else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mlora-tp-hint") if capacity_bytes != 0 else None
 
     def get(self, p: PinnedAdapter) -> CutImage:
         """``p``'s image: cached, or its hinted build's, or read now (raising the read's error)."""
@@ -115,13 +109,14 @@ class CutCache:
     def _pack(self, placed: list[tuple]) -> CutImage:
         """``placed`` with its A and B copied into one host buffer (a pool block when one is free)."""
         tensors = [t for row in placed for t in row[3:5]]
-        buf, offsets, pooled = image_buffer([t.numel() * t.element_size() for t in tensors], False, self.pool)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        buf, offsets, pooled = image_buffer(sizes, False, self.pool)
         packed = []
         for t, off in zip(tensors, offsets):
             dst = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             packed.append(dst.copy_(t))
         rows = [(*row[:3], packed[2 * i], packed[2 * i + 1], *row[5:]) for i, row in enumerate(placed)]
-        image = CutImage(rows, buf.numel())
+        image = CutImage(rows, packed_offsets(sizes)[1])  # its bytes, not its block's
         if pooled:
             self.pool.own(image, buf)
         return image
@@ -150,3 +145,13 @@ class CutCache:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)
         self._inflight.clear()
+
+
+def pinned_pool(capacity_bytes: int | None, image_bytes: int, expected: int) -> PinnedPool | None:
+    """Page-locked blocks for a GPU rank's cache of ``capacity_bytes`` (None when unbounded or 0):
+    one per image it holds, ``expected`` (the job's adapters) at most, and two for builds in
+    flight, pinned now, before the first row: pinning during the job stalls the rank's CUDA calls
+    (residency/pinned.py). A load's copies from them are synchronous, so no fence guards a block."""
+    if not capacity_bytes:
+        return None
+    return PinnedPool(image_bytes, min(expected, capacity_bytes // max(image_bytes, 1)) + 2)

@@ -45,7 +45,7 @@ import torch
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
-from mlora.batch.adapters.cutcache import CutCache
+from mlora.batch.adapters.cutcache import CutCache, pinned_pool
 from mlora.batch.adapters.residency import MirrorError
 from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
@@ -300,8 +300,9 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     elif setup.num_slots:
         bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device,
                                  backend="triton" if graphed else "auto")
-        cache = bank.images = CutCache(setup.host_cache_bytes, bank.host_cut, bank.image_bytes(),
-                                       pin=device.type == "cuda", expected=len(setup.pinned))
+        block = bank.image_bytes()
+        pool = pinned_pool(setup.host_cache_bytes, block, len(setup.pinned)) if device.type == "cuda" else None
+        cache = bank.images = CutCache(setup.host_cache_bytes, bank.host_cut, block, pool)
     if graphed:
         graphs = DecodeGraphs(model, kv, bank, setup.graph_seqs, scratch_slot=setup.num_blocks * setup.block_size)
     loads = 0
