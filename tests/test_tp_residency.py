@@ -11,7 +11,9 @@ fails after the retry budget, the bank unchanged). As jobs at N=2 (gloo, float32
 adapters in two slots give the tokens of N=1 with loads, evictions and loads started at
 admission in the metrics; a follower that cannot load one adapter fails that adapter's rows
 (or, once, is retried) and rank 0's validation failing after the followers loaded fails only
-that adapter's rows, every other row as at N=1.
+that adapter's rows, every other row as at N=1. The follower's host cache of its cuts: with
+adapters evicted and loaded again it reads each adapter's files once (every mirrored load reads
+them with --host-cache-gb 0), and a hinted build that fails fails only that adapter's rows.
 """
 
 import functools

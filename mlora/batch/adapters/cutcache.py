@@ -122,9 +122,8 @@ class CutCache:
         return image
 
     def _put(self, key: str, image: CutImage) -> None:
-        """Keep ``image`` under ``key``, evicting the least recently used beyond the bound."""
-        if self.capacity_bytes == 0:
-            return
+        """Keep ``image`` under ``key``, evicting the least recently used beyond the bound (at 0
+        bytes: itself at once)."""
         old = self._cache.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
