@@ -11,7 +11,9 @@ fails after the retry budget, the bank unchanged). As jobs at N=2 (gloo, float32
 adapters in two slots give the tokens of N=1 with loads, evictions and loads started at
 admission in the metrics; a follower that cannot load one adapter fails that adapter's rows
 (or, once, is retried) and rank 0's validation failing after the followers loaded fails only
-that adapter's rows, every other row as at N=1.
+that adapter's rows, every other row as at N=1. The follower's host cache of its cuts: with
+adapters evicted and loaded again it reads each adapter's files once (every mirrored load reads
+them with --host-cache-gb 0), and a hinted build that fails fails only that adapter's rows.
 """
 
 import functools
@@ -30,6 +32,7 @@ from mlora.batch.adapters.residency import AdapterLoadError, FaultInjector, Mirr
 from mlora.batch.adapters.slots import SlotBank, TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Engine
+from mlora.batch.engine.tpfollow import Leader
 from mlora.batch.model.decoder import load_config
 from mlora.batch.model.lora import GROUPS
 from mlora.batch.model.tp import TPLayout
@@ -195,6 +198,24 @@ def _same_rows(one, two, failing=()):
             assert got["completion_token_ids"] == want["completion_token_ids"], rid
 
 
+@pytest.fixture
+def follower_reports(monkeypatch) -> list:
+    """The followers' reports (``tpfollow.follow``'s returns) of the jobs run in a test, one list per job."""
+    seen = []
+
+    class Recording(Leader):
+        def stop(self):
+            super().stop()
+            seen.append(self.reports)
+
+    monkeypatch.setattr(session_mod, "Leader", Recording)
+    return seen
+
+
+def _counting_reads(monkeypatch, fail=None):
+    monkeypatch.setattr(session_mod, "follow", functools.partial(tp_faulty_follower.follow_counting_reads, fail=fail))
+
+
 def test_four_adapters_in_two_slots_at_two_ranks_give_the_tokens_of_one_rank(workspace, one_rank, tmp_path,
                                                                              monkeypatch):
     """With admission's asynchronous loads (on by default on a GPU only): the loads it starts
@@ -211,6 +232,43 @@ def test_four_adapters_in_two_slots_at_two_ranks_give_the_tokens_of_one_rank(wor
     assert bank["loads"] + bank["prefetches"] >= 4 and bank["evictions"] >= 2, bank
     assert bank["loads_started_ahead"] > bank["prefetches"], bank
     assert bank["load_failures"] == 0 and bank["rollbacks"] == 0
+
+
+@pytest.mark.parametrize("cache_gb", [None, 0])
+def test_a_follower_reads_each_adapter_once_from_its_host_cache(workspace, one_rank, tmp_path, monkeypatch,
+                                                                follower_reports, cache_gb):
+    """Rows in file order through two slots (``schedule_window=1``): rank 0 evicts adapters and
+    loads them again. The follower reads each adapter's files once at most (the later loads copy
+    from its host cache, or wait for the build rank 0's prefetch hinted); with --host-cache-gb 0
+    every mirrored load reads them. Tokens as at one rank either way."""
+    _counting_reads(monkeypatch)
+    summary = run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2, schedule_window=1,
+                           host_cache_gb=cache_gb))
+    _same_rows(one_rank, _rows(tmp_path / "two"))
+    [[report]] = follower_reports
+    reads, loads = report["reads"], report["mirrored_loads"]
+    assert loads > 2 * len(NAMES) and set(reads) == set(NAMES), report  # adapters evicted and loaded again
+    if cache_gb is None:
+        assert max(reads.values()) == 1 and report["hinted_builds"] > 0, report
+        assert report["host_cache_hits"] >= loads - len(NAMES), report
+    else:
+        assert sum(reads.values()) == loads == report["host_cache_misses"], report
+        assert report["host_cache_hits"] == report["hinted_builds"] == 0, report
+    for key in ("host_cache_hits", "host_cache_misses", "hinted_builds", "hinted_build_failures"):
+        assert summary.engine[f"follower_{key}"] == [report[key]], key
+
+
+def test_a_follower_whose_hinted_build_fails_fails_only_that_adapters_rows(workspace, one_rank, tmp_path,
+                                                                          monkeypatch, follower_reports):
+    """Every read of c on the follower fails: its hinted build fails on the background thread
+    (counted, not raised), each mirrored load of c reads again and fails as without a cache,
+    so c's rows fail with E_ADAPTER_LOAD and every other row gives the tokens of one rank."""
+    _counting_reads(monkeypatch, fail="c")
+    summary = run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2))
+    _same_rows(one_rank, _rows(tmp_path / "two"), failing=("c",))
+    [[report]] = follower_reports
+    assert report["hinted_build_failures"] >= 1 and summary.bank["load_failures"] >= 3, (report, summary.bank)
+    assert report["reads"]["c"] == report["hinted_build_failures"] + summary.bank["load_failures"], report
 
 
 @pytest.mark.parametrize("times", [1, None])

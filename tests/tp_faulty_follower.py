@@ -1,8 +1,10 @@
-"""A follower rank for the tensor-parallel residency tests (tests/test_tp_residency.py), in a module
-of its own so that the spawned rank imports it by name: ``tpfollow.follow`` whose writes of one
-adapter into a slot fail, as on a rank that cannot read its copy of the adapter's files."""
+"""Follower ranks for the tensor-parallel residency tests (tests/test_tp_residency.py), in a module
+of their own so that the spawned rank imports them by name: ``tpfollow.follow`` whose writes of one
+adapter into a slot fail, as on a rank that cannot read its copy of the adapter's files, or whose
+reads of adapter files are counted (and one adapter's fail)."""
 
-from mlora.batch.adapters.catalog import AdapterError
+from mlora.batch.adapters import slots
+from mlora.batch.adapters.catalog import AdapterChanged, AdapterError
 from mlora.batch.adapters.slots import SlotBank
 from mlora.batch.engine.tpfollow import follow
 
@@ -21,3 +23,20 @@ def follow_failing_loads(collective, base, devices, dtype_name, threads, adapter
 
     SlotBank.load_into = load_into
     return follow(collective, base, devices, dtype_name, threads)
+
+
+def follow_counting_reads(collective, base, devices, dtype_name, threads, fail: str | None = None) -> dict:
+    """``follow``, counting this rank's reads of adapter files (``catalog.load_factors`` calls, by
+    adapter id: ``"reads"`` in its report); every read of ``fail`` fails, as on a rank whose copy
+    of that adapter's files changed after pinning."""
+    read = slots.load_factors
+    reads: dict[str, int] = {}
+
+    def load_factors(p, dtype, device):
+        reads[p.id] = reads.get(p.id, 0) + 1
+        if p.id == fail:
+            raise AdapterChanged(p.id, "its files cannot be read on this rank (a test's fault)")
+        return read(p, dtype, device)
+
+    slots.load_factors = load_factors
+    return follow(collective, base, devices, dtype_name, threads) | {"reads": reads}

@@ -299,6 +299,9 @@ class SlotBank(SlotTensors, BlockingLoads):
         self.stats = BankStats()
         self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots  # (layer, group) each slot adapts
+        # a tensor-parallel follower's host images of its cuts (``cutcache.CutCache`` over
+        # ``host_cut``): ``load_into`` copies from them instead of reading the adapter again
+        self.images = None
 
     @classmethod
     def for_rank(cls, tp: TPShard, num_slots: int, max_rank: int, dtype: torch.dtype, device,
@@ -347,16 +350,28 @@ class SlotBank(SlotTensors, BlockingLoads):
 
     def load_into(self, slot: int, p: PinnedAdapter) -> None:
         """Write ``p`` into ``slot``, whatever it held (a tensor-parallel follower: rank 0's bank
-        chose the slot); the slot is emptied first, so a failed read leaves it empty."""
+        chose the slot), from ``images`` when the bank has them, else read from disk; the slot is
+        emptied first, so a failed read leaves it empty."""
         for key in [k for k, s in self._lru.items() if s == slot]:
             del self._lru[key]
-        placed = self._place(p, self._factors(p))
-        self._write(slot, placed)
+        image = self.images.get(p) if self.images is not None else None  # held until written (its pinned block)
+        self._write(slot, image.placed if image is not None else self._place(p, self._factors(p)))
         self._lru[p.semantic_sha256] = slot
 
-    def _factors(self, p: PinnedAdapter):
-        """``((layer, role), (A, B, scale))`` of the adapter's verified factors, the rank's cut under TP."""
-        factors = load_factors(p, self.dtype, self.device).items()
+    def host_cut(self, p: PinnedAdapter) -> list[tuple]:
+        """The placed rows (``_place``) of ``p``'s verified factors on the host, the rank's cut
+        under TP (views of the whole factors): what ``images`` builds an image from."""
+        return self._place(p, self._factors(p, "cpu"))
+
+    def image_bytes(self) -> int:
+        """An upper bound on the bytes of one adapter's placed A and B (each 64-byte aligned)."""
+        pieces = sum(2 * self.num_layers * len(w) for w in self.widths.values())
+        return sum(t[0].numel() * t.element_size() for t in (*self.A.values(), *self.B.values())) + 64 * pieces
+
+    def _factors(self, p: PinnedAdapter, device=None):
+        """``((layer, role), (A, B, scale))`` of the adapter's verified factors (on ``device``,
+        default the bank's), the rank's cut under TP."""
+        factors = load_factors(p, self.dtype, self.device if device is None else device).items()
         return factors if self.tp is None else rank_cut(factors, self.tp.config, self.tp.layout)
 
     def _write(self, slot: int, placed: list[tuple]) -> None:

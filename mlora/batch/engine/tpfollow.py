@@ -12,16 +12,22 @@ the group's control channel::
     Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank),
                                                 and the bundle it serves with the three-stage
                                                 operator, if any
-    ("forward", inputs, row slots)              every rank runs the same invocation of its part
+    ("forward", inputs, row slots, hints)       every rank runs the same invocation of its part
                                                 of the model, so the layers' all-reduces pair up
-    ("capture",)                                every rank captures its decode graphs, every
+    ("capture", hints)                          every rank captures its decode graphs, every
                                                 bucket in the same order (Setup.graph_seqs > 0)
-    ("replay", inputs, row slots, bucket)       every rank refills and replays its graph of the
+    ("replay", inputs, row slots, bucket, hints)
+                                                every rank refills and replays its graph of the
                                                 bucket (a decode-only iteration rank 0 chose)
-    ("load", slot, adapter id)                  every rank writes its cut of the adapter (a bundle
-                                                member: its cores) into the slot and reports;
-                                                published only if all did
-    ("stop",)                                   the follower returns
+    ("load", slot, adapter id, hints)           every rank writes its cut of the adapter (a bundle
+                                                member: its cores) into the slot, from its host
+                                                cache or the disk, and reports; published only
+                                                if all did
+    ("stop",)                                   the follower returns its report (counters)
+
+``hints``: the ids of the adapters whose host images rank 0's bank started building since the
+last message (``Leader.hint``), riding on the message rank 0 sends anyway; each follower builds
+its cut of them into its host cache on a background thread first (``cutcache.CutCache``).
 
 Must not choose rows, slots or tokens: a follower does what rank 0 decided, in its order.
 """
@@ -39,6 +45,7 @@ import torch
 from mlora.batch.adapters.bundle_bank import BundleBank
 from mlora.batch.adapters.bundles import pinned_bundle
 from mlora.batch.adapters.catalog import AdapterError, PinnedAdapter
+from mlora.batch.adapters.cutcache import CutCache, pinned_pool
 from mlora.batch.adapters.residency import MirrorError
 from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
@@ -69,6 +76,9 @@ class Setup:
     # decode graphs: rank 0's max_num_seqs (the graphs' buckets), 0 without graphs; every rank
     # then holds the graphs' scratch KV block and a Triton slot bank (graphs.DecodeGraphs)
     graph_seqs: int = 0
+    # the bytes of each follower's host cache of its cuts: what rank 0's bank resolved for its own
+    # (None: unbounded, 0: none, every mirrored load reads the adapter again)
+    host_cache_bytes: int | None = 0
 
 
 class Leader:
@@ -80,6 +90,17 @@ class Leader:
         self.collective = group.collective
         self.stopped = False
         self.reports: list | None = None  # what each follower returned (follow), once stopped
+        self._hints: dict[str, None] = {}  # adapter ids for the next message's hints, in order
+
+    def hint(self, p: PinnedAdapter) -> None:
+        """Rank 0's bank started building ``p``'s host image ahead of use: the followers build
+        theirs from the next message on (its ``hints``), with no message of its own."""
+        self._hints[p.id] = None
+
+    def _send(self, *msg) -> None:
+        """Broadcast ``msg`` with the hints gathered since the last one."""
+        hints, self._hints = tuple(self._hints), {}
+        self.collective.broadcast_object((*msg, hints))
 
     def memory(self, device: torch.device) -> list[tuple[int, int, int] | None]:
         """Every rank's ``rank_memory``, measured once all ranks hold their weights (ranks that
@@ -95,7 +116,7 @@ class Leader:
     def forward(self, x: Inputs, row_slots: list[int] | None, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Every follower runs the invocation ``x`` with ``row_slots``; ``run()`` is rank 0's."""
         def both():
-            self.collective.broadcast_object((FORWARD, x, row_slots))
+            self._send(FORWARD, x, row_slots)
             return run()
         return self._guard(both)
 
@@ -103,7 +124,7 @@ class Leader:
         """Every rank captures its decode graphs (``run()``: rank 0's), in lockstep: a capture's
         warm-up and captured forward hold the layers' all-reduces, which need every rank's."""
         def both():
-            self.collective.broadcast_object((CAPTURE,))
+            self._send(CAPTURE)
             run()
         self._guard(both)
 
@@ -111,7 +132,7 @@ class Leader:
                run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Every follower replays its graph of ``bucket`` over ``x``; ``run()`` is rank 0's replay."""
         def both():
-            self.collective.broadcast_object((REPLAY, x, row_slots, bucket))
+            self._send(REPLAY, x, row_slots, bucket)
             return run()
         return self._guard(both)
 
@@ -119,7 +140,7 @@ class Leader:
         """Every rank writes its cut of ``p`` into ``slot`` (``write()``: rank 0's); raises the
         first rank's error (an ``AdapterError`` fails the adapter's rows) unless all succeeded."""
         def everywhere():
-            self.collective.broadcast_object((LOAD, slot, p.id))
+            self._send(LOAD, slot, p.id)
             try:
                 write()
                 mine = None
@@ -252,9 +273,10 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     """A follower rank (``tpgroup`` calls it with the rank's ``collective``): build the rank's part of
     the model ``source`` gives (a base directory's path, or a :class:`ModelSource`) on
     ``devices[rank]`` (on the CPU with ``threads`` torch threads: rank 0's share of the cores),
-    report its GPU memory, build the KV cache, bank and decode graphs rank 0's
-    ``Setup`` gives, then run the messages until stop. Returns what rank 0 reads back at stop:
-    its graph replays and buckets."""
+    report its GPU memory, build the KV cache, bank (with its host cache of adapter cuts, as
+    large as rank 0's) and decode graphs rank 0's ``Setup`` gives, then run the messages until
+    stop. Returns what rank 0 reads back at stop: its graph replays and buckets, its mirrored
+    loads and its host cache's counters (``CutCache.report``)."""
     layout = collective.layout
     device = torch.device(devices[layout.rank])
     if device.type == "cuda":
@@ -270,7 +292,7 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     graphed = setup.graph_seqs > 0  # one more KV block, owned by no sequence: the padded rows' K/V
     kv = KVCache(c.num_layers, setup.num_blocks + int(graphed), setup.block_size, c.num_kv_heads, c.head_dim,
                  model.dtype, device)
-    bank = graphs = None
+    bank = graphs = cache = None
     shard = TPShard(source.config, layout, collective)
     if setup.bundle is not None:
         bank = BundleBank.for_rank(pinned_bundle(setup.bundle), shard, model.dtype, device, pinned=setup.pinned,
@@ -278,28 +300,41 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     elif setup.num_slots:
         bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device,
                                  backend="triton" if graphed else "auto")
+        block = bank.image_bytes()
+        pool = pinned_pool(setup.host_cache_bytes, block, len(setup.pinned)) if device.type == "cuda" else None
+        cache = bank.images = CutCache(setup.host_cache_bytes, bank.host_cut, block, pool)
     if graphed:
         graphs = DecodeGraphs(model, kv, bank, setup.graph_seqs, scratch_slot=setup.num_blocks * setup.block_size)
-    while True:
-        msg = collective.broadcast_object()
-        if msg[0] == FORWARD:
-            _, x, row_slots = msg
-            run_model(model, kv, bank, x, row_slots)
-        elif msg[0] == REPLAY:
-            _, x, row_slots, bucket = msg
-            _replay(graphs, x, row_slots, bucket)
-        elif msg[0] == CAPTURE:
-            graphs.capture_all()
-        elif msg[0] == LOAD:
-            _, slot, adapter_id = msg
-            try:
-                bank.load_into(slot, setup.pinned[adapter_id])
-                report = None
-            except CodedError as e:
-                report = _report(e)
-            collective.gather_objects(report)
-        else:
-            return {"graph_replays": graphs.replays, "graph_buckets": len(graphs.graphs)} if graphed else {}
+    loads = 0
+    try:
+        while True:
+            msg = collective.broadcast_object()
+            if msg[0] != STOP and msg[-1] and cache is not None:
+                cache.hint(setup.pinned[i] for i in msg[-1] if i in setup.pinned)
+            if msg[0] == FORWARD:
+                _, x, row_slots, _ = msg
+                run_model(model, kv, bank, x, row_slots)
+            elif msg[0] == REPLAY:
+                _, x, row_slots, bucket, _ = msg
+                _replay(graphs, x, row_slots, bucket)
+            elif msg[0] == CAPTURE:
+                graphs.capture_all()
+            elif msg[0] == LOAD:
+                _, slot, adapter_id, _ = msg
+                loads += 1
+                try:
+                    bank.load_into(slot, setup.pinned[adapter_id])
+                    report = None
+                except CodedError as e:
+                    report = _report(e)
+                collective.gather_objects(report)
+            else:
+                break
+    finally:
+        if cache is not None:
+            cache.close()
+    out = {"graph_replays": graphs.replays, "graph_buckets": len(graphs.graphs)} if graphed else {}
+    return out | ({"mirrored_loads": loads} | cache.report() if cache is not None else {})
 
 
 def _replay(graphs: DecodeGraphs | None, x: Inputs, row_slots: list[int] | None, bucket: int) -> None:

@@ -119,7 +119,8 @@ class EngineSession:
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
                                 good, bundle=next(iter(good.values())) if bundle is not None else None,
                                 bundle_operator=getattr(self.bank, "operator", "torch"),
-                                graph_seqs=opts.max_num_seqs if graphs else 0))
+                                graph_seqs=opts.max_num_seqs if graphs else 0,
+                                host_cache_bytes=self._follower_cache_bytes()))
             if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
@@ -148,6 +149,11 @@ class EngineSession:
         else:
             return usable
         return usable if usable is None else usable - bank_bytes
+
+    def _follower_cache_bytes(self) -> int | None:
+        """Each follower's host cache of its adapter cuts: as large as rank 0's residency bank
+        resolved its own (None: unbounded); none beside a bundle's bank."""
+        return self.bank.residency.host.capacity_bytes if isinstance(self.bank, ResidencyBank) else 0
 
     def _bundle_bank(self, bundle, good: dict[str, PinnedAdapter], shard: TPShard | None = None,
                      usable: float | None = None) -> BundleBank:
@@ -215,7 +221,8 @@ class EngineSession:
         kw = dict(backend="triton" if graphs else "auto", host_cache_bytes=host_bytes, prefetch_workers=workers,
                   expected_adapters=len(good), build_processes=opts.image_build_processes if workers else 0)
         if shard is not None:
-            bank = ResidencyBank.for_rank(shard, max(slots, 1), max_rank, dtype, device, self.tp.mirror, **kw)
+            bank = ResidencyBank.for_rank(shard, max(slots, 1), max_rank, dtype, device, self.tp.mirror,
+                                          hint=self.tp.hint, **kw)
         else:
             bank = ResidencyBank(layers, shapes, max(slots, 1), max_rank, dtype, device, slices=slices,
                                  arena=self.arena, **kw)
@@ -283,6 +290,9 @@ class EngineSession:
             engine["graph_buckets"] = len(self.engine.graphs.graphs)
             if self.tp is not None and self.tp.reports is not None:  # the followers' own, read at close
                 engine["follower_graph_replays"] = [r["graph_replays"] for r in self.tp.reports]
+        if self.tp is not None and self.tp.reports and "host_cache_hits" in self.tp.reports[0]:
+            for key in ("host_cache_hits", "host_cache_misses", "hinted_builds", "hinted_build_failures"):
+                engine[f"follower_{key}"] = [r[key] for r in self.tp.reports]
         bank = self.bank.report() if self.bank is not None else {}
         if self.arena is not None:  # the joint memory mode: one arena of pages for KV and slots
             bank.update(memory_ledger="joint", arena_pages=self.arena.num_pages,

@@ -86,13 +86,15 @@ class ResidencyBank(SlotTensors):
                  faults: FaultInjector | None = None, copier: Copier | None = None, trace: bool = False,
                  prefetch_workers: int = 1, build_processes: int = 0, expected_adapters: int | None = None,
                  pinned_pool: PinnedPool | None = None, slices: dict[str, tuple[int, ...]] | None = None,
-                 arena=None, tp: TPShard | None = None, mirror: Callable[[int, PinnedAdapter], None] | None = None):
+                 arena=None, tp: TPShard | None = None, mirror: Callable[[int, PinnedAdapter], None] | None = None,
+                 hint: Callable[[PinnedAdapter], None] | None = None):
         """``arena`` (an ``arena.PageArena``): the slots are carved from the top of its pages and
         the residency engine's ledger is its pages (KV blocks and adapters draw from one pool:
         ``residency.reserve_kv`` / ``grow_kv``); default: slots of their own, a ledger of one
         page per slot. ``tp``: the slots hold that rank's cut of every adapter (:meth:`for_rank`);
         ``mirror(slot, pinned)``: called right after each copy into a slot is issued, on the
-        engine thread (``Residency(mirror=...)``)."""
+        engine thread (``Residency(mirror=...)``); ``hint(pinned)``: called when :meth:`prefetch`
+        starts building an adapter's host image (rank 0 of a group: the followers build theirs)."""
         if not shapes or not set(shapes) <= set(GROUPS):
             raise ValueError(f"shapes must describe some of the groups {sorted(GROUPS)}, got {sorted(shapes)}")
         groups = tuple(g for g in GROUPS if g in shapes)
@@ -141,7 +143,7 @@ class ResidencyBank(SlotTensors):
                 blocks = min(blocks, max(1, DEFAULT_PINNED_BYTES // block))
             self.pinned_pool = PinnedPool(block, blocks, fence=copier.record)
         host = HostCache(host_cache_bytes, pin=self.pinned_pool is not None, pool=self.pinned_pool)
-        self._mirror_to = mirror
+        self._mirror_to, self._hint = mirror, hint
         self._sources: dict[str, PinnedAdapter] = {}  # key -> the pinned adapter its host source reads
         self.residency = Residency(storage, pool, host, copier=copier, faults=faults,
                                    max_load_attempts=max_load_attempts, trace=trace,
@@ -250,7 +252,10 @@ class ResidencyBank(SlotTensors):
             if self.residency.catalog.get(key) is not None:
                 continue
             self._register(key, p)
-            started += self.prefetcher.request(key, build=lambda p=p: self._prefetch_artifact(p))
+            if self.prefetcher.request(key, build=lambda p=p: self._prefetch_artifact(p)):
+                started += 1
+                if self._hint is not None:
+                    self._hint(p)
         return started
 
     def prefetch_device(self, adapter_ids: list[str], pinned: dict[str, PinnedAdapter], limit: int) -> int:
