@@ -5,7 +5,7 @@ no model: engines are JobMetrics fed by hand."""
 from types import SimpleNamespace
 
 from mlora.batch.job.metrics import JobMetrics
-from mlora.batch.scaleout.engines import EngineReport, LatestReports, encode_report, merge_reports
+from mlora.batch.scaleout.engines import EngineReport, LatestReports, encode_report, merge_reports, merge_stats
 
 
 def _pinned(nbytes: int):
@@ -71,3 +71,20 @@ def test_a_report_survives_its_json_form():
     latest.add(encode_report("a", 1, _report(m, ["x"], 4, 4)))
     merge_reports(sent, PINNED, latest.reports())
     assert sent.snapshot() == direct.snapshot() and sent.prometheus_text() == direct.prometheus_text()
+
+
+def test_engine_and_bank_stats_merge_by_what_each_figure_is():
+    """Counters add, maxima and peaks take the largest engine's, per-load means are weighted by
+    each engine's loads, percentiles take the slowest engine's, nested counters add, per-rank
+    lists join, labels stay the first engine's."""
+    a = {"loads": 1, "load_copy_ms_mean": 4.0, "load_copy_ms_p90": 4.0, "gc_pause_max_ms": 2.0,
+         "pinned_pool_peak_blocks": 3, "gc_collections": {"0": 2, "1": 0}, "follower_host_cache_hits": [5],
+         "device": "cuda:0"}
+    b = {"loads": 3, "load_copy_ms_mean": 8.0, "load_copy_ms_p90": 9.0, "gc_pause_max_ms": 1.0,
+         "pinned_pool_peak_blocks": 2, "gc_collections": {"0": 1, "1": 1}, "follower_host_cache_hits": [7],
+         "device": "cuda:1"}
+    assert merge_stats([a, b]) == {
+        "loads": 4, "load_copy_ms_mean": 7.0, "load_copy_ms_p90": 9.0, "gc_pause_max_ms": 2.0,
+        "pinned_pool_peak_blocks": 3, "gc_collections": {"0": 3, "1": 1}, "follower_host_cache_hits": [5, 7],
+        "device": "cuda:0"}
+    assert merge_stats([a]) == a

@@ -51,24 +51,45 @@ def session_report(session, rows: int) -> EngineReport:
 def merge_reports(metrics: JobMetrics, pinned: dict, reports: list[EngineReport]) -> tuple[dict, dict]:
     """Absorb every report into the job's ``metrics`` (``JobMetrics.absorb``: counters add),
     count each adapter any engine used once in unique adapter bytes, and return the engine
-    and bank stats summed over the engines (the summary's ``engine`` and ``bank``)."""
+    and bank stats merged over the engines (:func:`merge_stats`; the summary's ``engine`` and
+    ``bank``)."""
     for r in reports:
         metrics.absorb(r.state)
     for a in sorted(set().union(*(r.adapters_used for r in reports))):
         metrics.unique_adapter_bytes(stored_adapter_bytes(pinned[a]))
-    return sum_stats([r.engine for r in reports]), sum_stats([r.bank for r in reports])
+    return merge_stats([r.engine for r in reports]), merge_stats([r.bank for r in reports])
 
 
-def sum_stats(dicts: list[dict]) -> dict:
-    """Key-wise sums of numeric stats over engines (non-numbers: the first engine's)."""
+def merge_stats(dicts: list[dict]) -> dict:
+    """Key-wise merge of the engines' stats (``EngineSession.stats()``): counters add; a peak or
+    a maximum (``*_max_ms``, ``*peak*``) is the largest engine's; a per-load mean (``*_ms_mean``)
+    is weighted by each engine's ``loads``; a per-load percentile (``*_ms_p50``, ``*_ms_p90``)
+    is the slowest engine's (an upper bound on the job's); nested counters (``gc_collections``)
+    merge the same way; lists (one entry per follower rank) are joined; anything else is the
+    first engine's."""
     out: dict = {}
-    for d in dicts:
-        for k, v in d.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out.get(k, 0), (int, float)):
-                out[k] = out.get(k, 0) + v
+    for k in dict.fromkeys(k for d in dicts for k in d):
+        have = [d for d in dicts if k in d]
+        values = [d[k] for d in have]
+        if all(_number(v) for v in values):
+            if k.endswith("_max_ms") or "peak" in k or k.endswith(("_ms_p50", "_ms_p90")):
+                out[k] = max(values)
+            elif k.endswith("_ms_mean"):
+                weights = [d.get("loads", 1) if _number(d.get("loads", 1)) else 1 for d in have]
+                out[k] = round(sum(v * w for v, w in zip(values, weights)) / max(sum(weights), 1), 4)
             else:
-                out.setdefault(k, v)
+                out[k] = sum(values)
+        elif all(isinstance(v, dict) for v in values):
+            out[k] = merge_stats(values)
+        elif all(isinstance(v, list) for v in values):
+            out[k] = [x for v in values for x in v]
+        else:
+            out[k] = values[0]
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def encode_report(actor: str, seq: int, report: EngineReport) -> str:
