@@ -223,7 +223,7 @@ def test_sampled_decode_is_never_chained():
 
     config = preset_config("tiny", "float32")
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=7)
-    reqs = _requests(12, [None], config.vocab_size, seed=9)
+    reqs = _requests(6, [None], config.vocab_size, seed=9)
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     out = []
     for lookahead in (False, True):
