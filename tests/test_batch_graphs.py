@@ -148,18 +148,28 @@ def test_a_new_bucket_is_captured_over_its_own_rows(monkeypatch):
     assert logits.shape[0] == 3 and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_emulated_graphs_give_the_eager_tokens(lookahead):
-    """The engine with decode graphs (emulated on the CPU: static buffers, buckets, padding,
-    staged inputs, the decode tiles longest first, the LoRA tile lists refilled in place) gives
-    the eager engine's tokens, over batch sizes that grow and shrink across buckets, and with
-    lookahead (the next iteration's inputs staged into the buffers ahead of its replay, the
-    iteration after launched from the device's argmax)."""
+@pytest.fixture(scope="module")
+def eager_mixed():
+    """(model, requests, the eager engine's tokens) of nine mixed rows over a tiny model and a
+    Triton bank of two adapters (``random_bank(model, 2, 4, seed=13)``), computed once for the
+    tests that compare the decode graphs with it (they only read it; each builds its own bank)."""
     config = preset_config("tiny", "float32")
     model = random_model(config, DEVICE, torch.float32, seed=13)
     bank, pinned = random_bank(model, 2, 4, seed=13, backend="triton")
     reqs = _mixed_requests(config, [None, "bench-0", "bench-1"], seed=14)
     eager, _ = _run(model, bank, pinned, reqs, False, 6)
+    return model, reqs, eager
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_emulated_graphs_give_the_eager_tokens(lookahead, eager_mixed):
+    """The engine with decode graphs (emulated on the CPU: static buffers, buckets, padding,
+    staged inputs, the decode tiles longest first, the LoRA tile lists refilled in place) gives
+    the eager engine's tokens, over batch sizes that grow and shrink across buckets, and with
+    lookahead (the next iteration's inputs staged into the buffers ahead of its replay, the
+    iteration after launched from the device's argmax)."""
+    model, reqs, eager = eager_mixed
+    bank, pinned = random_bank(model, 2, 4, seed=13, backend="triton")
     graphed, eng = _run(model, bank, pinned, reqs, True, 6, lookahead=lookahead)
     assert eng.graphs.replays > 0 and len(eng.graphs.graphs) > 1
     assert (eng.lookahead_used > 0) == lookahead  # staged iterations replayed

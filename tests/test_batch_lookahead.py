@@ -53,10 +53,10 @@ def _config(max_num_seqs, *, graphs=False, lookahead=False):
                         lookahead=lookahead)
 
 
-def _requests(n, adapters, vocab, seed, eos_every=0):
+def _requests(n, adapters, vocab, seed, eos_every=0, prompt_max=30, new_max=14):
     rng = random.Random(seed)
-    return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(2, 30))],
-                    adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, 14)) for i in range(n)]
+    return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(2, prompt_max))],
+                    adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, new_max)) for i in range(n)]
 
 
 def _run(model, bank, pinned, reqs, *, lookahead, num_blocks=256, max_num_seqs=6, graphs=False, cls=Engine):
@@ -136,21 +136,24 @@ def test_a_row_that_arrives_with_a_free_seat_is_admitted_instead_of_the_lookahea
     assert late.num_computed == 3  # admitted and prefilled in this very step
 
 
-@pytest.mark.parametrize("max_num_seqs,num_blocks,eos,adapters", [(6, 256, False, True), (16, 256, True, False),
-                                                                   (8, 14, False, False)])
-def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, adapters):
+@pytest.mark.parametrize("max_num_seqs,num_blocks,eos,adapters,rows", [(6, 256, False, True, 5),
+                                                                        (16, 256, True, False, 24),
+                                                                        (8, 14, False, False, 12)])
+def test_chained_decode_gives_the_same_tokens(max_num_seqs, num_blocks, eos, adapters, rows):
     """Chained decode on the (emulated) decode graphs launches the looked-ahead iteration
     from the device's argmax before reading the tokens: rows that finish (length; with ``eos``
     also end-of-sequence tokens) while the chained iteration runs have their extra row dropped,
     waiting rows are admitted one iteration later, a small cache (14 blocks) preempts and the
     lookahead declines. Every row's tokens and finish reason equal the plain engine's; every
     block comes back. With ``adapters`` a slot bank (its Triton kernels interpreted on the
-    CPU under graphs: few rows)."""
+    CPU under graphs: few, short rows of both adapters and the base, finishing after 1 to 6
+    new tokens)."""
     config = preset_config("tiny", "float32")
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=3)
     bank, pinned = random_bank(model, 2, 4, seed=3, backend="triton") if adapters else (None, {})
     names = [None, "bench-0", "bench-1"] if adapters else [None]
-    reqs = _requests(5 if adapters else 24, names, config.vocab_size, seed=4)  # interpreted kernels: few rows
+    short = dict(seed=0, prompt_max=12, new_max=8) if adapters else dict(seed=4)
+    reqs = _requests(rows, names, config.vocab_size, **short)
     if eos:  # the three tokens the model generates most become end-of-sequence: many rows stop early
         free, _ = _run(model, bank, pinned, reqs, lookahead=False, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
         common = Counter(t for toks, _ in free.values() for t in toks).most_common(3)
@@ -220,7 +223,7 @@ def test_sampled_decode_is_never_chained():
 
     config = preset_config("tiny", "float32")
     model = random_model(config, GRAPHS_DEVICE, torch.float32, seed=7)
-    reqs = _requests(12, [None], config.vocab_size, seed=9)
+    reqs = _requests(6, [None], config.vocab_size, seed=9)
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     out = []
     for lookahead in (False, True):
