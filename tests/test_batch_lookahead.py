@@ -53,7 +53,7 @@ def _config(max_num_seqs, *, graphs=False, lookahead=False):
                         lookahead=lookahead)
 
 
-def _requests(n, adapters, vocab, seed, eos_every=0, prompt_max=30, new_max=14):
+def _requests(n, adapters, vocab, seed, prompt_max=30, new_max=14):
     rng = random.Random(seed)
     return [Request(row=i, id=str(i), prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(2, prompt_max))],
                     adapter=rng.choice(adapters), max_new_tokens=rng.randint(1, new_max)) for i in range(n)]
