@@ -81,10 +81,13 @@ def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path, m
         assert tokens["r4"] != tokens[None] and tokens["r6"] != tokens[None], tokens
 
 
-def test_demo_job_at_two_ranks_in_one_arena_gives_the_expected_rows(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ONE_GPU)])
+def test_demo_job_at_two_ranks_in_one_arena_gives_the_expected_rows(tmp_path, monkeypatch, device):
     """--memory-ledger joint at two ranks: every rank's KV cache and slots carved from one arena
-    of the same pages (rank 0's shape, ``Setup.arena``) give the demo's expected rows."""
-    summary = _demo_job_gives_the_expected_rows(tmp_path, tensor_parallel_size=2, memory_ledger="joint")
+    of the same pages (rank 0's shape, ``Setup.arena``; on a GPU sized from the ranks' memory)
+    give the demo's expected rows."""
+    monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")
+    summary = _demo_job_gives_the_expected_rows(tmp_path, device, tensor_parallel_size=2, memory_ledger="joint")
     assert summary.bank["memory_ledger"] == "joint" and summary.engine["kv_blocks"] == summary.bank["arena_pages"]
 
 
