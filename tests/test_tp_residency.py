@@ -14,6 +14,8 @@ admission in the metrics; a follower that cannot load one adapter fails that ada
 that adapter's rows, every other row as at N=1. The follower's host cache of its cuts: with
 adapters evicted and loaded again it reads each adapter's files once (every mirrored load reads
 them with --host-cache-gb 0), and a hinted build that fails fails only that adapter's rows.
+With --memory-ledger joint a follower's slots lie at rank 0's pages of an arena of rank 0's
+shape, and a job whose KV growth evicts idle adapters gives the rows of one rank.
 """
 
 import functools

@@ -15,6 +15,9 @@ scratch KV block).
   pages_per_slot`` onwards, each tensor at a 256-byte aligned offset inside the
   slot's run of pages, so a slot's views are plain contiguous sub-tensors (one copy
   per view per load, as with separately allocated banks).
+* :class:`ArenaShape` -- an arena's pages and slot runs, which a tensor-parallel
+  follower rebuilds on its device so that page and slot ids name the same bytes
+  on every rank (docs/scaleout.md).
 
 Bytes on a page are whatever its last owner wrote: a slot's load writes every
 element of its views (whole views, or zeros then pieces), and attention reads only
