@@ -18,6 +18,7 @@ With --memory-ledger joint a follower's slots lie at rank 0's pages of an arena 
 shape, and a job whose KV growth evicts idle adapters gives the rows of one rank.
 """
 
+import dataclasses
 import functools
 import pickle
 
@@ -34,7 +35,7 @@ from mlora.batch.adapters.residency import AdapterLoadError, FaultInjector, Mirr
 from mlora.batch.adapters.slots import SlotBank, TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Engine
-from mlora.batch.engine.tpfollow import Leader
+from mlora.batch.engine.tpfollow import Leader, Setup, follower_memory
 from mlora.batch.model.arena import ArenaShape, PageArena
 from mlora.batch.model.decoder import load_config
 from mlora.batch.model.kvcache import KVCache
@@ -308,20 +309,25 @@ def test_rank_0_failing_validation_after_the_followers_loaded_fails_only_that_ad
 
 def test_a_followers_slots_and_kv_blocks_are_rank_0s_pages_of_the_same_arena(workspace, pinned):
     """Rank 0's bank carved from an arena (``ResidencyBank.for_rank(arena=...)``) and a follower's
-    ``SlotBank.for_rank`` carved from an arena of the ``ArenaShape`` rank 0 sends: every slot
-    tensor of slot s starts at the same byte of the same page on both ranks, past every KV
-    block, and a follower's load writes only its slot's pages."""
+    KV cache and ``SlotBank.for_rank`` over an arena of the ``ArenaShape`` rank 0 sends
+    (``tpfollow.follower_memory``): the KV cache is every page of that arena, the scratch block its
+    spare page; every slot tensor of slot s starts at the same byte of the same page on both
+    ranks, past every KV block, and a follower's load writes only its slot's pages."""
     config = load_config(str(workspace / "base"))
-    page = KVCache.block_bytes(config.num_layers, 16, config.num_kv_heads // 2, config.head_dim, torch.float32)
+    cut = dataclasses.replace(config, num_kv_heads=config.num_kv_heads // 2)  # rank 1's part of the model
+    page = KVCache.block_bytes(cut.num_layers, 16, cut.num_kv_heads, cut.head_dim, torch.float32)
     arena = PageArena(40, page, "cpu", spare_pages=1)
     leader = ResidencyBank.for_rank(TPShard(config, TPLayout(0, 2), None), 2, 8, torch.float32, "cpu",
                                     lambda slot, p: None, prefetch_workers=0, arena=arena)
     try:
         pps = leader.residency.storage.pages_per_slot
-        shape = ArenaShape(arena.num_pages, arena.page_bytes, arena.spare_pages, 2, pps)
-        theirs, carver = shape.build("cpu")
-        follower = SlotBank.for_rank(TPShard(config, TPLayout(1, 2), None), 2, 8, torch.float32, "cpu", alloc=carver)
+        setup = Setup(40, 16, 2, 8, pinned, graph_seqs=4,
+                      arena=ArenaShape(arena.num_pages, arena.page_bytes, arena.spare_pages, 2, pps))
+        kv, carver = follower_memory(setup, cut, torch.float32, "cpu")
+        theirs = carver.arena
         assert theirs.nbytes == arena.nbytes and pps > 1
+        assert kv.pages.data_ptr() == theirs.data.data_ptr() and kv.pages.numel() * 4 == theirs.nbytes
+        follower = SlotBank.for_rank(TPShard(config, TPLayout(1, 2), None), 2, 8, torch.float32, "cpu", alloc=carver)
         for name in ("A", "B", "ranks", "scales"):
             for g in GROUPS:
                 mine, its = getattr(leader, name)[g], getattr(follower, name)[g]

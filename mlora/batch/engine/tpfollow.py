@@ -52,7 +52,7 @@ from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
 from mlora.batch.engine.graphs import DecodeGraphs
 from mlora.batch.errors import CodedError
-from mlora.batch.model.arena import ArenaShape
+from mlora.batch.model.arena import ArenaShape, SlotCarver
 from mlora.batch.model.decoder import DTYPES, DecoderModel, ModelConfig, load_config
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.tp import TPLayout
@@ -295,14 +295,8 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     collective.gather_objects(None)  # every rank holds its weights (Leader.memory)
     collective.gather_objects(rank_memory(device))
     setup: Setup = collective.broadcast_object()
-    c = model.config
-    graphed = setup.graph_seqs > 0  # one more KV block, owned by no sequence: the padded rows' K/V
-    arena = carver = pages = None
-    if setup.arena is not None:  # KV blocks and slots carved from one arena, as on rank 0
-        arena, carver = setup.arena.build(device)
-        pages = arena.kv_pages(c.num_layers, setup.block_size, c.num_kv_heads, c.head_dim, model.dtype)
-    kv = KVCache(c.num_layers, setup.num_blocks + int(graphed), setup.block_size, c.num_kv_heads, c.head_dim,
-                 model.dtype, device, pages=pages)
+    graphed = setup.graph_seqs > 0
+    kv, carver = follower_memory(setup, model.config, model.dtype, device)
     bank = graphs = cache = None
     shard = TPShard(source.config, layout, collective)
     if setup.bundle is not None:
@@ -345,9 +339,25 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
         if cache is not None:
             cache.close()
     out = {"graph_replays": graphs.replays, "graph_buckets": len(graphs.graphs)} if graphed else {}
-    if arena is not None:
-        out["arena_pages"] = arena.num_pages
+    if carver is not None:
+        out["arena_pages"] = carver.arena.num_pages
     return out | ({"mirrored_loads": loads} | cache.report() if cache is not None else {})
+
+
+def follower_memory(setup: Setup, config: ModelConfig, dtype: torch.dtype, device) -> tuple[KVCache, SlotCarver | None]:
+    """A follower's KV cache of rank 0's block ids over the rank's kv heads (``config``: its
+    part of the model), with one more block, owned by no sequence, for the decode graphs'
+    padded rows; and the carver of its slots. With the joint ledger both come from one arena
+    of rank 0's shape (the scratch block its spare page), so block b and slot s are rank 0's
+    pages; else each has memory of its own (carver None)."""
+    c = config
+    carver = pages = None
+    if setup.arena is not None:
+        arena, carver = setup.arena.build(device)
+        pages = arena.kv_pages(c.num_layers, setup.block_size, c.num_kv_heads, c.head_dim, dtype)
+    kv = KVCache(c.num_layers, setup.num_blocks + int(setup.graph_seqs > 0), setup.block_size, c.num_kv_heads,
+                 c.head_dim, dtype, device, pages=pages)
+    return kv, carver
 
 
 def _replay(graphs: DecodeGraphs | None, x: Inputs, row_slots: list[int] | None, bucket: int) -> None:
