@@ -48,6 +48,7 @@ GPU_TESTS="tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_b
   tests/test_residency_pinned.py tests/test_bundle_serving.py tests/test_bundle_triton.py tests/test_batch_prefix.py
   tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too
   tests/test_tp_engine.py::test_demo_job_at_two_ranks_gives_the_expected_rows
+  tests/test_tp_engine.py::test_demo_job_at_two_ranks_in_one_arena_gives_the_expected_rows
   tests/test_tp_engine.py::test_lora_on_all_modules_at_two_ranks_equals_one_rank
   tests/test_tp_bundle.py::test_a_bundle_job_at_two_ranks_sharing_one_gpu_equals_one_rank tests/test_tp_kernels.py"
 

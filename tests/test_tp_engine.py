@@ -1,7 +1,7 @@
 """``batch-run --tensor-parallel-size N``: one engine whose model is sharded over N rank processes
 (gloo on the CPU, float32). The demo job at N=2 gives exactly expected.json's rows; tiny Llama
 and Qwen2 (q/k/v bias) jobs with LoRA on all seven modules, mixed ranks and base rows give the
-tokens of N=1; options not served under TP yet are refused up front (E_TP_UNSUPPORTED, exit 2);
+tokens of N=1 (with --memory-ledger joint: test_tp_residency.py, and the demo job on a GPU);
 a follower killed mid-job stops the job (E_TP_RANK_DIED, exit 3) and --resume completes it.
 Replicas: --num-workers 2 at N=2 (two workers, each rank 0 of two gloo ranks) gives the demo's
 expected rows; --gpus cuts its GPUs into groups of N and --engine ray sizes one actor per N GPUs
@@ -81,17 +81,14 @@ def test_lora_on_all_modules_at_two_ranks_equals_one_rank(workspace, tmp_path, m
         assert tokens["r4"] != tokens[None] and tokens["r6"] != tokens[None], tokens
 
 
-@pytest.mark.parametrize("over, option", [
-    (dict(memory_ledger="joint"), "--memory-ledger joint"),
-    (dict(memory_ledger="joint", engine="ray"), "--memory-ledger joint"),
-])
-def test_options_not_served_under_tensor_parallelism_are_refused(tmp_path, over, option):
-    opts = JobConfig(input="in.parquet", output=str(tmp_path / "out"), base="base", tensor_parallel_size=2, **over)
-    with pytest.raises(JobError) as e:
-        opts.validate()
-    assert e.value.code == "E_TP_UNSUPPORTED" and e.value.exit_code == 2 and option in e.value.message
-    opts.tensor_parallel_size = 1
-    opts.validate()  # the same job at one rank is fine
+@ONE_GPU
+def test_demo_job_at_two_ranks_in_one_arena_gives_the_expected_rows(tmp_path, monkeypatch):
+    """--memory-ledger joint at two ranks sharing one GPU: every rank's KV cache and slots carved
+    from one arena of the same pages, sized from the ranks' GPU memory (rank 0's shape,
+    ``Setup.arena``), give the demo's expected rows. (On the CPU: test_tp_residency.py's joint job.)"""
+    monkeypatch.setenv("MLORA_TP_ONE_GPU", "1")
+    summary = _demo_job_gives_the_expected_rows(tmp_path, "cuda", tensor_parallel_size=2, memory_ledger="joint")
+    assert summary.bank["memory_ledger"] == "joint" and summary.engine["kv_blocks"] == summary.bank["arena_pages"]
 
 
 def test_replicas_of_two_ranks_on_cpu_workers_give_the_expected_rows(tmp_path):

@@ -14,8 +14,11 @@ admission in the metrics; a follower that cannot load one adapter fails that ada
 that adapter's rows, every other row as at N=1. The follower's host cache of its cuts: with
 adapters evicted and loaded again it reads each adapter's files once (every mirrored load reads
 them with --host-cache-gb 0), and a hinted build that fails fails only that adapter's rows.
+With --memory-ledger joint a follower's slots lie at rank 0's pages of an arena of rank 0's
+shape, and a job whose KV growth evicts idle adapters gives the rows of one rank.
 """
 
+import dataclasses
 import functools
 import pickle
 
@@ -32,8 +35,10 @@ from mlora.batch.adapters.residency import AdapterLoadError, FaultInjector, Mirr
 from mlora.batch.adapters.slots import SlotBank, TPShard
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.engine import Engine
-from mlora.batch.engine.tpfollow import Leader
+from mlora.batch.engine.tpfollow import Leader, Setup, follower_memory
+from mlora.batch.model.arena import ArenaShape, PageArena
 from mlora.batch.model.decoder import load_config
+from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.lora import GROUPS
 from mlora.batch.model.tp import TPLayout
 from mlora.batch.runner import run_job
@@ -297,3 +302,69 @@ def test_rank_0_failing_validation_after_the_followers_loaded_fails_only_that_ad
                            schedule_window=1))
     _same_rows(one_rank, _rows(tmp_path / "two"), failing=("c",))
     assert summary.bank["restores"] > 0, summary.bank
+
+
+# ---- the joint memory ledger at two ranks ------------------------------------------------------------
+
+
+def test_a_followers_slots_and_kv_blocks_are_rank_0s_pages_of_the_same_arena(workspace, pinned):
+    """Rank 0's bank carved from an arena (``ResidencyBank.for_rank(arena=...)``) and a follower's
+    KV cache and ``SlotBank.for_rank`` over an arena of the ``ArenaShape`` rank 0 sends
+    (``tpfollow.follower_memory``): the KV cache is every page of that arena, the scratch block its
+    spare page; every slot tensor of slot s starts at the same byte of the same page on both
+    ranks, past every KV block, and a follower's load writes only its slot's pages."""
+    config = load_config(str(workspace / "base"))
+    cut = dataclasses.replace(config, num_kv_heads=config.num_kv_heads // 2)  # rank 1's part of the model
+    page = KVCache.block_bytes(cut.num_layers, 16, cut.num_kv_heads, cut.head_dim, torch.float32)
+    arena = PageArena(40, page, "cpu", spare_pages=1)
+    leader = ResidencyBank.for_rank(TPShard(config, TPLayout(0, 2), None), 2, 8, torch.float32, "cpu",
+                                    lambda slot, p: None, prefetch_workers=0, arena=arena)
+    try:
+        pps = leader.residency.storage.pages_per_slot
+        setup = Setup(40, 16, 2, 8, pinned, graph_seqs=4,
+                      arena=ArenaShape(arena.num_pages, arena.page_bytes, arena.spare_pages, 2, pps))
+        kv, carver = follower_memory(setup, cut, torch.float32, "cpu")
+        theirs = carver.arena
+        assert theirs.nbytes == arena.nbytes and pps > 1
+        assert kv.pages.data_ptr() == theirs.data.data_ptr() and kv.pages.numel() * 4 == theirs.nbytes
+        follower = SlotBank.for_rank(TPShard(config, TPLayout(1, 2), None), 2, 8, torch.float32, "cpu", alloc=carver)
+        for name in ("A", "B", "ranks", "scales"):
+            for g in GROUPS:
+                mine, its = getattr(leader, name)[g], getattr(follower, name)[g]
+                for s in range(2):
+                    at = mine[s].data_ptr() - arena.data.data_ptr()
+                    assert its[s].data_ptr() - theirs.data.data_ptr() == at, (name, g, s)
+                    assert (40 - 2 * pps + s * pps) * page <= at < (40 - 2 * pps + (s + 1) * pps) * page
+        follower.load_into(1, pinned["b"])
+        written = theirs.data.view(40 + 1, page).ne(0).any(1).nonzero().flatten().tolist()
+        assert written and set(written) <= set(range(40 - pps, 40)), written
+    finally:
+        leader.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank_joint(workspace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one-joint") / "out"
+    run_job(_job(workspace, out, memory_ledger="joint", preload_adapters=True))
+    return _rows(out)
+
+
+def test_joint_ledger_at_two_ranks_gives_the_tokens_of_one_rank(workspace, one_rank, one_rank_joint, tmp_path,
+                                                                follower_reports):
+    """--memory-ledger joint at two ranks, four adapters in an arena of 24 pages: two slots of
+    10 pages (preloaded) above 4 KV pages, so the rows' KV growth evicts idle adapters (the KV
+    cache holds pages that were a slot's) and they are loaded again. Every row gives the tokens
+    of one rank, in the joint ledger and in the split one; rank 0's summary names the joint
+    ledger and its arena, and the follower built an arena of the same pages."""
+    page = 2 * 2 * 16 * 1 * 8 * 4  # a KV block of rank 0's cut: 2 layers, K and V, 16 tokens, 1 kv head, float32
+    summary = run_job(_job(workspace, tmp_path / "two", tensor_parallel_size=2, memory_ledger="joint",
+                           preload_adapters=True, kv_cache_gb=24 * page / 2**30))
+    two = _rows(tmp_path / "two")
+    _same_rows(one_rank_joint, two)
+    _same_rows(one_rank, two)
+    bank = summary.bank
+    assert bank["memory_ledger"] == "joint" and bank["arena_pages"] == summary.engine["kv_blocks"] == 24, bank
+    assert bank["pages_per_slot"] == 10 and bank["kv_pages_peak"] > 24 - 2 * 10, bank  # KV in a slot's pages
+    assert bank["loads"] > len(NAMES) and bank["evictions"] > 2, bank  # an evicted adapter loaded again
+    [[report]] = follower_reports
+    assert report["arena_pages"] == bank["arena_pages"] and report["mirrored_loads"] == bank["loads"], report

@@ -122,24 +122,12 @@ class JobConfig(EngineConfig):
         if self.num_workers is not None and self.num_workers < 1:
             raise JobError("E_SCALEOUT_USAGE", f"--num-workers must be >= 1, not {self.num_workers}", 2)
         super().validate()
-        self._check_tensor_parallel()
         if self.max_new_tokens < 1:
             raise JobError("E_MAX_NEW_TOKENS", "--max-new-tokens must be >= 1", 2)
         if "" in self.stop:
             raise JobError("E_STOP_EMPTY", "--stop \"\" would end every row after its first token; give "
                            "non-empty stop strings (or no --stop)", 2)
         check_ranges(self, JOB_RANGES)
-
-    def _check_tensor_parallel(self) -> None:
-        """Refuse (E_TP_UNSUPPORTED, exit 2) the options a tensor-parallel engine does not serve yet."""
-        if self.tensor_parallel_size <= 1:
-            return
-        drop = [(self.memory_ledger == "joint", "--memory-ledger joint")]
-        for refused, option in drop:
-            if refused:
-                raise JobError("E_TP_UNSUPPORTED", f"{option} does not run with --tensor-parallel-size "
-                               f"{self.tensor_parallel_size} yet: drop {option}, or run with "
-                               "--tensor-parallel-size 1", 2)
 
 
 class Range(NamedTuple):

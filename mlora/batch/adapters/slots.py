@@ -291,10 +291,13 @@ class SlotBank(SlotTensors, BlockingLoads):
     ``h/N`` output columns (:class:`BankContext`)."""
 
     def __init__(self, num_layers: int, shapes: dict[str, tuple[int, tuple[int, ...]]], num_slots: int,
-                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto", tp: TPShard | None = None):
+                 max_rank: int, dtype: torch.dtype, device, backend: str = "auto", tp: TPShard | None = None,
+                 alloc=None):
+        """``alloc``: where the slot tensors live (``SlotTensors``; an ``arena.SlotCarver`` carves
+        them from a joint ledger's arena)."""
         if set(shapes) != set(GROUPS):
             raise ValueError(f"shapes must describe the groups {sorted(GROUPS)}, got {sorted(shapes)}")
-        super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend)
+        super().__init__(num_layers, shapes, GROUPS, num_slots, max_rank, dtype, device, backend, alloc=alloc)
         self._shard(tp)
         self.stats = BankStats()
         self._lru: OrderedDict[str, int] = OrderedDict()  # semantic_sha256 -> slot, least recent first
@@ -305,10 +308,10 @@ class SlotBank(SlotTensors, BlockingLoads):
 
     @classmethod
     def for_rank(cls, tp: TPShard, num_slots: int, max_rank: int, dtype: torch.dtype, device,
-                 backend: str = "auto") -> SlotBank:
+                 backend: str = "auto", alloc=None) -> SlotBank:
         """The bank of one tensor-parallel rank: slots at the shapes of the rank's cut (``tp.bank_shapes``)."""
         return cls(tp.config.num_layers, bank_shapes(tp.config, tp.layout)[0], num_slots, max_rank, dtype, device,
-                   backend, tp)
+                   backend, tp, alloc)
 
     @property
     def resident(self) -> dict[str, int]:

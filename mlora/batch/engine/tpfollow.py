@@ -9,9 +9,10 @@ the group's control channel::
 
     (gathers)                                   once, before Setup: every rank holds its weights,
                                                 then each rank's GPU memory (``rank_memory``)
-    Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank),
-                                                and the bundle it serves with the three-stage
-                                                operator, if any
+    Setup(...)                                  once: what rank 0 sized (KV blocks, slots, rank;
+                                                with the joint ledger the arena's shape), and the
+                                                bundle it serves with the three-stage operator,
+                                                if any
     ("forward", inputs, row slots, hints)       every rank runs the same invocation of its part
                                                 of the model, so the layers' all-reduces pair up
     ("capture", hints)                          every rank captures its decode graphs, every
@@ -51,6 +52,7 @@ from mlora.batch.adapters.slots import BankError, SlotBank, TPShard, lru_slot
 from mlora.batch.engine.executor import Inputs, run_model
 from mlora.batch.engine.graphs import DecodeGraphs
 from mlora.batch.errors import CodedError
+from mlora.batch.model.arena import ArenaShape, SlotCarver
 from mlora.batch.model.decoder import DTYPES, DecoderModel, ModelConfig, load_config
 from mlora.batch.model.kvcache import KVCache
 from mlora.batch.model.tp import TPLayout
@@ -79,6 +81,10 @@ class Setup:
     # the bytes of each follower's host cache of its cuts: what rank 0's bank resolved for its own
     # (None: unbounded, 0: none, every mirrored load reads the adapter again)
     host_cache_bytes: int | None = 0
+    # the joint memory ledger (--memory-ledger joint): rank 0's arena, rebuilt on every rank so that
+    # KV block b and slot s are the same pages everywhere (num_blocks = its pages; spare page: the
+    # graphs' scratch block); None: the KV cache and the slots have memory of their own
+    arena: ArenaShape | None = None
 
 
 class Leader:
@@ -274,9 +280,10 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     the model ``source`` gives (a base directory's path, or a :class:`ModelSource`) on
     ``devices[rank]`` (on the CPU with ``threads`` torch threads: rank 0's share of the cores),
     report its GPU memory, build the KV cache, bank (with its host cache of adapter cuts, as
-    large as rank 0's) and decode graphs rank 0's ``Setup`` gives, then run the messages until
-    stop. Returns what rank 0 reads back at stop: its graph replays and buckets, its mirrored
-    loads and its host cache's counters (``CutCache.report``)."""
+    large as rank 0's) and decode graphs rank 0's ``Setup`` gives (with the joint ledger the
+    KV cache and the slots over one arena of rank 0's shape), then run the messages until
+    stop. Returns what rank 0 reads back at stop: its graph replays and buckets, its arena's
+    pages, its mirrored loads and its host cache's counters (``CutCache.report``)."""
     layout = collective.layout
     device = torch.device(devices[layout.rank])
     if device.type == "cuda":
@@ -288,10 +295,8 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
     collective.gather_objects(None)  # every rank holds its weights (Leader.memory)
     collective.gather_objects(rank_memory(device))
     setup: Setup = collective.broadcast_object()
-    c = model.config
-    graphed = setup.graph_seqs > 0  # one more KV block, owned by no sequence: the padded rows' K/V
-    kv = KVCache(c.num_layers, setup.num_blocks + int(graphed), setup.block_size, c.num_kv_heads, c.head_dim,
-                 model.dtype, device)
+    graphed = setup.graph_seqs > 0
+    kv, carver = follower_memory(setup, model.config, model.dtype, device)
     bank = graphs = cache = None
     shard = TPShard(source.config, layout, collective)
     if setup.bundle is not None:
@@ -299,7 +304,7 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
                                    core_slots=setup.num_slots, operator=setup.bundle_operator)
     elif setup.num_slots:
         bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device,
-                                 backend="triton" if graphed else "auto")
+                                 backend="triton" if graphed else "auto", alloc=carver)
         block = bank.image_bytes()
         pool = pinned_pool(setup.host_cache_bytes, block, len(setup.pinned)) if device.type == "cuda" else None
         cache = bank.images = CutCache(setup.host_cache_bytes, bank.host_cut, block, pool)
@@ -334,7 +339,25 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
         if cache is not None:
             cache.close()
     out = {"graph_replays": graphs.replays, "graph_buckets": len(graphs.graphs)} if graphed else {}
+    if carver is not None:
+        out["arena_pages"] = carver.arena.num_pages
     return out | ({"mirrored_loads": loads} | cache.report() if cache is not None else {})
+
+
+def follower_memory(setup: Setup, config: ModelConfig, dtype: torch.dtype, device) -> tuple[KVCache, SlotCarver | None]:
+    """A follower's KV cache of rank 0's block ids over the rank's kv heads (``config``: its
+    part of the model), with one more block, owned by no sequence, for the decode graphs'
+    padded rows; and the carver of its slots. With the joint ledger both come from one arena
+    of rank 0's shape (the scratch block its spare page), so block b and slot s are rank 0's
+    pages; else each has memory of its own (carver None)."""
+    c = config
+    carver = pages = None
+    if setup.arena is not None:
+        arena, carver = setup.arena.build(device)
+        pages = arena.kv_pages(c.num_layers, setup.block_size, c.num_kv_heads, c.head_dim, dtype)
+    kv = KVCache(c.num_layers, setup.num_blocks + int(setup.graph_seqs > 0), setup.block_size, c.num_kv_heads,
+                 c.head_dim, dtype, device, pages=pages)
+    return kv, carver
 
 
 def _replay(graphs: DecodeGraphs | None, x: Inputs, row_slots: list[int] | None, bucket: int) -> None:

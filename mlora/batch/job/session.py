@@ -37,6 +37,7 @@ from mlora.batch.job.chat import ChatMessagesError
 from mlora.batch.job.metrics import JobMetrics
 from mlora.batch.job.prepare import BASE_IDS, Tokenizer
 from mlora.batch.job.sizing import adapter_share_bytes, decode_graphs, joint_arena, kv_blocks, num_slots, rank_usable
+from mlora.batch.model.arena import ArenaShape
 from mlora.batch.model.decoder import DTYPES, DecoderModel, load_config
 from mlora.batch.model.lora import held_slices
 from mlora.batch.model.tp import TPLayout, bank_shapes, check_size
@@ -84,9 +85,9 @@ class EngineSession:
         """The engine as rank 0 of ``--tensor-parallel-size`` ranks (docs/scaleout.md): followers
         started, this rank's part of the model, a residency bank of its adapter cuts whose
         copies the followers mirror or a slot bank of a bundle's bases (``LeaderBundleBank``),
-        the KV blocks and slots sized here from every rank's memory and sent to the followers;
-        decode graphs on every rank where the group can run them (``tp_graphs``), captured by
-        all ranks at once; no lookahead.
+        the KV blocks and slots (or the joint ledger's arena) sized here from every rank's memory
+        and sent to the followers; decode graphs on every rank where the group can run them
+        (``tp_graphs``), captured by all ranks at once; no lookahead.
         ``MLORA_TP_ONE_GPU=1`` (a debugging aid): every rank on ``cuda:0``, over gloo."""
         opts, device, dtype, size = self.opts, self.device, self.dtype, self.opts.tensor_parallel_size
         one_gpu = device.type == "cuda" and os.environ.get("MLORA_TP_ONE_GPU") == "1"
@@ -115,12 +116,15 @@ class EngineSession:
             usable = self._leader_bank(good, bundle, TPShard(config, TPLayout(0, size), self.tp.collective), usable,
                                        graphs)
             self._tp_graphs = graphs
-            num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
+            if self.arena is not None:  # the joint ledger: its pages are the KV blocks
+                num_blocks = self.arena.num_pages
+            else:
+                num_blocks = kv_blocks(opts, self.model.config, dtype, device, usable)
             self.tp.setup(Setup(num_blocks, opts.block_size, self.bank.num_slots if self.bank else 0, max_rank,
                                 good, bundle=next(iter(good.values())) if bundle is not None else None,
                                 bundle_operator=getattr(self.bank, "operator", "torch"),
                                 graph_seqs=opts.max_num_seqs if graphs else 0,
-                                host_cache_bytes=self._follower_cache_bytes()))
+                                host_cache_bytes=self._follower_cache_bytes(), arena=self._arena_shape()))
             if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
@@ -149,6 +153,14 @@ class EngineSession:
         else:
             return usable
         return usable if usable is None else usable - bank_bytes
+
+    def _arena_shape(self) -> ArenaShape | None:
+        """The joint ledger's arena and slot runs, for the followers to carve theirs alike."""
+        if self.arena is None:
+            return None
+        a = self.arena
+        return ArenaShape(a.num_pages, a.page_bytes, a.spare_pages, self.bank.num_slots,
+                          self.bank.residency.storage.pages_per_slot)
 
     def _follower_cache_bytes(self) -> int | None:
         """Each follower's host cache of its adapter cuts: as large as rank 0's residency bank
@@ -197,7 +209,8 @@ class EngineSession:
         cache, ``self.arena``), with host-image prefetch threads. With ``shard``: rank 0's bank
         of a tensor-parallel group, slots of every group at the rank's cut (the followers'
         ``SlotBank.for_rank`` shapes: their decode graphs and row-parallel all-reduces pair up
-        with rank 0's), sized from each rank's ``usable`` bytes, every copy mirrored
+        with rank 0's), sized from each rank's ``usable`` bytes (the joint ledger: its arena over
+        rank 0's KV heads and cut, rebuilt alike on every follower), every copy mirrored
         (``Leader.mirror``)."""
         opts, device, dtype, model = self.opts, self.device, self.dtype, self.model
         layers = model.config.num_layers
@@ -213,7 +226,8 @@ class EngineSession:
             slices = slices or None  # none targeted (no servable adapter has none): every slice of every group
         slot_bytes = ResidencyBank.bytes_per_slot(layers, shapes, max_rank, dtype, slices)
         if opts.memory_ledger == "joint":  # KV blocks and slots from one arena (docs/sizing.md)
-            self.arena, slots = joint_arena(opts, model.config, dtype, device, len(good), slot_bytes, len(shapes))
+            self.arena, slots = joint_arena(opts, model.config, dtype, device, len(good), slot_bytes, len(shapes),
+                                            usable, graphs)
         else:
             slots = num_slots(opts, len(good), slot_bytes, device, usable)
         workers = prefetch_workers() if opts.prefetch_adapters else 0
@@ -222,7 +236,7 @@ class EngineSession:
                   expected_adapters=len(good), build_processes=opts.image_build_processes if workers else 0)
         if shard is not None:
             bank = ResidencyBank.for_rank(shard, max(slots, 1), max_rank, dtype, device, self.tp.mirror,
-                                          hint=self.tp.hint, **kw)
+                                          hint=self.tp.hint, arena=self.arena, **kw)
         else:
             bank = ResidencyBank(layers, shapes, max(slots, 1), max_rank, dtype, device, slices=slices,
                                  arena=self.arena, **kw)

@@ -110,21 +110,24 @@ def kv_blocks(opts: EngineConfig, config, dtype, device, usable: float | None = 
 
 
 def joint_arena(opts: EngineConfig, config, dtype: torch.dtype, device: torch.device, adapters: int, slot_bytes: int,
-                groups: int):
+                groups: int, usable: float | None = None, graphs: bool | None = None):
     """(arena, adapter slots) of the joint memory mode: one ``PageArena`` of KV-block pages for
     the whole budget (``--kv-cache-gb`` when given, else the usable GPU memory; on the CPU the
     split mode's KV blocks plus the slots), with at most one slot per adapter
     (``--max-gpu-adapters``) and always room for one longest row's KV beside the slots. A
-    slot's pages are KV pages while no adapter holds it."""
+    slot's pages are KV pages while no adapter holds it. A tensor-parallel rank's arena:
+    ``config`` and ``slot_bytes`` of its cut, ``usable`` the tightest rank's bytes
+    (:func:`rank_usable`), ``graphs`` whether the group replays decode graphs (one spare page)."""
     page = KVCache.block_bytes(config.num_layers, opts.block_size, config.num_kv_heads, config.head_dim, dtype)
-    spare = int(decode_graphs(opts, device))  # the decode graphs' scratch block
+    graphs = decode_graphs(opts, device) if graphs is None else graphs
+    spare = int(graphs)  # the decode graphs' scratch block
     pps = ResidencyBank.arena_pages_per_slot(slot_bytes, groups, page)
     want = max(1, min(adapters, opts.max_gpu_adapters or adapters))
     row_pages = -(-config.max_position_embeddings // opts.block_size)
     if opts.kv_cache_gb:
         budget = opts.kv_cache_gb * 2**30
     elif device.type == "cuda":
-        budget = usable_gpu_bytes(opts, device)
+        budget = usable_gpu_bytes(opts, device) if usable is None else usable
     else:
         budget = (kv_blocks(opts, config, dtype, device) + want * pps + spare) * page
     pages = int(budget // page) - spare
@@ -140,6 +143,8 @@ def joint_arena(opts: EngineConfig, config, dtype: torch.dtype, device: torch.de
         source = ""  # where the budget came from
         if opts.kv_cache_gb:
             source = f" (from --kv-cache-gb {opts.kv_cache_gb:g})"
+        elif device.type == "cuda" and usable is not None:
+            source = f" (from the usable GPU memory of the tightest rank: {usable / 2**30:.2f} GiB)"
         elif device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             source = (f" (from the usable GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after "

@@ -15,6 +15,9 @@ scratch KV block).
   pages_per_slot`` onwards, each tensor at a 256-byte aligned offset inside the
   slot's run of pages, so a slot's views are plain contiguous sub-tensors (one copy
   per view per load, as with separately allocated banks).
+* :class:`ArenaShape` -- an arena's pages and slot runs, which a tensor-parallel
+  follower rebuilds on its device so that page and slot ids name the same bytes
+  on every rank (docs/scaleout.md).
 
 Bytes on a page are whatever its last owner wrote: a slot's load writes every
 element of its views (whole views, or zeros then pieces), and attention reads only
@@ -24,6 +27,7 @@ KV positions written in the cache before.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -68,6 +72,22 @@ class PageArena:
         if num_slots < 1 or first < 0:
             raise ValueError(f"{num_slots} slots of {pps} pages do not fit in an arena of {self.num_pages} pages")
         return SlotCarver(self, num_slots, pps, first)
+
+
+class ArenaShape(NamedTuple):
+    """An arena's pages and its slots' runs: what another process needs to build an arena in which
+    every page id and slot id names the same bytes (a tensor-parallel follower, docs/sizing.md)."""
+
+    num_pages: int
+    page_bytes: int
+    spare_pages: int
+    num_slots: int
+    pages_per_slot: int
+
+    def build(self, device) -> tuple[PageArena, "SlotCarver"]:
+        """A zeroed arena of this shape on ``device`` and the carver of its slots."""
+        arena = PageArena(self.num_pages, self.page_bytes, device, self.spare_pages)
+        return arena, arena.carver(self.num_slots, self.pages_per_slot)
 
 
 class SlotCarver:
