@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mlora.batch.adapters.catalog import AdapterError
-from mlora.batch.adapters.cutcache import CutCache, pinned_pool
+from mlora.batch.adapters.cutcache import CutCache, pinned_blocks, pinned_pool
 from mlora.batch.adapters.residency.pinned import PinnedPool
 
 ROW_BYTES = 2 * 64  # one row's A and B below, each 16 float32 (64 bytes, already aligned)
@@ -139,3 +139,13 @@ def test_an_evicted_images_block_serves_a_later_image():
     cache.collect()
     assert pool.in_use == 1  # d's; b's given back
     assert pinned_pool(0, ROW_BYTES, 10) is None and pinned_pool(None, ROW_BYTES, 10) is None
+
+
+def test_a_followers_pinned_blocks_stay_within_its_cache_the_jobs_adapters_and_rank_0s_pool():
+    """One block per cached image plus two for builds in flight, no more than the job's adapters
+    need, and never more bytes than rank 0 pinned (images beyond stay pageable)."""
+    assert pinned_blocks(10 * ROW_BYTES, ROW_BYTES, 100) == 12
+    assert pinned_blocks(10 * ROW_BYTES, ROW_BYTES, 3) == 5
+    assert pinned_blocks(10 * ROW_BYTES, ROW_BYTES, 100, most_bytes=4 * ROW_BYTES) == 4
+    assert pinned_blocks(10 * ROW_BYTES, ROW_BYTES, 100, most_bytes=ROW_BYTES // 2) == 1
+    assert pinned_blocks(0, ROW_BYTES, 100) == pinned_blocks(None, ROW_BYTES, 100) == 0

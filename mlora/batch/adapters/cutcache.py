@@ -146,11 +146,21 @@ class CutCache:
         self._inflight.clear()
 
 
-def pinned_pool(capacity_bytes: int | None, image_bytes: int, expected: int) -> PinnedPool | None:
-    """Page-locked blocks for a GPU rank's cache of ``capacity_bytes`` (None when unbounded or 0):
-    one per image it holds, ``expected`` (the job's adapters) at most, and two for builds in
-    flight, pinned now, before the first row: pinning during the job stalls the rank's CUDA calls
-    (residency/pinned.py). A load's copies from them are synchronous, so no fence guards a block."""
+def pinned_pool(capacity_bytes: int | None, image_bytes: int, expected: int,
+                most_bytes: int | None = None) -> PinnedPool | None:
+    """Page-locked blocks for a GPU rank's cache of ``capacity_bytes`` (None when unbounded or 0),
+    :func:`pinned_blocks` of them, pinned now, before the first row: pinning during the job stalls
+    the rank's CUDA calls (residency/pinned.py). A load's copies from them are synchronous, so no
+    fence guards a block."""
+    blocks = pinned_blocks(capacity_bytes, image_bytes, expected, most_bytes)
+    return PinnedPool(image_bytes, blocks) if blocks else None
+
+
+def pinned_blocks(capacity_bytes: int | None, image_bytes: int, expected: int, most_bytes: int | None = None) -> int:
+    """One block per image the cache holds, ``expected`` (the job's adapters) at most, and two for
+    builds in flight; no more than ``most_bytes`` (rank 0's pinned pool: a follower pins no more
+    than rank 0 does; images beyond stay pageable); 0 for a cache of 0 or unbounded bytes."""
     if not capacity_bytes:
-        return None
-    return PinnedPool(image_bytes, min(expected, capacity_bytes // max(image_bytes, 1)) + 2)
+        return 0
+    blocks = min(expected, capacity_bytes // max(image_bytes, 1)) + 2
+    return blocks if most_bytes is None else min(blocks, max(1, most_bytes // max(image_bytes, 1)))

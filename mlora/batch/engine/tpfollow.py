@@ -81,6 +81,8 @@ class Setup:
     # the bytes of each follower's host cache of its cuts: what rank 0's bank resolved for its own
     # (None: unbounded, 0: none, every mirrored load reads the adapter again)
     host_cache_bytes: int | None = 0
+    # rank 0's pinned host blocks, in bytes (None: it pins none): a follower pins no more
+    pinned_bytes: int | None = None
     # the joint memory ledger (--memory-ledger joint): rank 0's arena, rebuilt on every rank so that
     # KV block b and slot s are the same pages everywhere (num_blocks = its pages; spare page: the
     # graphs' scratch block); None: the KV cache and the slots have memory of their own
@@ -306,7 +308,8 @@ def follow(collective, source: ModelSource | str, devices: tuple[str, ...], dtyp
         bank = SlotBank.for_rank(shard, setup.num_slots, setup.max_rank, model.dtype, device,
                                  backend="triton" if graphed else "auto", alloc=carver)
         block = bank.image_bytes()
-        pool = pinned_pool(setup.host_cache_bytes, block, len(setup.pinned)) if device.type == "cuda" else None
+        pool = (pinned_pool(setup.host_cache_bytes, block, len(setup.pinned), setup.pinned_bytes)
+                if device.type == "cuda" else None)
         cache = bank.images = CutCache(setup.host_cache_bytes, bank.host_cut, block, pool)
     if graphed:
         graphs = DecodeGraphs(model, kv, bank, setup.graph_seqs, scratch_slot=setup.num_blocks * setup.block_size)

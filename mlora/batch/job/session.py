@@ -124,7 +124,8 @@ class EngineSession:
                                 good, bundle=next(iter(good.values())) if bundle is not None else None,
                                 bundle_operator=getattr(self.bank, "operator", "torch"),
                                 graph_seqs=opts.max_num_seqs if graphs else 0,
-                                host_cache_bytes=self._follower_cache_bytes(), arena=self._arena_shape()))
+                                host_cache_bytes=self._follower_cache_bytes(), arena=self._arena_shape(),
+                                pinned_bytes=self._pinned_bytes()))
             if bundle is None and self.bank is not None and opts.preload_adapters:
                 self._preload(good)
             self.metrics = JobMetrics()
@@ -161,6 +162,11 @@ class EngineSession:
         a = self.arena
         return ArenaShape(a.num_pages, a.page_bytes, a.spare_pages, self.bank.num_slots,
                           self.bank.residency.storage.pages_per_slot)
+
+    def _pinned_bytes(self) -> int | None:
+        """The bytes of rank 0's pinned pool of host images (None: it has none)."""
+        pool = self.bank.pinned_pool if isinstance(self.bank, ResidencyBank) else None
+        return None if pool is None else pool.nbytes
 
     def _follower_cache_bytes(self) -> int | None:
         """Each follower's host cache of its adapter cuts: as large as rank 0's residency bank
