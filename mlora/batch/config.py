@@ -1,8 +1,8 @@
 """Every choice of a batch job, typed, documented and validated once.
 
 :class:`EngineConfig` holds the choices of one engine (device, memory, scheduling,
-adapter residency); :class:`JobConfig` adds what a job reads and writes (input,
-output, columns, sampling) and where its engines run (scale-out). The CLI and the
+adapter residency), :class:`InputColumns` the roles of the input's columns;
+:class:`JobConfig` adds what a job reads and writes (input, output, sampling) and where its engines run (scale-out). The CLI and the
 Python API fill a JobConfig; :meth:`JobConfig.validate` refuses a bad value with a
 :class:`~mlora.batch.errors.JobError` (exit 2) before any weight is read. Imports
 nothing of mlora.batch but the errors.
@@ -80,7 +80,21 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
-class JobConfig(EngineConfig):
+class InputColumns:
+    """Which input column plays which role (docs/batch.md, Input): exactly one of the prompt
+    columns is set (``job.input.InputSpec`` checks it, with the kept columns)."""
+
+    id_column: str = "id"
+    prompt_column: str | None = "prompt"
+    prompt_ids_column: str | None = None
+    messages_column: str | None = None  # chat messages rendered with the base's chat template (docs/batch.md)
+    adapter_column: str = "adapter"
+    max_new_tokens_column: str | None = None
+    keep_columns: tuple[str, ...] = ()  # input columns copied to the output
+
+
+@dataclass(kw_only=True)
+class JobConfig(EngineConfig, InputColumns):
     """One ``mlora batch-run`` job: its files and columns, sampling, and where its engines run."""
 
     input: str
@@ -89,13 +103,6 @@ class JobConfig(EngineConfig):
     adapters_dir: str | None = None
     catalog_file: str | None = None
     allow_pickle: bool = False  # read adapter_model.bin adapters with torch.load(weights_only=True)
-    id_column: str = "id"
-    prompt_column: str | None = "prompt"
-    prompt_ids_column: str | None = None
-    messages_column: str | None = None  # chat messages rendered with the base's chat template (docs/batch.md)
-    adapter_column: str = "adapter"
-    max_new_tokens_column: str | None = None
-    keep_columns: tuple[str, ...] = ()
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0

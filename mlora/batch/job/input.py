@@ -57,6 +57,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from mlora.batch.config import InputColumns
 from mlora.batch.errors import CodedError
 from mlora.batch.job.output import OUTPUT_COLUMNS
 
@@ -80,21 +81,14 @@ class JobInputError(CodedError, ValueError):
     E_INPUT_SCHEMA_MISMATCH, E_INPUT_NULL_ID, E_INPUT_DUPLICATE_ID, E_INPUT_CHANGED."""
 
 
-@dataclass(frozen=True)
-class InputSpec:
-    """Which input column plays which role. Exactly one of ``prompt_column``,
-    ``prompt_ids_column`` and ``messages_column`` is set (else ``E_INPUT_USAGE``, a usage error)."""
-
-    id_column: str = "id"
-    prompt_column: str | None = "prompt"
-    prompt_ids_column: str | None = None
-    adapter_column: str = "adapter"
-    max_new_tokens_column: str | None = None
-    keep_columns: tuple[str, ...] = ()
-    messages_column: str | None = None
+@dataclass(kw_only=True)
+class InputSpec(InputColumns):
+    """Which input column plays which role, checked: exactly one of ``prompt_column``,
+    ``prompt_ids_column`` and ``messages_column`` is set, the kept columns are distinct and
+    clash with no output column (else ``E_INPUT_USAGE``, a usage error)."""
 
     def __post_init__(self):
-        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
+        self.keep_columns = tuple(self.keep_columns)
         prompts = (self.prompt_column, self.prompt_ids_column, self.messages_column)
         if sum(c is not None for c in prompts) != 1:
             raise JobInputError("E_INPUT_USAGE", "give exactly one of --prompt-column, --prompt-ids-column and "

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -38,7 +38,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlora.batch.adapters.catalog import BASE_ID, PinnedAdapter, load_catalog
-from mlora.batch.config import JobConfig, resolve_dtype
+from mlora.batch.config import InputColumns, JobConfig, resolve_dtype
 from mlora.batch.errors import JobError, ModelError
 from mlora.batch.job.chat import load_chat_template
 from mlora.batch.job.input import InputSpec, open_input
@@ -167,11 +167,7 @@ class PreparedJob:
 
 def input_spec(opts: JobConfig) -> InputSpec:
     """The roles of the input columns a job names (the driver's and every Ray reader's alike)."""
-    return InputSpec(
-        id_column=opts.id_column, prompt_column=opts.prompt_column, prompt_ids_column=opts.prompt_ids_column,
-        adapter_column=opts.adapter_column, max_new_tokens_column=opts.max_new_tokens_column,
-        keep_columns=tuple(opts.keep_columns), messages_column=opts.messages_column,
-    )
+    return InputSpec(**{f.name: getattr(opts, f.name) for f in fields(InputColumns)})
 
 
 def _device_label(device: torch.device, tensor_parallel_size: int) -> str:
