@@ -19,26 +19,18 @@ def pair(method, **options):
     return bench.run_case("mlora", method, 8, **kw), bench.run_case("tensorly", method, 8, **kw)
 
 
+@pytest.mark.parametrize("method", ["jd-full", "jd-diag"])
 @pytest.mark.parametrize("iters, tol", [(10, 1e-6), (200, 1e-12)])
-def test_jd_full_equals_tensorly_partial_tucker(iters, tol):
-    # Both are Tucker-2 HOOI from the HOSVD start, U before V: the same iterates in
-    # exact arithmetic, so the same error up to round-off and the stopping rules.
-    ours, theirs = pair("jd-full", iters=iters, tol=tol)
+def test_the_solvers_equal_tensorly(method, iters, tol):
+    # JD-Full and partial Tucker are Tucker-2 HOOI from the HOSVD start, U before V; JD-Diag and
+    # PARAFAC are ALS from the HOSVD bases, the adapter mode (the cores) first, then U, V (mlora's
+    # cores one step ahead after each sweep): the same iterates in exact arithmetic, so the same
+    # error up to round-off and the stopping rules.
+    ours, theirs = pair(method, iters=iters, tol=tol)
     assert ours["err_mean"] <= theirs["err_mean"] * (1 + 1e-6)
     assert ours["err_mean"] == pytest.approx(theirs["err_mean"], rel=1e-6)
     assert ours["err_max"] == pytest.approx(theirs["err_max"], rel=1e-6)
     assert ours["err_mean"] < 0.05  # the noise floor of this collection, not a failed fit
-
-
-@pytest.mark.parametrize("iters, tol", [(10, 1e-6), (200, 1e-12)])
-def test_jd_diag_equals_tensorly_parafac(iters, tol):
-    # Both ALS from the HOSVD bases, the adapter mode (the cores) first, then U, V: the same
-    # iterates in exact arithmetic (mlora's cores are one step ahead after each sweep).
-    ours, theirs = pair("jd-diag", iters=iters, tol=tol)
-    assert ours["err_mean"] <= theirs["err_mean"] * (1 + 1e-6)
-    assert ours["err_mean"] == pytest.approx(theirs["err_mean"], rel=1e-6)
-    assert ours["err_max"] == pytest.approx(theirs["err_max"], rel=1e-6)
-    assert ours["err_mean"] < 0.05
 
 
 def test_collection_is_reproducible_and_dense_size_counted():
