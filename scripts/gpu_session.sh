@@ -40,17 +40,18 @@ OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD COLUMNS=${COLUMNS:-200}  # COLUMNS: rich's tables unwrapped in a pipe
 
-# the GPU tests: the engine, attention, graphs, model, kernels, residency and bundle operators on CUDA
-GPU_TESTS="tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py tests/test_batch_fused.py
-  tests/test_batch_lookahead.py tests/test_batch_greedy.py tests/test_batch_sampling.py tests/test_batch_catalog.py
-  tests/test_kernels_triton.py tests/test_kernels_slices.py tests/test_kernels_act.py
-  tests/test_kernels_pitch.py tests/test_kernels_spec.py tests/test_residency.py tests/test_residency_validate.py
-  tests/test_residency_pinned.py tests/test_bundle_serving.py tests/test_bundle_triton.py tests/test_batch_prefix.py
-  tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too
-  tests/test_tp_engine.py::test_demo_job_at_two_ranks_gives_the_expected_rows
+# the GPU tests: tensor parallelism with both ranks on one GPU (over gloo) first, then the engine, attention,
+# graphs, model, kernels, residency and bundle operators on CUDA
+GPU_TESTS="tests/test_tp_engine.py::test_demo_job_at_two_ranks_gives_the_expected_rows
   tests/test_tp_engine.py::test_demo_job_at_two_ranks_in_one_arena_gives_the_expected_rows
   tests/test_tp_engine.py::test_lora_on_all_modules_at_two_ranks_equals_one_rank
-  tests/test_tp_bundle.py::test_a_bundle_job_at_two_ranks_sharing_one_gpu_equals_one_rank tests/test_tp_kernels.py"
+  tests/test_tp_bundle.py::test_a_bundle_job_at_two_ranks_sharing_one_gpu_equals_one_rank tests/test_tp_kernels.py
+  tests/test_batch_graphs.py tests/test_batch_attention.py tests/test_batch_model.py tests/test_batch_fused.py
+  tests/test_batch_lookahead.py tests/test_batch_greedy.py tests/test_batch_sampling.py tests/test_batch_catalog.py
+  tests/test_kernels_triton.py tests/test_kernels_slices.py tests/test_kernels_act.py tests/test_kernels_pitch.py
+  tests/test_kernels_spec.py tests/test_residency.py tests/test_residency_validate.py tests/test_residency_pinned.py
+  tests/test_bundle_serving.py tests/test_bundle_triton.py tests/test_batch_prefix.py
+  tests/test_batch_bench.py::test_recording_engine_records_chained_iterations_too"
 
 case "${1:-}" in
   tests)
