@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -182,8 +183,10 @@ def _print_summary(summary, output: Path) -> None:
         con.print(f"{output} is already complete: all {summary.rows} rows were committed by an earlier run; "
                   "nothing to do.", markup=False, highlight=False)
         return
-    table = Table(title=f"mlora batch-run -> {output}", title_justify="left")
-    for col in ("rows", "ok", "errors", "generated tokens", "tokens/s", "wall", "adapters", "device"):
+    # borderless columns: the summary, a scaled job's device included, fits 80 columns unwrapped
+    table = Table(title=f"mlora batch-run -> {output}", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    for col in ("rows", "ok", "errors", "tokens", "tokens/s", "wall", "adapters", "device"):
         table.add_column(col, justify="right")
     table.add_row(str(summary.rows), str(summary.ok_rows), str(summary.error_rows), str(summary.generated_tokens),
                   f"{summary.tokens_per_s:,.1f}", f"{summary.wall_s:.1f} s", str(summary.adapters), summary.device)
