@@ -121,7 +121,7 @@ def _misfits(config, size: int) -> list[str]:
     if c.num_heads % size:
         misfits.append(f"num_attention_heads {c.num_heads}")
     if size % c.num_kv_heads and c.num_kv_heads % size:
-        misfits.append(f"num_key_value_heads {c.num_kv_heads} (nor is it a divisor of {size})")
+        misfits.append(f"num_key_value_heads {c.num_kv_heads} (nor is it a multiple of them, each kv head replicated)")
     if c.intermediate_size % size:
         misfits.append(f"intermediate_size {c.intermediate_size}")
     if c.hidden_size % size:
