@@ -2,10 +2,10 @@
 
 :class:`EngineConfig` holds the choices of one engine (device, memory, scheduling,
 adapter residency), :class:`InputColumns` the roles of the input's columns;
-:class:`JobConfig` adds what a job reads and writes (input, output, sampling) and where its engines run (scale-out). The CLI and the
-Python API fill a JobConfig; :meth:`JobConfig.validate` refuses a bad value with a
-:class:`~mlora.batch.errors.JobError` (exit 2) before any weight is read. Imports
-nothing of mlora.batch but the errors.
+:class:`JobConfig` adds what a job reads and writes (input, output, sampling) and
+where its engines run (scale-out). The CLI and the Python API fill a JobConfig;
+:meth:`JobConfig.validate` refuses a bad value with a :class:`~mlora.batch.errors.JobError`
+(exit 2) before any weight is read. Imports nothing of mlora.batch but the errors.
 """
 
 from __future__ import annotations
