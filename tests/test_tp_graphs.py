@@ -39,11 +39,14 @@ def _job(root, out, **over) -> JobConfig:
                      max_new_tokens=MAX_NEW, max_num_seqs=SEQS, device="cpu", dtype="float32", **over)
 
 
-def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ledger", ["split", "joint"])
+def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path, monkeypatch, ledger):
+    """Also with --memory-ledger joint: every rank's KV cache, slots and the graphs' scratch block
+    (the arena's spare page) carved from one arena of rank 0's shape."""
     _workspace(tmp_path)
     run_job(_job(tmp_path, tmp_path / "one"))  # eager: no MLORA_EMULATE_GRAPHS yet
     monkeypatch.setenv("MLORA_EMULATE_GRAPHS", "1")  # the followers' processes inherit it
-    summary = run_job(_job(tmp_path, tmp_path / "two", tensor_parallel_size=2))
+    summary = run_job(_job(tmp_path, tmp_path / "two", tensor_parallel_size=2, memory_ledger=ledger))
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert set(one) == set(two) and len(one) == 6
     for rid in one:
@@ -57,6 +60,8 @@ def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path
     assert engine["graph_buckets"] == len(buckets_for(SEQS))  # every bucket captured up front, on every rank
     assert engine["follower_graph_replays"] == [engine["graph_replays"]]  # rank 1 replayed each one too
     assert "lookahead_iterations" not in engine and "chained_iterations" not in engine
+    if ledger == "joint":  # the follower's arena is rank 0's: its KV blocks, slots and spare page
+        assert summary.bank["memory_ledger"] == "joint" and summary.bank["arena_pages"] == engine["kv_blocks"]
 
 
 def test_graphs_run_under_tensor_parallelism_over_nccl_or_on_the_cpu():
