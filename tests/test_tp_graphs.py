@@ -10,6 +10,7 @@ import factory
 import pytest
 from test_batch_model import random_model
 from test_batch_run import _rows
+from test_tp_residency import follower_reports  # noqa: F401 - a fixture
 
 from mlora.batch.config import JobConfig
 from mlora.batch.engine.executor import Inputs
@@ -40,7 +41,8 @@ def _job(root, out, **over) -> JobConfig:
 
 
 @pytest.mark.parametrize("ledger", ["split", "joint"])
-def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path, monkeypatch, ledger):
+def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path, monkeypatch, ledger,
+                                                                        follower_reports):
     """Also with --memory-ledger joint: every rank's KV cache, slots and the graphs' scratch block
     (the arena's spare page) carved from one arena of rank 0's shape."""
     _workspace(tmp_path)
@@ -60,8 +62,10 @@ def test_emulated_graphs_at_two_ranks_give_the_eager_tokens_of_one_rank(tmp_path
     assert engine["graph_buckets"] == len(buckets_for(SEQS))  # every bucket captured up front, on every rank
     assert engine["follower_graph_replays"] == [engine["graph_replays"]]  # rank 1 replayed each one too
     assert "lookahead_iterations" not in engine and "chained_iterations" not in engine
-    if ledger == "joint":  # the follower's arena is rank 0's: its KV blocks, slots and spare page
+    if ledger == "joint":  # rank 0's arena pages are its KV blocks; the follower built an arena of as many
         assert summary.bank["memory_ledger"] == "joint" and summary.bank["arena_pages"] == engine["kv_blocks"]
+        [[report]] = follower_reports
+        assert report["arena_pages"] == summary.bank["arena_pages"], report
 
 
 def test_graphs_run_under_tensor_parallelism_over_nccl_or_on_the_cpu():
