@@ -98,9 +98,10 @@ class Runner:
     blocks come out in a shuffled order, so block tables are not contiguous."""
 
     def __init__(self, model: DecoderModel, num_blocks: int = 48, block_size: int = 4, seed: int = 0,
-                 attention: str = "auto"):
+                 attention: str = "auto", device: str | None = None):
         # the Triton kernel runs under the interpreter on a CPU-only machine, compiled on a GPU
-        self.device = torch.device("cuda" if attention == "triton" and torch.cuda.is_available() else "cpu")
+        on_gpu = attention == "triton" and torch.cuda.is_available()
+        self.device = torch.device(device or ("cuda" if on_gpu else "cpu"))
         self.model = model.to(self.device)
         self.attention = attention
         self.kv = model.new_kv_cache(num_blocks, block_size)

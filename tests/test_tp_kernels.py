@@ -3,7 +3,8 @@
 fake two-rank all-reduce in one process (x and A cut by input columns, each half's bottleneck
 summed with the other's between the shrink and the expand) equal the uncut call and the float64
 oracle, on the torch backend and the Triton kernels (interpreted on the CPU); and two gloo ranks
-whose slot banks run the Triton kernels give the logits of their torch banks and of one rank.
+whose slot banks run the Triton kernels (on the GPU where there is one, both ranks on it) give the
+logits of their torch banks and of one rank.
 """
 
 import factory
@@ -193,11 +194,12 @@ def prefill(model: DecoderModel, base: str, adapters: str, backend: str, shard: 
     """Every row's logits of one packed prefill of three sequences (adapters r4, r6, none)
     through a slot bank of ``backend`` holding the shard's cut of both adapters."""
     pinned = load_catalog(adapters, None).pin({"r4", "r6"}, base)
-    bank = SlotBank.for_rank(shard, 2, 8, torch.float32, torch.device("cpu"), backend=backend)
+    bank = SlotBank.for_rank(shard, 2, 8, torch.float32, torch.device(DEVICE), backend=backend)
     slot = bank.ensure(["r4", "r6"], pinned)
     items = [(str(a), tokens(n, seed)) for a, (n, seed) in ROWS.items()]
     row_slots = torch.tensor([slot.get(a, -1) for a, (n, _) in ROWS.items() for _ in range(n)], dtype=torch.int32)
-    return torch.cat(Runner(model, seed=5, attention="torch").step(items, lora=bank.context(row_slots), sample="all"))
+    runner = Runner(model, seed=5, attention="torch", device=DEVICE)
+    return torch.cat(runner.step(items, lora=bank.context(row_slots.to(DEVICE)), sample="all")).cpu()
 
 
 def rank_prefill(collective, base: str, adapters: str) -> dict:
@@ -207,15 +209,14 @@ def rank_prefill(collective, base: str, adapters: str) -> dict:
     return {backend: prefill(model, base, adapters, backend, shard) for backend in ("triton", "torch")}
 
 
-def test_two_ranks_with_triton_banks_give_the_logits_of_one_rank(workspace, monkeypatch):
+def test_two_ranks_with_triton_banks_give_the_logits_of_one_rank(workspace):
     base, adapters = workspace
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' banks are on the CPU, also where there is a GPU
     ranks = run_ranks(rank_prefill, 2, (base, adapters), timeout_s=120)
     torch.set_num_threads(1)
     model = DecoderModel.from_pretrained(base, dtype=torch.float32)
     one = prefill(model, base, adapters, "torch", TPShard(model.config, TPLayout(0, 1), None))
-    plain = torch.cat(Runner(model, seed=5, attention="torch").step(
-        [(str(a), tokens(n, seed)) for a, (n, seed) in ROWS.items()], sample="all"))
+    plain = torch.cat(Runner(model, seed=5, attention="torch", device=DEVICE).step(
+        [(str(a), tokens(n, seed)) for a, (n, seed) in ROWS.items()], sample="all")).cpu()
     assert (one[:11] - plain[:11]).abs().max() > 1e-2  # the adapters change the logits of their rows
     for rank in ranks:
         assert (rank["triton"] - rank["torch"]).abs().max() <= 1e-5
